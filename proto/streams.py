@@ -1,0 +1,107 @@
+"""JetStream streams and consumers, as data.
+
+Services create these idempotently at start-up (services.common.nats_conn);
+a client in another language creates the same from proto/README.md.
+
+- TASKS is a work queue: each task is delivered to one rollout worker and
+  removed when acked; unacked tasks are redelivered after `ack_wait`
+  (workers send in-progress acks during long generations).
+- SAMPLES, BATCHES, WEIGHTS and DLQ keep history (limits retention) so a
+  restarted consumer can resume by sequence and runs can be audited.
+- ENGINES keeps one heartbeat per engine subject: the latest state.
+Every stream de-duplicates on `Nats-Msg-Id` within `duplicate_window_s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from proto.subjects import Subjects
+
+Retention = Literal["limits", "workqueue", "interest"]
+
+DAY = 24 * 3600
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    retention: Retention = "limits"
+    max_age_s: float = 7 * DAY
+    duplicate_window_s: float = 2 * 3600
+    max_msg_size: int = -1  # -1: the server's max_payload
+    max_msgs_per_subject: int = -1
+    storage: Literal["file", "memory"] = "file"
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    durable: str
+    stream: str
+    filter_subject: str
+    ack_wait_s: float = 60.0
+    max_deliver: int = 5
+    max_ack_pending: int = 1000
+    backoff_s: tuple[float, ...] = ()
+
+
+def stream_name(run: str, what: str) -> str:
+    # Stream names may not contain '.', '*', '>' or spaces; run names cannot.
+    return f"FLYWHEEL_{run}_{what}"
+
+
+def streams_for(run: str) -> list[StreamSpec]:
+    s = Subjects(run)
+    return [
+        StreamSpec(stream_name(run, "TASKS"), (s.tasks,), retention="workqueue"),
+        StreamSpec(stream_name(run, "SAMPLES"), (s.samples,)),
+        StreamSpec(stream_name(run, "BATCHES"), (s.batches,)),
+        StreamSpec(stream_name(run, "WEIGHTS"), (s.weights_all,)),
+        StreamSpec(
+            stream_name(run, "ENGINES"),
+            (s.heartbeats_all,),
+            max_age_s=3600,
+            max_msgs_per_subject=1,
+            duplicate_window_s=60,
+        ),
+        StreamSpec(stream_name(run, "DLQ"), (s.dlq_all,), max_age_s=30 * DAY),
+    ]
+
+
+def consumers_for(run: str) -> dict[str, ConsumerSpec]:
+    """Durable consumers by role."""
+    s = Subjects(run)
+    return {
+        # Shared by every rollout worker (a work queue allows one consumer per
+        # subject, so all workers pull from this one durable).
+        "rollout": ConsumerSpec(
+            "rollout", stream_name(run, "TASKS"), s.tasks, ack_wait_s=60, max_deliver=5
+        ),
+        "buffer": ConsumerSpec(
+            "buffer", stream_name(run, "SAMPLES"), s.samples, ack_wait_s=30, max_deliver=10
+        ),
+        "trainer": ConsumerSpec(
+            "trainer",
+            stream_name(run, "BATCHES"),
+            s.batches,
+            ack_wait_s=600,
+            max_deliver=100,
+            max_ack_pending=1,
+        ),
+        "sync": ConsumerSpec(
+            "sync",
+            stream_name(run, "WEIGHTS"),
+            s.weights_published,
+            ack_wait_s=600,
+            max_deliver=100,
+        ),
+        "buffer-ready": ConsumerSpec(
+            "buffer-ready",
+            stream_name(run, "WEIGHTS"),
+            s.weights_ready,
+            ack_wait_s=30,
+            max_deliver=100,
+        ),
+    }

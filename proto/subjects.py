@@ -1,0 +1,73 @@
+"""Subjects, namespaced by run: `flywheel.<run>.<what>`.
+
+Several runs can share one NATS: every subject and stream name carries the
+run name, which is restricted to `[A-Za-z0-9_-]` so it is a single subject
+token and a valid stream-name fragment.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def check_token(value: str, what: str) -> str:
+    if not TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must match {TOKEN.pattern} (one subject token)")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """All subjects of one run."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        if not RUN_NAME.match(self.run):
+            raise ValueError(f"run name {self.run!r} must match {RUN_NAME.pattern}")
+
+    @property
+    def prefix(self) -> str:
+        return f"flywheel.{self.run}"
+
+    @property
+    def tasks(self) -> str:
+        return f"{self.prefix}.tasks"
+
+    @property
+    def samples(self) -> str:
+        return f"{self.prefix}.samples"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}.batches"
+
+    @property
+    def weights_published(self) -> str:
+        return f"{self.prefix}.weights.published"
+
+    @property
+    def weights_ready(self) -> str:
+        return f"{self.prefix}.weights.ready"
+
+    @property
+    def weights_all(self) -> str:
+        return f"{self.prefix}.weights.>"
+
+    def heartbeat(self, engine_id: str) -> str:
+        return f"{self.prefix}.engines.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def heartbeats_all(self) -> str:
+        return f"{self.prefix}.engines.*"
+
+    def dlq(self, reason: str) -> str:
+        return f"{self.prefix}.dlq.{check_token(reason, 'dead-letter reason')}"
+
+    @property
+    def dlq_all(self) -> str:
+        return f"{self.prefix}.dlq.>"
