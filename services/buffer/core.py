@@ -1,0 +1,199 @@
+"""The buffer's pure core: dataset cursor, admission control, group assembly.
+
+No I/O here: the NATS adapter (services.buffer.app) feeds events in and
+carries decisions out. All state that must survive a restart is in
+`BufferState`, which the adapter persists (JetStream KV) before it acks the
+message that changed it.
+
+Versions and steps. Weight version v is the model after v optimizer steps
+(v = 0 is the initial model); step s trains batch s with version s and
+produces version s + 1. A group generated with version w (the oldest
+version any of its tokens came from) may train at step s only if
+`w >= s - k`, k = max_staleness. k = 0 is synchronous on-policy RL.
+
+Admission. Once version v is ready on every engine, groups generated from
+now on have version >= v, so they may fill batches 0 .. v + k: that is
+`(v + k + 1) * G` group slots (G = groups per step). Slots already taken are
+the batched groups plus those pending; tasks in flight will take more. The
+buffer dispatches only while in-flight tasks fit the free slots, scaled by
+`1 + oversample` to make up for groups the filters drop. Any group that
+still arrives too late for its step is rejected as stale (dead-lettered),
+so the bound holds for what is trained, whatever the timing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from proto.messages import SampleGroup
+
+
+# ── dataset cursor ────────────────────────────────────────────────────────────
+@dataclass(frozen=True)
+class Cursor:
+    """Position in the dataset: `offset` prompts into `epoch`'s shuffled order."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+def epoch_order(seed: int, epoch: int, size: int) -> list[int]:
+    """The dataset indices in `epoch`'s order: a seeded shuffle, new every epoch."""
+    order = list(range(size))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def advance(cursor: Cursor, size: int, n: int) -> tuple[Cursor, list[tuple[int, int]]]:
+    """Take `n` prompts from `cursor`: the new cursor and `(epoch, position)` pairs."""
+    taken: list[tuple[int, int]] = []
+    epoch, offset = cursor.epoch, cursor.offset
+    for _ in range(n):
+        if offset >= size:
+            epoch, offset = epoch + 1, 0
+        taken.append((epoch, offset))
+        offset += 1
+    return Cursor(epoch, offset), taken
+
+
+def task_id(run: str, epoch: int, position: int) -> str:
+    """Deterministic task id (proto/README.md): a re-dispatch after a crash is a duplicate."""
+    return f"{run}:e{epoch}:i{position}"
+
+
+# ── admission control ─────────────────────────────────────────────────────────
+@dataclass(frozen=True)
+class Policy:
+    groups_per_step: int  # G
+    max_staleness: int  # k
+    oversample: float = 0.0  # extra fraction dispatched to cover filtered groups
+
+    def __post_init__(self) -> None:
+        if self.groups_per_step < 1 or self.max_staleness < 0 or self.oversample < 0:
+            raise ValueError(f"invalid policy {self}")
+
+
+def slots(ready_version: int, policy: Policy) -> int:
+    """Group slots that groups generated from now on may fill: batches 0 .. v + k."""
+    return (ready_version + policy.max_staleness + 1) * policy.groups_per_step
+
+
+def admission(ready_version: int, filled: int, in_flight: int, policy: Policy) -> int:
+    """How many tasks may be dispatched now.
+
+    `filled`: groups batched or pending; `in_flight`: tasks dispatched and not
+    yet answered (by a group or a dead letter).
+    """
+    free = slots(ready_version, policy) - filled
+    budget = math.ceil(free * (1.0 + policy.oversample)) if free > 0 else 0
+    return max(0, budget - in_flight)
+
+
+# ── group assembly ────────────────────────────────────────────────────────────
+class Verdict(StrEnum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    STALE = "stale"
+    ZERO_VARIANCE = "zero_variance"
+    TOO_LONG = "too_long"
+    CUSTOM_FILTER = "custom_filter"
+
+
+GroupFilter = Callable[[SampleGroup], str | None]
+"""A filter returns a drop reason, or None to keep the group."""
+
+
+def zero_variance(group: SampleGroup) -> str | None:
+    """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage."""
+    rewards = {s.reward for s in group.samples}
+    return Verdict.ZERO_VARIANCE if len(rewards) <= 1 else None
+
+
+def max_length(limit: int) -> GroupFilter:
+    """Drop groups with a response longer than `limit` tokens."""
+
+    def check(group: SampleGroup) -> str | None:
+        longest = max(s.num_response_tokens for s in group.samples)
+        return Verdict.TOO_LONG if longest > limit else None
+
+    return check
+
+
+@dataclass
+class BufferState:
+    """Everything the buffer must remember across a restart."""
+
+    cursor: Cursor = field(default_factory=Cursor)
+    dispatched: int = 0  # tasks published, ever
+    answered: int = 0  # tasks answered by a group (any verdict but duplicate) or a dead letter
+    next_step: int = 0  # step of the next batch to publish
+    # group id -> step it was batched in (or, if dropped, the step being filled
+    # then). Only ids that could still be redelivered matter; `forget_before`
+    # prunes the rest.
+    settled: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def in_flight(self) -> int:
+        return self.dispatched - self.answered
+
+
+@dataclass
+class Assembler:
+    """Orders accepted groups into batches of exactly G, checking staleness on entry."""
+
+    policy: Policy
+    state: BufferState
+    filters: Sequence[GroupFilter] = (zero_variance,)
+    pending: list[SampleGroup] = field(default_factory=list)
+
+    @property
+    def filled(self) -> int:
+        return self.state.next_step * self.policy.groups_per_step + len(self.pending)
+
+    def target_step(self) -> int:
+        """The step the next accepted group would train at."""
+        return self.state.next_step + len(self.pending) // self.policy.groups_per_step
+
+    def offer(self, group: SampleGroup) -> str:
+        """Decide one arriving group; returns a Verdict (or a custom filter's reason)."""
+        gid = group.group_id
+        if gid in self.state.settled or any(p.group_id == gid for p in self.pending):
+            return Verdict.DUPLICATE
+        self.state.answered += 1
+        for check in self.filters:
+            reason = check(group)
+            if reason is not None:
+                self.state.settled[gid] = self.state.next_step
+                return reason
+        if group.weight_version < self.target_step() - self.policy.max_staleness:
+            self.state.settled[gid] = self.state.next_step
+            return Verdict.STALE
+        self.pending.append(group)
+        return Verdict.ACCEPTED
+
+    def take_batch(self) -> tuple[int, list[SampleGroup]] | None:
+        """The next full batch `(step, groups)`, marking its groups settled."""
+        g = self.policy.groups_per_step
+        if len(self.pending) < g:
+            return None
+        groups, self.pending = self.pending[:g], self.pending[g:]
+        step = self.state.next_step
+        for grp in groups:
+            self.state.settled[grp.group_id] = step
+        self.state.next_step += 1
+        return step, groups
+
+    def task_dead_lettered(self) -> None:
+        """A task ended in the dead-letter queue without a group: it is answered."""
+        self.state.answered += 1
+
+    def forget_before(self, step: int) -> None:
+        """Drop settled ids of batches before `step`, bounding the state.
+
+        Safe once their messages were acked: acked messages are not redelivered.
+        """
+        self.state.settled = {k: v for k, v in self.state.settled.items() if v >= step}
