@@ -97,6 +97,10 @@ def consumers_for(run: str) -> dict[str, ConsumerSpec]:
             ack_wait_s=600,
             max_deliver=100,
         ),
+        # The buffer counts tasks that ended as dead letters (no group will come).
+        "buffer-dlq": ConsumerSpec(
+            "buffer-dlq", stream_name(run, "DLQ"), s.dlq_all, ack_wait_s=30, max_deliver=10
+        ),
         "buffer-ready": ConsumerSpec(
             "buffer-ready",
             stream_name(run, "WEIGHTS"),
@@ -105,3 +109,8 @@ def consumers_for(run: str) -> dict[str, ConsumerSpec]:
             max_deliver=100,
         ),
     }
+
+
+def kv_bucket(run: str, owner: str) -> str:
+    """The JetStream key-value bucket where `owner` (e.g. "buffer") keeps its state."""
+    return f"FLYWHEEL_{run}_{owner}_state"

@@ -131,10 +131,11 @@ class BufferState:
     dispatched: int = 0  # tasks published, ever
     answered: int = 0  # tasks answered by a group (any verdict but duplicate) or a dead letter
     next_step: int = 0  # step of the next batch to publish
-    # group id -> step it was batched in (or, if dropped, the step being filled
-    # then). Only ids that could still be redelivered matter; `forget_before`
-    # prunes the rest.
-    settled: dict[str, int] = field(default_factory=dict)
+    # group id -> (step, verdict): the step it was batched in with "accepted",
+    # or the step being filled when it was dropped, with the drop reason. Only
+    # ids that could still be redelivered matter; `forget_before` prunes the rest.
+    settled: dict[str, tuple[int, str]] = field(default_factory=dict)
+    ready_version: int = 0  # newest version every engine serves
 
     @property
     def in_flight(self) -> int:
@@ -161,19 +162,29 @@ class Assembler:
     def offer(self, group: SampleGroup) -> str:
         """Decide one arriving group; returns a Verdict (or a custom filter's reason)."""
         gid = group.group_id
-        if gid in self.state.settled or any(p.group_id == gid for p in self.pending):
+        if gid in self.state.settled:
+            # Redelivered. A dropped group gets its drop reason again, so a crash
+            # between deciding and dead-lettering cannot lose its dead letter.
+            verdict = self.state.settled[gid][1]
+            return Verdict.DUPLICATE if verdict == Verdict.ACCEPTED else verdict
+        if any(p.group_id == gid for p in self.pending):
             return Verdict.DUPLICATE
         self.state.answered += 1
+        reason = self._drop_reason(group)
+        if reason is not None:
+            self.state.settled[gid] = (self.state.next_step, reason)
+            return reason
+        self.pending.append(group)
+        return Verdict.ACCEPTED
+
+    def _drop_reason(self, group: SampleGroup) -> str | None:
         for check in self.filters:
             reason = check(group)
             if reason is not None:
-                self.state.settled[gid] = self.state.next_step
                 return reason
         if group.weight_version < self.target_step() - self.policy.max_staleness:
-            self.state.settled[gid] = self.state.next_step
             return Verdict.STALE
-        self.pending.append(group)
-        return Verdict.ACCEPTED
+        return None
 
     def take_batch(self) -> tuple[int, list[SampleGroup]] | None:
         """The next full batch `(step, groups)`, marking its groups settled."""
@@ -183,7 +194,7 @@ class Assembler:
         groups, self.pending = self.pending[:g], self.pending[g:]
         step = self.state.next_step
         for grp in groups:
-            self.state.settled[grp.group_id] = step
+            self.state.settled[grp.group_id] = (step, Verdict.ACCEPTED)
         self.state.next_step += 1
         return step, groups
 
@@ -196,4 +207,4 @@ class Assembler:
 
         Safe once their messages were acked: acked messages are not redelivered.
         """
-        self.state.settled = {k: v for k, v in self.state.settled.items() if v >= step}
+        self.state.settled = {k: v for k, v in self.state.settled.items() if v[0] >= step}

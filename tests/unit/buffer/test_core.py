@@ -105,7 +105,10 @@ def test_zero_variance_and_length_filters() -> None:
     b = Assembler(Policy(2, 0), BufferState())
     assert b.offer(group("same", 0, rewards=(1.0, 1.0))) == Verdict.ZERO_VARIANCE
     assert b.offer(group("diff", 0, rewards=(1.0, 0.0))) == Verdict.ACCEPTED
-    assert b.state.answered == 2 and b.state.settled == {"same": 0}
+    assert b.state.answered == 2 and b.state.settled == {"same": (0, "zero_variance")}
+    # Redelivered: the same drop reason again (to re-dead-letter), counted once.
+    assert b.offer(group("same", 0, rewards=(1.0, 1.0))) == Verdict.ZERO_VARIANCE
+    assert b.state.answered == 2
 
 
 def test_custom_filter_reason_is_reported() -> None:

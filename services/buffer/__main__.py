@@ -1,0 +1,5 @@
+import sys
+
+from services.buffer.cli import main
+
+sys.exit(main())

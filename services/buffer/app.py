@@ -1,0 +1,386 @@
+"""The buffer service: the thin NATS adapter around services.buffer.core.
+
+Three message loops and one dispatcher share one `Assembler`:
+
+- samples (SampleGroup) → offer → maybe publish TrainBatches → persist → ack;
+  a dropped group (filtered, stale) is dead-lettered with its reason.
+- weights.ready (WeightsReady) → the ready version rises → more admission.
+- dead letters of tasks (PromptTask) → those tasks are answered: no group comes.
+- the dispatcher publishes as many PromptTasks as admission allows.
+
+Crash safety. The state (cursor, counters, next step, pending group
+references) is written to a JetStream KV bucket *before* the message that
+changed it is acked, and pending groups are kept as stream sequence numbers
+in SAMPLES (limits retention), re-read on restart. Every publish carries a
+deterministic Nats-Msg-Id, so redoing the work after a crash re-publishes
+identical tasks and batches, which JetStream stores once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgpack
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proto.codec import decode
+from proto.errors import ProtocolError
+from proto.messages import (
+    DeadLetter,
+    PromptTask,
+    SampleGroup,
+    SamplingParams,
+    TrainBatch,
+    WeightsReady,
+)
+from proto.streams import consumers_for, kv_bucket, stream_name
+from proto.subjects import Subjects
+from services.buffer.core import (
+    Assembler,
+    BufferState,
+    Cursor,
+    GroupFilter,
+    Policy,
+    Verdict,
+    admission,
+    advance,
+    epoch_order,
+    max_length,
+    task_id,
+    zero_variance,
+)
+from services.buffer.settings import BufferSettings
+from services.buffer.sources import (
+    ArithmeticSource,
+    JsonlSource,
+    ReasoningGymSource,
+    TaskSource,
+)
+from services.common.errors import ConfigError, PermanentError
+from services.common.lifecycle import ServiceContext
+from services.common.msgloop import Delivery, MessageLoop
+from services.common.nats_conn import ensure_consumer
+from services.common.publish import publish
+
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "state"
+
+
+# ── state persistence ────────────────────────────────────────────────────────
+def dump_state(state: BufferState, pending: list[tuple[str, int]]) -> bytes:
+    return msgpack.packb(
+        {
+            "cursor": [state.cursor.epoch, state.cursor.offset],
+            "dispatched": state.dispatched,
+            "answered": state.answered,
+            "next_step": state.next_step,
+            "ready_version": state.ready_version,
+            "settled": {k: list(v) for k, v in state.settled.items()},
+            "pending": [list(p) for p in pending],
+        }
+    )
+
+
+def load_state(data: bytes) -> tuple[BufferState, list[tuple[str, int]]]:
+    d = msgpack.unpackb(data)
+    state = BufferState(
+        cursor=Cursor(*d["cursor"]),
+        dispatched=d["dispatched"],
+        answered=d["answered"],
+        next_step=d["next_step"],
+        ready_version=d["ready_version"],
+        settled={k: (v[0], v[1]) for k, v in d["settled"].items()},
+    )
+    return state, [(g, s) for g, s in d["pending"]]
+
+
+# ── metrics ──────────────────────────────────────────────────────────────────
+class BufferMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.dispatched = Counter(
+            "flywheel_buffer_tasks_dispatched", "Tasks published.", registry=r
+        )
+        self.in_flight = Gauge(
+            "flywheel_buffer_tasks_in_flight", "Tasks awaiting a group.", registry=r
+        )
+        self.groups = Counter(
+            "flywheel_buffer_groups", "Sample groups received, by verdict.", ["verdict"], registry=r
+        )
+        self.staleness = Histogram(
+            "flywheel_buffer_staleness_steps",
+            "Steps between a group's weight version and the step it trains at.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+            registry=r,
+        )
+        self.batches = Counter("flywheel_buffer_batches_published", "Train batches.", registry=r)
+        self.next_step = Gauge("flywheel_buffer_next_step", "Step of the next batch.", registry=r)
+        self.ready_version = Gauge(
+            "flywheel_buffer_ready_version", "Version every engine serves.", registry=r
+        )
+        self.batches_ahead = Gauge(
+            "flywheel_buffer_batches_ahead",
+            "Batches published whose step is not yet trained into a ready version.",
+            registry=r,
+        )
+        self.epoch = Gauge("flywheel_buffer_dataset_epoch", "Dataset epoch.", registry=r)
+        self.batch_fill = Histogram(
+            "flywheel_buffer_batch_fill_seconds",
+            "Time from a batch's first accepted group to its publication.",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+
+
+# ── wiring ───────────────────────────────────────────────────────────────────
+def make_source(s: BufferSettings) -> TaskSource:
+    if s.source == "arithmetic":
+        return ArithmeticSource(seed=s.seed, size=s.dataset_size, digits=s.digits, env=s.env)
+    if s.source == "jsonl":
+        assert s.dataset is not None  # checked by the settings
+        return JsonlSource.load(s.dataset, env=s.env)
+    return ReasoningGymSource.load(s.dataset_name, size=s.dataset_size, seed=s.seed)
+
+
+def import_filter(ref: str) -> GroupFilter:
+    module, _, name = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"[buffer] custom_filter {ref!r} cannot be imported: {e}") from e
+
+
+def make_filters(s: BufferSettings) -> list[GroupFilter]:
+    filters: list[GroupFilter] = []
+    if s.filter_zero_variance:
+        filters.append(zero_variance)
+    if s.max_response_tokens is not None:
+        filters.append(max_length(s.max_response_tokens))
+    if s.custom_filter:
+        filters.append(import_filter(s.custom_filter))
+    return filters
+
+
+class BufferService:
+    """Owns the assembler and the KV state; its handlers are the message loops'."""
+
+    def __init__(self, ctx: ServiceContext, settings: BufferSettings, kv: KeyValue) -> None:
+        self.ctx = ctx
+        self.s = settings
+        self.kv = kv
+        self.subjects = Subjects(settings.run)
+        self.source = make_source(settings)
+        self.policy = Policy(settings.groups_per_step, settings.max_staleness, settings.oversample)
+        self.asm = Assembler(self.policy, BufferState(), make_filters(settings))
+        self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
+        self.metrics = BufferMetrics(ctx.registry)
+        self.lock = asyncio.Lock()  # one state change (and its persist) at a time
+        self.wake = asyncio.Event()  # admission may have changed
+        self._order_epoch = -1
+        self._order: list[int] = []
+        self._fill_started: float | None = None
+
+    # state
+    async def restore(self) -> None:
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(STATE_KEY)
+        except KeyNotFoundError:
+            log.info("buffer: fresh start")
+            return
+        assert entry.value is not None
+        state, pending = load_state(entry.value)
+        self.asm.state = state
+        for gid, seq in pending:
+            raw = await self.ctx.js.get_msg(stream_name(self.s.run, "SAMPLES"), seq)
+            self.asm.pending.append(decode(raw.data or b"", SampleGroup))
+            self.pending_seqs[gid] = seq
+        log.info(
+            "buffer: resumed at step %d, cursor %s, %d pending groups, %d in flight",
+            state.next_step, state.cursor, len(pending), state.in_flight,
+        )  # fmt: skip
+
+    async def persist(self) -> None:
+        pending = [(g.group_id, self.pending_seqs[g.group_id]) for g in self.asm.pending]
+        await self.kv.put(STATE_KEY, dump_state(self.asm.state, pending))
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        st = self.asm.state
+        self.metrics.in_flight.set(st.in_flight)
+        self.metrics.next_step.set(st.next_step)
+        self.metrics.ready_version.set(st.ready_version)
+        self.metrics.batches_ahead.set(max(0, st.next_step - st.ready_version))
+        self.metrics.epoch.set(st.cursor.epoch)
+
+    # handlers
+    async def on_group(self, group: SampleGroup, d: Delivery) -> None:
+        async with self.lock:
+            target = self.asm.target_step()
+            verdict = self.asm.offer(group)
+            self.metrics.groups.labels(verdict=str(verdict)).inc()
+            if verdict == Verdict.DUPLICATE:
+                return
+            if verdict == Verdict.ACCEPTED:
+                self.pending_seqs[group.group_id] = d.stream_seq
+                self.metrics.staleness.observe(target - group.weight_version)
+                if self._fill_started is None:
+                    self._fill_started = time.monotonic()
+                await self._publish_ready_batches()
+            await self.persist()
+            self.wake.set()
+        if verdict != Verdict.ACCEPTED:
+            raise PermanentError(
+                f"group {group.group_id} (version {group.weight_version}) dropped at step "
+                f"{target}: {verdict}",
+                reason=str(verdict),
+            )
+
+    async def _publish_ready_batches(self) -> None:
+        while (batch := self.asm.take_batch()) is not None:
+            step, groups = batch
+            msg = TrainBatch(
+                run=self.s.run,
+                batch_id=f"{self.s.run}:step{step}",
+                step=step,
+                groups=tuple(groups),
+                created_at=time.time(),
+            )
+            parts = await publish(self.ctx.js, self.subjects.batches, msg, self.ctx.max_payload)
+            for g in groups:
+                self.pending_seqs.pop(g.group_id, None)
+            self.metrics.batches.inc()
+            if self._fill_started is not None:
+                self.metrics.batch_fill.observe(time.monotonic() - self._fill_started)
+            self._fill_started = time.monotonic() if self.asm.pending else None
+            log.info("buffer: published batch %d (%d groups, %d parts)", step, len(groups), parts)
+        self.asm.forget_before(self.asm.state.next_step - self.s.keep_settled_steps)
+
+    async def on_ready(self, msg: WeightsReady, d: Delivery) -> None:
+        async with self.lock:
+            if msg.version > self.asm.state.ready_version:
+                self.asm.state.ready_version = msg.version
+                await self.persist()
+                log.info("buffer: version %d ready", msg.version)
+        self.wake.set()
+
+    async def on_dead_letter(self, msg: DeadLetter, d: Delivery) -> None:
+        if msg.message_type != PromptTask.TYPE:
+            return
+        try:
+            task = decode(msg.payload, PromptTask)
+        except ProtocolError:
+            return  # not a task we dispatched (garbage published to tasks)
+        gid = f"{task.task_id}:a{task.attempt}"
+        async with self.lock:
+            if gid in self.asm.state.settled:
+                return  # answered already (a group arrived, or counted before)
+            self.asm.task_dead_lettered()
+            self.asm.state.settled[gid] = (self.asm.state.next_step, f"task_{msg.reason}")
+            await self.persist()
+        self.wake.set()
+
+    # dispatch
+    def _position(self, epoch: int, offset: int) -> int:
+        if epoch != self._order_epoch:
+            self._order = epoch_order(self.s.seed, epoch, len(self.source))
+            self._order_epoch = epoch
+        return self._order[offset]
+
+    def make_task(self, epoch: int, offset: int) -> PromptTask:
+        index = self._position(epoch, offset)
+        spec = self.source[index]
+        return PromptTask(
+            run=self.s.run,
+            task_id=task_id(self.s.run, epoch, offset),
+            epoch=epoch,
+            index=index,
+            env=spec.env,
+            prompt=spec.prompt,
+            messages=spec.messages,
+            answer=spec.answer,
+            n=self.s.samples_per_prompt,
+            sampling=SamplingParams(
+                temperature=self.s.temperature,
+                top_p=self.s.top_p,
+                max_new_tokens=self.s.max_new_tokens,
+                stop=self.s.stop,
+            ),
+            min_weight_version=self.asm.state.ready_version,
+            created_at=time.time(),
+        )
+
+    async def dispatch_once(self) -> int:
+        async with self.lock:
+            st = self.asm.state
+            n = admission(st.ready_version, self.asm.filled, st.in_flight, self.policy)
+            if n == 0:
+                return 0
+            cursor, taken = advance(st.cursor, len(self.source), n)
+            for epoch, offset in taken:
+                await publish(
+                    self.ctx.js, self.subjects.tasks, self.make_task(epoch, offset),
+                    self.ctx.max_payload,
+                )  # fmt: skip
+            st.cursor = cursor
+            st.dispatched += n
+            await self.persist()
+        self.metrics.dispatched.inc(n)
+        return n
+
+    async def dispatch_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.wake.clear()
+            await self.dispatch_once()
+            wake = asyncio.create_task(self.wake.wait())
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait(
+                {wake, stopped}, timeout=self.s.dispatch_interval_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+            wake.cancel()
+            stopped.cancel()
+
+
+async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
+    from nats.js.api import KeyValueConfig
+    from nats.js.errors import BucketNotFoundError
+
+    bucket = kv_bucket(run, "buffer")
+    try:
+        return await ctx.js.key_value(bucket)
+    except BucketNotFoundError:
+        return await ctx.js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+
+
+async def body(ctx: ServiceContext) -> None:
+    settings = ctx.settings
+    assert isinstance(settings, BufferSettings)
+    consumers = consumers_for(settings.run)
+    for role in ("buffer", "buffer-ready", "buffer-dlq"):
+        await ensure_consumer(ctx.js, consumers[role])
+    svc = BufferService(ctx, settings, await open_kv(ctx, settings.run))
+    await svc.restore()
+    svc._update_gauges()
+    common = {
+        "run": settings.run,
+        "service": "buffer",
+        "registry": ctx.registry,
+        "max_payload": ctx.max_payload,
+    }
+    loops = [
+        MessageLoop(ctx.js, consumers["buffer"], SampleGroup, svc.on_group, **common),
+        MessageLoop(ctx.js, consumers["buffer-ready"], WeightsReady, svc.on_ready, **common),
+        MessageLoop(ctx.js, consumers["buffer-dlq"], DeadLetter, svc.on_dead_letter, **common),
+    ]
+    ctx.readiness.ok("buffer")
+    await asyncio.gather(*(loop.run(ctx.stop) for loop in loops), svc.dispatch_loop(ctx.stop))

@@ -1,0 +1,217 @@
+"""The buffer service as a real subprocess against a real nats-server.
+
+A hand-written rollout stand-in answers every task with a scored group
+(some with equal rewards, which the zero-variance filter drops), and a
+trainer stand-in consumes batches in order and announces each new version
+as ready. Midway the buffer is killed with SIGKILL and restarted: the run
+must continue at the right step with no group lost or batched twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from proto.codec import decode, peek_type
+from proto.messages import (
+    DeadLetter,
+    PromptTask,
+    Sample,
+    SampleGroup,
+    TrainBatch,
+    WeightsReady,
+    pack_f32,
+    pack_i32,
+    pack_u8,
+)
+from proto.streams import consumers_for, stream_name
+from proto.subjects import Subjects
+from services.common.nats_conn import ensure_consumer, ensure_streams
+from services.common.nats_server import NatsServer
+from services.common.publish import publish
+
+RUN = "buftest"
+G = 3  # groups per step
+STEPS = 8
+
+
+def run_file(tmp_path: Path, url: str, k: int) -> Path:
+    p = tmp_path / "run.toml"
+    p.write_text(
+        f"""
+run = "{RUN}"
+[nats]
+url = "{url}"
+[buffer]
+groups_per_step = {G}
+max_staleness = {k}
+oversample = 0.5
+samples_per_prompt = 2
+dataset_size = 50
+dispatch_interval_s = 0.05
+"""
+    )
+    return p
+
+
+def start_buffer(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.buffer", "-c", str(config)],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def group_for(task: PromptTask, version: int) -> SampleGroup:
+    # Every third task's rewards are equal: the zero-variance filter drops it.
+    same = task.index % 3 == 0
+    gid = f"{task.task_id}:a{task.attempt}"
+    samples = tuple(
+        Sample(
+            sample_id=f"{gid}:s{i}",
+            group_id=gid,
+            task_id=task.task_id,
+            index=i,
+            prompt_ids=pack_i32([1, 2, 3]),
+            response_ids=pack_i32([4, 5]),
+            logprobs=pack_f32([-0.1, -0.2]),
+            loss_mask=pack_u8([1, 1]),
+            reward=1.0 if same else float(i),
+            finish_reason="stop",
+            weight_version=version,
+            weight_version_last=version,
+            engine_id="fake-engine",
+        )
+        for i in range(task.n)
+    )
+    return SampleGroup(
+        run=RUN, group_id=gid, task_id=task.task_id, env=task.env, worker_id="fake", samples=samples
+    )
+
+
+class Stack:
+    """Rollout and trainer stand-ins speaking the real protocol."""
+
+    def __init__(self, js, max_payload: int) -> None:
+        self.js = js
+        self.max_payload = max_payload
+        self.subjects = Subjects(RUN)
+        self.version = 0  # what the "engines" serve
+        self.trained: list[int] = []
+
+    async def rollout(self, stop: asyncio.Event) -> None:
+        sub = await self.js.pull_subscribe_bind("rollout", stream_name(RUN, "TASKS"))
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(10, timeout=0.2)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            for m in msgs:
+                task = decode(m.data, PromptTask)
+                await publish(
+                    self.js, self.subjects.samples, group_for(task, self.version), self.max_payload
+                )
+                await m.ack()
+
+    async def trainer(self, stop: asyncio.Event) -> None:
+        sub = await self.js.pull_subscribe_bind("trainer", stream_name(RUN, "BATCHES"))
+        while not stop.is_set() and len(self.trained) < STEPS:
+            try:
+                msgs = await sub.fetch(1, timeout=0.2)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            batch = decode(msgs[0].data, TrainBatch)
+            self.trained.append(batch.step)
+            self.version = batch.step + 1  # "trained", "synced" to every engine
+            await msgs[0].ack()
+            await publish(
+                self.js,
+                self.subjects.weights_ready,
+                WeightsReady(run=RUN, version=self.version),
+                self.max_payload,
+            )
+
+
+async def read_all(js, stream: str) -> list[bytes]:
+    info = await js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        out.append((await js.get_msg(stream, seq)).data)
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_buffer_survives_kill_9_without_losing_or_repeating_groups(tmp_path: Path, k: int) -> None:
+    with NatsServer() as server:
+        asyncio.run(asyncio.wait_for(_scenario(tmp_path, server.url, k), 120))
+
+
+async def _scenario(tmp_path: Path, url: str, k: int) -> None:
+    config = run_file(tmp_path, url, k)
+    log = tmp_path / "buffer.log"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    from proto.streams import streams_for
+
+    await ensure_streams(js, streams_for(RUN))
+    for role in ("rollout", "trainer"):
+        await ensure_consumer(js, consumers_for(RUN)[role])
+    stack = Stack(js, nc.max_payload)
+    stop = asyncio.Event()
+    workers = [asyncio.create_task(stack.rollout(stop)), asyncio.create_task(stack.trainer(stop))]
+    proc = start_buffer(config, log)
+    try:
+        deadline = time.monotonic() + 60
+        while len(stack.trained) < STEPS // 2:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at = len(stack.trained)
+        proc = start_buffer(config, log)
+        while len(stack.trained) < STEPS:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        assert "resumed at step" in log.read_text()
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    assert 0 < killed_at < STEPS
+
+    # Accounting from the streams themselves.
+    batches = [decode(b, TrainBatch) for b in await read_all(js, stream_name(RUN, "BATCHES"))]
+    steps = [b.step for b in batches]
+    assert steps == list(range(len(batches))), steps  # in order, no gap, no repeat
+    assert stack.trained == list(range(STEPS))
+    batched = [g.group_id for b in batches for g in b.groups]
+    assert len(batched) == len(set(batched)), "a group was batched twice"
+    for b in batches:
+        assert len(b.groups) == G
+        assert all(g.weight_version >= b.step - k for g in b.groups)
+    dead = [decode(d, DeadLetter) for d in await read_all(js, stream_name(RUN, "DLQ"))]
+    dropped = {decode(d.payload, SampleGroup).group_id: d.reason for d in dead}
+    assert set(dropped.values()) <= {"zero_variance", "stale"}
+    assert not set(dropped) & set(batched)
+    # Every group the rollout side published was batched or dead-lettered with a reason
+    # (except those still pending in the buffer when the run stopped).
+    published = {
+        decode(s, SampleGroup).group_id
+        for s in await read_all(js, stream_name(RUN, "SAMPLES"))
+        if peek_type(s) == "SampleGroup"
+    }
+    unaccounted = published - set(batched) - set(dropped)
+    assert len(unaccounted) < 2 * G * (k + 2), unaccounted  # only the tail still pending
+    await nc.close()
