@@ -1,0 +1,172 @@
+"""Wire benchmark: codec cost per sample, and JetStream throughput through the runtime.
+
+    .venv/bin/python bench/wire.py [--messages 2000]
+
+1. encode+decode µs of one Sample with 1k / 4k / 32k response tokens, as
+   packed arrays (what proto does) against the same fields as MessagePack
+   lists (the baseline), measured in the same run.
+2. publish→consume throughput of 4k-token SampleGroups through Flywheel's
+   path (services.common.publish + MessageLoop: encode, Nats-Msg-Id,
+   decode + validate, ack) against raw nats-py (publish the same bytes,
+   pull-fetch and ack), against one embedded nats-server, in the same run.
+Prints ratios against the baselines; results go to bench/RESULTS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import msgpack
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from proto.codec import decode, encode
+from proto.messages import Sample, SampleGroup, pack_f32, pack_i32, pack_u8
+from proto.streams import ConsumerSpec, StreamSpec
+from services.common.msgloop import MessageLoop
+from services.common.nats_conn import ensure_consumer, ensure_stream
+from services.common.nats_server import NatsServer
+from services.common.publish import publish
+
+
+def sample(tokens: int, prompt: int = 256) -> Sample:
+    rng = np.random.default_rng(0)
+    return Sample(
+        sample_id="bench:e0:i0:a0:s0",
+        group_id="bench:e0:i0:a0",
+        task_id="bench:e0:i0",
+        index=0,
+        prompt_ids=pack_i32(rng.integers(0, 150_000, prompt)),
+        response_ids=pack_i32(rng.integers(0, 150_000, tokens)),
+        logprobs=pack_f32(-rng.random(tokens)),
+        loss_mask=pack_u8(np.ones(tokens)),
+        reward=1.0,
+        finish_reason="stop",
+        weight_version=3,
+        weight_version_last=3,
+        engine_id="engine-0",
+    )
+
+
+def per_call_us(fn, seconds: float = 1.0) -> float:
+    """Median over 5 rounds of the mean µs per call."""
+    rounds = []
+    for _ in range(5):
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 5:
+            fn()
+            n += 1
+        rounds.append((time.perf_counter() - start) / n * 1e6)
+    return statistics.median(rounds)
+
+
+def codec_bench() -> None:
+    print("codec: encode+decode of one Sample (median µs per round trip)")
+    print(f"{'tokens':>7} {'bytes':>8} {'packed':>9} {'as lists':>9} {'lists/packed':>13}")
+    for tokens in (1024, 4096, 32768):
+        s = sample(tokens)
+        packed = per_call_us(lambda s=s: decode(encode(s), Sample))
+        as_lists = {
+            **s.__dict__,
+            "prompt_ids": np.frombuffer(s.prompt_ids, "<i4").tolist(),
+            "response_ids": np.frombuffer(s.response_ids, "<i4").tolist(),
+            "logprobs": np.frombuffer(s.logprobs, "<f4").tolist(),
+            "loss_mask": list(s.loss_mask),
+        }
+        lists = per_call_us(lambda d=as_lists: msgpack.unpackb(msgpack.packb(d)))
+        print(
+            f"{tokens:>7} {len(encode(s)):>8} {packed:>9.2f} {lists:>9.2f} {lists / packed:>12.1f}x"
+        )
+
+
+def group(i: int, tokens: int) -> SampleGroup:
+    s = sample(tokens)
+    return SampleGroup(
+        run="bench", group_id=f"bench:g{i}", task_id=f"bench:t{i}", env="e", worker_id="w",
+        samples=(s,),
+    )  # fmt: skip
+
+
+async def throughput(url: str, messages: int, tokens: int) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    groups = [group(i, tokens) for i in range(messages)]
+    payload = encode(groups[0])
+    size = len(payload)
+
+    async def fresh(name: str) -> ConsumerSpec:
+        await ensure_stream(js, StreamSpec(name, (f"bench.{name}",)))
+        spec = ConsumerSpec("c", name, f"bench.{name}", max_ack_pending=100_000)
+        await ensure_consumer(js, spec)
+        return spec
+
+    # raw nats-py: the same bytes, publish awaited one by one, pull-fetch + ack.
+    spec = await fresh("RAW")
+    t0 = time.perf_counter()
+    for i in range(messages):
+        await js.publish("bench.RAW", payload, headers={"Nats-Msg-Id": f"raw{i}"})
+    raw_pub = time.perf_counter() - t0
+    sub = await js.pull_subscribe_bind("c", "RAW")
+    got, t0 = 0, time.perf_counter()
+    while got < messages:
+        for m in await sub.fetch(100, timeout=5):
+            await m.ack()
+            got += 1
+    raw_con = time.perf_counter() - t0
+
+    # Flywheel: publish() encodes each message; MessageLoop decodes, validates, acks.
+    spec = await fresh("FLY")
+    t0 = time.perf_counter()
+    for g in groups:
+        await publish(js, "bench.FLY", g, nc.max_payload)
+    fly_pub = time.perf_counter() - t0
+    done = asyncio.Event()
+    count = 0
+
+    async def handle(msg: SampleGroup, _d: object) -> None:
+        nonlocal count
+        count += 1
+        if count == messages:
+            done.set()
+
+    loop = MessageLoop(
+        js, spec, SampleGroup, handle, run="bench", service="bench",
+        registry=CollectorRegistry(), max_payload=nc.max_payload, batch=100,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    runner = asyncio.create_task(loop.run(stop))
+    await done.wait()
+    fly_con = time.perf_counter() - t0
+    stop.set()
+    await runner
+    await nc.close()
+
+    mb = size * messages / 1e6
+    print(f"\nJetStream, {messages} SampleGroups of one {tokens}-token sample ({size} B each)")
+    print(f"{'path':<10} {'publish msg/s':>14} {'MB/s':>7} {'consume msg/s':>14} {'MB/s':>7}")
+    for name, pub, con in (("raw", raw_pub, raw_con), ("flywheel", fly_pub, fly_con)):
+        print(
+            f"{name:<10} {messages / pub:>14.0f} {mb / pub:>7.1f} {messages / con:>14.0f} "
+            f"{mb / con:>7.1f}"
+        )
+    print(f"ratio flywheel/raw: publish {raw_pub / fly_pub:.2f}x, consume {raw_con / fly_con:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--messages", type=int, default=2000)
+    p.add_argument("--tokens", type=int, default=4096)
+    args = p.parse_args()
+    codec_bench()
+    with NatsServer() as server:
+        asyncio.run(throughput(server.url, args.messages, args.tokens))
+
+
+if __name__ == "__main__":
+    main()

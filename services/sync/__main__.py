@@ -1,0 +1,5 @@
+import sys
+
+from services.sync.cli import main
+
+sys.exit(main())

@@ -1,0 +1,234 @@
+"""The weight-sync service: brings every live engine to the newest weights.
+
+Inputs: engine heartbeats (core subscription on `engines.*`; the registry
+is rebuilt within one heartbeat interval after a restart) and
+`WeightsPublished` (durable consumer). A reconcile loop, every `tick_s`,
+asks the pure registry what is due — updates to start, a version to
+announce — and does it: each engine update runs as its own task (pause →
+update_weights_from_disk → continue, or just update and let running
+requests finish), so a slow or dead engine never holds up the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proto.codec import decode
+from proto.errors import ProtocolError
+from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
+from proto.streams import consumers_for, stream_name
+from proto.subjects import Subjects
+from services.common.engine_client import EngineClient, EngineError
+from services.common.errors import PermanentError
+from services.common.lifecycle import ServiceContext
+from services.common.msgloop import Delivery, MessageLoop
+from services.common.nats_conn import ensure_consumer
+from services.common.publish import publish
+from services.sync.core import Engine, Published, Registry
+from services.sync.settings import SyncSettings
+
+log = logging.getLogger(__name__)
+
+
+class SyncMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.latency = Histogram(
+            "flywheel_sync_publish_to_ready_seconds",
+            "From WeightsPublished to WeightsReady of that version.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.update_seconds = Histogram(
+            "flywheel_sync_engine_update_seconds", "One engine's weight update.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
+        self.engine_version = Gauge(
+            "flywheel_sync_engine_version", "Weight version each engine serves.", ["engine"],
+            registry=r,
+        )  # fmt: skip
+        self.failures = Counter(
+            "flywheel_sync_update_failures", "Failed engine updates.", ["engine"], registry=r
+        )
+        self.bytes = Counter("flywheel_sync_bytes", "Weight bytes loaded by engines.", registry=r)
+        self.engines = Gauge("flywheel_sync_engines_live", "Engines with a recent heartbeat.",
+                             registry=r)  # fmt: skip
+        self.ready = Gauge("flywheel_sync_ready_version", "Newest version announced ready.",
+                           registry=r)  # fmt: skip
+        self.published = Gauge("flywheel_sync_published_version", "Newest published version.",
+                               registry=r)  # fmt: skip
+
+
+def local_path(uri: str, root: Path) -> Path:
+    """The directory a `file://` weights URI names, confined to `root`."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise PermanentError(f"unsupported weights uri {uri!r}", reason="bad_uri")
+    path = Path(parsed.path).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise PermanentError(f"weights uri {uri!r} is outside {root}", reason="bad_uri")
+    return path
+
+
+def version_dir(root: Path, run: str, version: int) -> Path:
+    return root / run / f"v{version:06d}"
+
+
+class SyncService:
+    def __init__(self, ctx: ServiceContext, s: SyncSettings) -> None:
+        self.ctx = ctx
+        self.s = s
+        self.subjects = Subjects(s.run)
+        self.reg = Registry(
+            liveness_s=s.liveness_s, max_failures=s.max_failures, backoff_s=s.retry_backoff_s
+        )
+        self.metrics = SyncMetrics(ctx.registry)
+        self.sizes: dict[int, int] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def restore(self) -> None:
+        """The newest published and announced versions, from the WEIGHTS stream."""
+        from nats.js.errors import NotFoundError
+
+        stream = stream_name(self.s.run, "WEIGHTS")
+        for subject, cls in (
+            (self.subjects.weights_published, WeightsPublished),
+            (self.subjects.weights_ready, WeightsReady),
+        ):
+            try:
+                raw = await self.ctx.js.get_last_msg(stream, subject)
+            except NotFoundError:
+                continue
+            try:
+                msg = decode(raw.data or b"", cls)
+            except ProtocolError as e:
+                log.warning("sync: ignoring unreadable last message on %s: %s", subject, e)
+                continue
+            if isinstance(msg, WeightsPublished):
+                await self.on_published(msg, None)
+            elif isinstance(msg, WeightsReady):
+                self.reg.announced = msg.version
+        latest = self.reg.latest.version if self.reg.latest else None
+        log.info("sync: resumed with published=%s announced=%d", latest, self.reg.announced)
+
+    def on_heartbeat(self, hb: EngineHeartbeat) -> None:
+        self.reg.heartbeat(hb.engine_id, hb.url, hb.weight_version, time.time())
+
+    async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
+        path = local_path(msg.uri, self.s.weights_root)
+        if self.reg.publish(Published(msg.version, str(path), msg.published_at or time.time())):
+            self.sizes[msg.version] = msg.size_bytes
+            self.metrics.published.set(msg.version)
+            log.info("sync: version %d published at %s", msg.version, path)
+
+    async def update(self, e: Engine, p: Published) -> None:
+        started = time.monotonic()
+        try:
+            async with EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2) as c:
+                pause = self.s.update_mode != "wait"
+                if pause:
+                    await c.pause_generation(self.s.update_mode)
+                try:
+                    res = await c.update_weights_from_disk(
+                        p.path, str(p.version), abort_all_requests=self.s.update_mode == "abort"
+                    )
+                finally:
+                    if pause:
+                        await c.continue_generation()
+            if not res.success:
+                raise EngineError(res.message, e.url)
+        except (EngineError, TimeoutError) as err:
+            self.reg.failed(e, time.time())
+            self.metrics.failures.labels(engine=e.engine_id).inc()
+            log.warning("sync: engine %s failed to load v%d (failure %d): %s",
+                        e.engine_id, p.version, e.failures, err)  # fmt: skip
+            return
+        self.reg.succeeded(e, p.version)
+        self.metrics.update_seconds.observe(time.monotonic() - started)
+        self.metrics.engine_version.labels(engine=e.engine_id).set(p.version)
+        self.metrics.bytes.inc(self.sizes.get(p.version, 0))
+        log.info("sync: engine %s serves v%d", e.engine_id, p.version)
+
+    async def reconcile(self) -> None:
+        now = time.time()
+        for gone in self.reg.forget_dead(now):
+            log.warning("sync: engine %s stopped sending heartbeats; dropped", gone)
+            with contextlib.suppress(KeyError):  # never labelled if it never loaded a version
+                self.metrics.engine_version.remove(gone)
+        self.metrics.engines.set(len(self.reg.live(now)))
+        if self.reg.latest is not None:
+            for e in self.reg.updates_due(now):
+                self.reg.started(e)
+                t = asyncio.create_task(self.update(e, self.reg.latest))
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
+        v = self.reg.to_announce(now)
+        if v is not None:
+            engines = tuple(sorted(e.engine_id for e in self.reg.healthy(now)))
+            ready = WeightsReady(run=self.s.run, version=v, engines=engines, ready_at=time.time())
+            await publish(self.ctx.js, self.subjects.weights_ready, ready, self.ctx.max_payload)
+            self.reg.announced = v
+            self.metrics.ready.set(v)
+            if self.reg.latest is not None and self.reg.latest.version == v:
+                self.metrics.latency.observe(max(0.0, time.time() - self.reg.latest.published_at))
+            log.info("sync: v%d ready on %s", v, ", ".join(engines))
+            self.cleanup(v)
+
+    def cleanup(self, ready: int) -> None:
+        """Delete version directories older than the newest `keep_last`, never a served one."""
+        run_dir = self.s.weights_root / self.s.run
+        if not run_dir.is_dir():
+            return
+        served = min((e.version for e in self.reg.engines.values()), default=ready)
+        floor = min(ready - self.s.keep_last + 1, served)
+        for d in run_dir.glob("v[0-9]*"):
+            try:
+                v = int(d.name[1:])
+            except ValueError:
+                continue
+            if v < floor and d.is_dir():
+                shutil.rmtree(d, ignore_errors=False)
+                log.info("sync: deleted old weights %s", d)
+
+    async def reconcile_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.reconcile()
+            try:
+                await asyncio.wait_for(stop.wait(), self.s.tick_s)
+            except TimeoutError:
+                pass
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=self.s.update_timeout_s)
+
+
+async def body(ctx: ServiceContext) -> None:
+    settings = ctx.settings
+    assert isinstance(settings, SyncSettings)
+    svc = SyncService(ctx, settings)
+    consumer = consumers_for(settings.run)["sync"]
+    await ensure_consumer(ctx.js, consumer)
+    await svc.restore()
+
+    async def on_heartbeat_msg(msg) -> None:  # core NATS callback
+        try:
+            svc.on_heartbeat(decode(msg.data, EngineHeartbeat))
+        except ProtocolError as e:
+            log.warning("sync: bad heartbeat on %s: %s", msg.subject, e)
+
+    sub = await ctx.nc.subscribe(svc.subjects.heartbeats_all, cb=on_heartbeat_msg)
+    loop = MessageLoop(
+        ctx.js, consumer, WeightsPublished, svc.on_published, run=settings.run, service="sync",
+        registry=ctx.registry, max_payload=ctx.max_payload,
+    )  # fmt: skip
+    ctx.readiness.ok("sync")
+    try:
+        await asyncio.gather(loop.run(ctx.stop), svc.reconcile_loop(ctx.stop))
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,114 @@
+"""The sync service's pure core: the engine registry and what to do next.
+
+State: which engines exist (from heartbeats), which version each one
+serves (confirmed by sync's own successful updates, or reported by its
+heartbeat), the newest published version, and the newest version announced
+ready. Decisions:
+
+- `updates_due`: every live engine behind the newest published version
+  that is not being updated and is not backing off after a failure gets an
+  update. The same rule brings a newly joined engine up to date and retries
+  a failed one; nothing else is special-cased.
+- `ready_version`: the newest version that every live, healthy engine serves.
+  An engine that keeps failing (`max_failures` in a row) is reported and
+  left out of that minimum until it succeeds again, so one broken engine
+  cannot stall the run; the rollout worker beside it refuses tasks newer
+  than its engine (`PromptTask.min_weight_version`), so it cannot serve
+  beyond the staleness bound either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    url: str
+    version: int  # newest version known to be served
+    last_seen: float  # time of the last heartbeat
+    failures: int = 0  # consecutive failed updates
+    retry_at: float = 0.0  # no new attempt before this time
+    updating: bool = False
+
+
+@dataclass(frozen=True)
+class Published:
+    version: int
+    path: str  # local directory the engines load
+    published_at: float  # when the trainer announced it (for publish→ready latency)
+
+
+@dataclass
+class Registry:
+    liveness_s: float = 10.0  # an engine silent this long is gone
+    max_failures: int = 3  # then it is left out of the ready minimum
+    backoff_s: float = 1.0  # first retry delay, doubled per failure
+    max_backoff_s: float = 30.0
+    engines: dict[str, Engine] = field(default_factory=dict)
+    latest: Published | None = None
+    announced: int = -1  # newest version published as WeightsReady
+
+    def heartbeat(self, engine_id: str, url: str, version: int, now: float) -> None:
+        e = self.engines.get(engine_id)
+        if e is None or e.url != url:  # new, or restarted elsewhere: trust its report
+            self.engines[engine_id] = Engine(engine_id, url, version, now)
+            return
+        e.last_seen = now
+        if not e.updating:
+            # A restarted engine reports a lower version than we confirmed; believe it.
+            e.version = version
+
+    def live(self, now: float) -> list[Engine]:
+        return [e for e in self.engines.values() if now - e.last_seen <= self.liveness_s]
+
+    def forget_dead(self, now: float) -> list[str]:
+        dead = [k for k, e in self.engines.items() if now - e.last_seen > self.liveness_s]
+        for k in dead:
+            del self.engines[k]
+        return dead
+
+    def publish(self, p: Published) -> bool:
+        """Record a newly published version; False if it is not newer."""
+        if self.latest is not None and p.version <= self.latest.version:
+            return False
+        self.latest = p
+        return True
+
+    def updates_due(self, now: float) -> list[Engine]:
+        if self.latest is None:
+            return []
+        v = self.latest.version
+        return [e for e in self.live(now) if e.version < v and not e.updating and now >= e.retry_at]
+
+    def started(self, e: Engine) -> None:
+        e.updating = True
+
+    def succeeded(self, e: Engine, version: int) -> None:
+        e.updating = False
+        e.version = max(e.version, version)
+        e.failures = 0
+        e.retry_at = 0.0
+
+    def failed(self, e: Engine, now: float) -> None:
+        e.updating = False
+        e.failures += 1
+        e.retry_at = now + min(self.max_backoff_s, self.backoff_s * 2 ** (e.failures - 1))
+
+    def healthy(self, now: float) -> list[Engine]:
+        return [e for e in self.live(now) if e.failures < self.max_failures]
+
+    def ready_version(self, now: float) -> int | None:
+        """The newest version every live, healthy engine serves (None: no such engine)."""
+        engines = self.healthy(now)
+        if not engines:
+            return None
+        return min(e.version for e in engines)
+
+    def to_announce(self, now: float) -> int | None:
+        """A version to publish as WeightsReady now, if there is a new one."""
+        v = self.ready_version(now)
+        if v is None or v <= self.announced:
+            return None
+        return v

@@ -1,0 +1,39 @@
+"""Settings of the weight-sync service (`[sync]` in the run file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class SyncSettings(ServiceSettings):
+    section: ClassVar[str] = "sync"
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_SYNC_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    weights_root: Path = Field(
+        Path("runs/weights"), description="Shared weights directory (<root>/<run>/v000012/)."
+    )
+    update_mode: Literal["abort", "retract", "in_place", "wait"] = Field(
+        "wait",
+        description="How running requests meet an update: 'wait' lets them finish; "
+        "the others pause generation with that SGLang mode, update, then continue.",
+    )
+    update_timeout_s: float = Field(300.0, gt=0, description="Limit of one engine's update.")
+    liveness_s: float = Field(
+        10.0, gt=0, description="An engine without a heartbeat this long is gone."
+    )
+    max_failures: int = Field(
+        3, ge=1, description="Failed updates in a row before an engine stops holding up ready."
+    )
+    retry_backoff_s: float = Field(1.0, gt=0, description="First retry delay after a failure.")
+    keep_last: int = Field(
+        3, ge=1, description="Weight versions kept on disk; older ones are deleted."
+    )
+    tick_s: float = Field(0.2, gt=0, description="How often the registry is reconciled.")

@@ -1,0 +1,75 @@
+"""The sync registry: who needs an update, when a version is ready, failures and joins."""
+
+from __future__ import annotations
+
+from services.sync.core import Published, Registry
+
+
+def reg() -> Registry:
+    return Registry(liveness_s=10, max_failures=2, backoff_s=1, max_backoff_s=4)
+
+
+def test_nothing_due_before_a_publish() -> None:
+    r = reg()
+    r.heartbeat("a", "http://a", 0, now=0)
+    assert r.updates_due(0) == []
+    assert r.to_announce(0) == 0  # every engine serves the initial version
+    r.announced = 0
+    assert r.to_announce(0) is None
+
+
+def test_every_live_engine_is_updated_then_ready() -> None:
+    r = reg()
+    r.heartbeat("a", "http://a", 0, now=0)
+    r.heartbeat("b", "http://b", 0, now=0)
+    r.announced = 0
+    assert r.publish(Published(1, "/w/v1", 0))
+    assert not r.publish(Published(1, "/w/v1", 0))  # not newer
+    due = r.updates_due(1)
+    assert [e.engine_id for e in due] == ["a", "b"]
+    for e in due:
+        r.started(e)
+    assert r.updates_due(1) == []  # in progress: not started twice
+    r.succeeded(due[0], 1)
+    assert r.to_announce(1) is None  # b still serves 0
+    r.succeeded(due[1], 1)
+    assert r.to_announce(1) == 1
+
+
+def test_a_failing_engine_backs_off_then_stops_holding_up_ready() -> None:
+    r = reg()
+    r.heartbeat("a", "http://a", 0, now=0)
+    r.heartbeat("bad", "http://bad", 0, now=0)
+    r.announced = 0
+    r.publish(Published(1, "/w/v1", 0))
+    a, bad = r.updates_due(0)
+    r.succeeded(a, 1)
+    r.failed(bad, now=0)
+    assert r.updates_due(0.5) == []  # backing off for 1 s
+    assert r.to_announce(0.5) is None  # one failure: still waited for
+    assert [e.engine_id for e in r.updates_due(1.0)] == ["bad"]
+    r.failed(bad, now=1.0)  # second failure: retry in 2 s, no longer waited for
+    assert bad.retry_at == 3.0
+    assert r.to_announce(1.5) == 1
+    r.succeeded(bad, 1)
+    assert bad.failures == 0
+
+
+def test_new_engine_is_brought_to_the_latest_version() -> None:
+    r = reg()
+    r.heartbeat("a", "http://a", 3, now=0)
+    r.publish(Published(3, "/w/v3", 0))
+    r.announced = 3
+    r.heartbeat("new", "http://new", 0, now=1)
+    assert [e.engine_id for e in r.updates_due(1)] == ["new"]
+    assert r.to_announce(1) is None  # v3 already announced; the newcomer lowers the minimum
+
+
+def test_dead_engines_are_forgotten_and_a_restart_is_believed() -> None:
+    r = reg()
+    r.heartbeat("a", "http://a", 2, now=0)
+    r.heartbeat("b", "http://b", 2, now=0)
+    r.heartbeat("a", "http://a", 2, now=15)
+    assert r.forget_dead(15) == ["b"]
+    r.heartbeat("a", "http://a", 0, now=16)  # restarted: serves the initial weights again
+    assert r.engines["a"].version == 0
