@@ -66,6 +66,7 @@ def group() -> SampleGroup:
         env="arithmetic",
         worker_id="rollout-0",
         samples=(sample(0), sample(1)),
+        temperature=0.7,
         created_at=1700000002.0,
     )
 

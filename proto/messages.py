@@ -183,6 +183,9 @@ class SampleGroup(Message):
     env: Id
     worker_id: Id
     samples: tuple[Sample, ...] = Field(min_length=1)
+    temperature: float = Field(
+        1.0, gt=0.0, description="Sampling temperature; the trainer's logprobs use the same."
+    )
     created_at: float = 0.0
 
     @property
