@@ -1,0 +1,51 @@
+"""Settings of a rollout worker (`[rollout]` in the run file)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class RolloutSettings(ServiceSettings):
+    section: ClassVar[str] = "rollout"
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_ROLLOUT_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    engine_url: str = Field("http://127.0.0.1:30000", description="The engine beside this worker.")
+    engine_id: str = Field(
+        default_factory=lambda: f"engine-{socket.gethostname()}",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Engine id in heartbeats and samples (unique per engine).",
+    )
+    worker_id: str = Field(
+        default_factory=lambda: f"rollout-{socket.gethostname()}",
+        description="This worker's id, recorded in every group.",
+    )
+    engine_api_key: str | None = Field(None, description="Bearer key of the engine's admin API.")
+    model: Path | None = Field(
+        None, description="Model directory for the tokenizer (the engine's model)."
+    )
+    use_chat_template: bool = Field(
+        True, description="Wrap plain prompts as one user turn with the tokenizer's template."
+    )
+    concurrency: int = Field(
+        8, ge=1, le=1024, description="Tasks generated at once (fills the engine's batch)."
+    )
+    heartbeat_s: float = Field(1.0, gt=0, description="Engine heartbeat interval.")
+    generate_timeout_s: float = Field(600.0, gt=0, description="Limit of one generate call.")
+    verifier_timeout_s: float = Field(
+        5.0, gt=0, description="Limit of one verifier call; a hang scores 0 and is counted."
+    )
+    max_abort_retries: int = Field(
+        20, ge=0, description="Re-generations of a sample aborted by a weight update."
+    )
+    behind_retry_s: float = Field(
+        0.5, gt=0, description="Task redelivery delay while the engine is older than it needs."
+    )

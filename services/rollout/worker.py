@@ -1,0 +1,289 @@
+"""The rollout worker: PromptTask in, one scored SampleGroup out, then ack.
+
+Many workers share one durable pull consumer on the tasks work queue; each
+keeps `concurrency` tasks in flight so its engine batches them. Per task:
+
+1. check the engine serves at least `task.min_weight_version` — if not
+   (an engine that just joined, or one being updated), the task goes back
+   with a short delay for this or another worker, so no engine serves
+   beyond the staleness bound;
+2. tokenize (chat template), generate `n` completions with logprobs;
+   a completion aborted by a weight update is generated again, never lost;
+3. score each completion with the task's environment, under a time limit;
+4. publish the group (its id is deterministic, so a redelivered task's
+   group is stored once) and only then let the loop ack the task.
+
+A heartbeat loop reports the engine (id, url, version, load) for sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proto.messages import (
+    EngineHeartbeat,
+    FinishReason,
+    PromptTask,
+    Sample,
+    SampleGroup,
+    pack_f32,
+    pack_i32,
+    pack_u8,
+    unpack_i32,
+)
+from proto.subjects import Subjects
+from services.common.engine_client import EngineClient, EngineError, GenerateResult
+from services.common.errors import PermanentError, RetryableError
+from services.common.lifecycle import ServiceContext
+from services.common.msgloop import Delivery
+from services.common.publish import publish
+from services.rollout.settings import RolloutSettings
+
+log = logging.getLogger(__name__)
+
+
+def parse_version(v: str | int | None) -> int:
+    """Engine weight versions are strings in SGLang; Flywheel's are integers.
+
+    Anything that is not a non-negative integer (SGLang's "default") is the
+    initial weights, version 0.
+    """
+    s = str(v) if v is not None else ""
+    return int(s) if s.isdigit() else 0
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    parts: dict[str, float]
+    error: str | None = None
+
+
+Scorer = Callable[[PromptTask, str], Awaitable[Score]]
+
+
+class RolloutMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.groups = Counter("flywheel_rollout_groups", "Sample groups published.", registry=r)
+        self.samples = Counter(
+            "flywheel_rollout_samples", "Samples generated, by finish reason.", ["finish"],
+            registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "flywheel_rollout_generated_tokens", "Response tokens generated.", registry=r
+        )
+        self.reward = Histogram(
+            "flywheel_rollout_reward", "Reward per sample.",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r,
+        )  # fmt: skip
+        self.verifier_errors = Counter(
+            "flywheel_rollout_verifier_errors", "Verifier calls that hung or raised.", registry=r
+        )
+        self.aborted = Counter(
+            "flywheel_rollout_aborted_generations",
+            "Generations aborted by the engine (then generated again).", registry=r,
+        )  # fmt: skip
+        self.behind = Counter(
+            "flywheel_rollout_engine_behind",
+            "Tasks handed back because the engine was older than the task allows.", registry=r,
+        )  # fmt: skip
+        self.task_seconds = Histogram(
+            "flywheel_rollout_task_seconds", "Task time from receipt to group published.",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge("flywheel_rollout_tasks_in_flight", "Tasks being worked on.",
+                               registry=r)  # fmt: skip
+        self.engine_version = Gauge(
+            "flywheel_rollout_engine_version", "Weight version of this engine.", registry=r
+        )
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        s: RolloutSettings,
+        client: EngineClient,
+        tokenizer: Any,
+        scorer: Scorer,
+    ) -> None:
+        self.ctx = ctx
+        self.s = s
+        self.client = client
+        self.tok = tokenizer
+        self.scorer = scorer
+        self.subjects = Subjects(s.run)
+        self.metrics = RolloutMetrics(ctx.registry)
+
+    # tokenization
+    def prompt_ids(self, task: PromptTask) -> list[int]:
+        if task.prompt_ids is not None:
+            return unpack_i32(task.prompt_ids).tolist()
+        if task.messages is not None:
+            messages = list(task.messages)
+        elif self.s.use_chat_template and getattr(self.tok, "chat_template", None):
+            messages = [{"role": "user", "content": task.prompt or ""}]
+        else:
+            return list(self.tok(task.prompt or "", add_special_tokens=False)["input_ids"])
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def sampling_params(self, task: PromptTask, n: int) -> dict[str, Any]:
+        sp = task.sampling
+        params: dict[str, Any] = {
+            "n": n,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "max_new_tokens": sp.max_new_tokens,
+        }
+        if sp.stop:
+            params["stop"] = list(sp.stop)
+        return params
+
+    # generation
+    async def engine_version(self) -> int:
+        return parse_version(await self.client.weight_version())
+
+    async def generate(self, task: PromptTask, ids: list[int], d: Delivery) -> list[GenerateResult]:
+        """`task.n` finished completions; aborted ones are generated again."""
+        rid = f"{task.task_id}:a{task.attempt}"
+        results = await self.client.generate(
+            ids, sampling_params=self.sampling_params(task, task.n), rid=rid,
+            timeout_s=self.s.generate_timeout_s,
+        )  # fmt: skip
+        for attempt in range(self.s.max_abort_retries + 1):
+            aborted = [i for i, r in enumerate(results) if r.aborted]
+            if not aborted:
+                return results
+            self.metrics.aborted.inc(len(aborted))
+            if attempt == self.s.max_abort_retries:
+                break
+            await d.in_progress()
+            for i in aborted:
+                again = await self.client.generate(
+                    ids, sampling_params=self.sampling_params(task, 1),
+                    rid=f"{rid}:s{i}:r{attempt + 1}", timeout_s=self.s.generate_timeout_s,
+                )  # fmt: skip
+                results[i] = again[0]
+        raise RetryableError(f"task {task.task_id}: generation aborted {attempt + 1} times")
+
+    async def score(self, task: PromptTask, text: str) -> Score:
+        try:
+            return await asyncio.wait_for(self.scorer(task, text), self.s.verifier_timeout_s)
+        except TimeoutError:
+            err = f"verifier timed out after {self.s.verifier_timeout_s}s"
+        except Exception as e:  # noqa: BLE001 (a broken verifier scores 0; the worker goes on)
+            err = f"verifier raised {type(e).__name__}: {e}"
+        self.metrics.verifier_errors.inc()
+        log.warning("rollout: task %s: %s", task.task_id, err)
+        return Score(0.0, {}, err)
+
+    async def on_task(self, task: PromptTask, d: Delivery) -> None:
+        received = time.time()
+        self.metrics.in_flight.inc()
+        try:
+            await self._on_task(task, d, received)
+        finally:
+            self.metrics.in_flight.dec()
+
+    async def _on_task(self, task: PromptTask, d: Delivery, received: float) -> None:
+        try:
+            before = await self.engine_version()
+            if before < task.min_weight_version:
+                self.metrics.behind.inc()
+                raise RetryableError(
+                    f"engine serves v{before}, task needs >= v{task.min_weight_version}",
+                    delay_s=self.s.behind_retry_s,
+                )
+            try:
+                ids = self.prompt_ids(task)
+            except (TypeError, ValueError) as e:
+                raise PermanentError(f"cannot tokenize task {task.task_id}: {e}",
+                                     reason="bad_task") from e  # fmt: skip
+            started = time.time()
+            results = await self.generate(task, ids, d)
+        except EngineError as e:
+            raise RetryableError(f"engine {self.s.engine_url}: {e}") from e
+        group_id = f"{task.task_id}:a{task.attempt}"
+        samples = []
+        for i, r in enumerate(results):
+            score = await self.score(task, r.text)
+            version = parse_version(r.weight_version)
+            samples.append(
+                Sample(
+                    sample_id=f"{group_id}:s{i}",
+                    group_id=group_id,
+                    task_id=task.task_id,
+                    index=i,
+                    attempt=task.attempt,
+                    prompt_ids=pack_i32(ids),
+                    response_ids=pack_i32(r.output_ids),
+                    logprobs=pack_f32(r.logprobs),
+                    loss_mask=pack_u8([1] * len(r.output_ids)),
+                    reward=score.reward,
+                    reward_parts=score.parts,
+                    finish_reason=FinishReason(r.finish_type),
+                    weight_version=min(before, version),
+                    weight_version_last=version,
+                    engine_id=self.s.engine_id,
+                    queued_at=task.created_at,
+                    started_at=started,
+                    finished_at=time.time(),
+                    verifier_error=score.error,
+                )
+            )
+            self.metrics.samples.labels(finish=r.finish_type).inc()
+            self.metrics.tokens.inc(len(r.output_ids))
+            self.metrics.reward.observe(score.reward)
+        group = SampleGroup(
+            run=self.s.run, group_id=group_id, task_id=task.task_id, env=task.env,
+            worker_id=self.s.worker_id, samples=tuple(samples),
+            temperature=task.sampling.temperature or 1.0, created_at=time.time(),
+        )  # fmt: skip
+        await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
+        self.metrics.groups.inc()
+        self.metrics.task_seconds.observe(time.time() - received)
+
+    # heartbeat
+    async def heartbeat_loop(self, stop: asyncio.Event) -> None:
+        subject = self.subjects.heartbeat(self.s.engine_id)
+        while not stop.is_set():
+            try:
+                version = await self.engine_version()
+                loads = await self.client.loads()
+            except EngineError as e:
+                # No heartbeat while the engine is down: sync then stops counting on it.
+                log.warning("rollout: engine %s unreachable: %s", self.s.engine_url, e)
+                self.ctx.readiness.set("engine", "unreachable")
+            else:
+                self.ctx.readiness.ok("engine")
+                self.metrics.engine_version.set(version)
+                running, queued = load_counts(loads)
+                hb = EngineHeartbeat(
+                    run=self.s.run, engine_id=self.s.engine_id, url=self.s.engine_url,
+                    worker_id=self.s.worker_id, weight_version=version, running=running,
+                    queued=queued, sent_at=time.time(),
+                )  # fmt: skip
+                await publish(self.ctx.js, subject, hb, self.ctx.max_payload)
+            try:
+                await asyncio.wait_for(stop.wait(), self.s.heartbeat_s)
+            except TimeoutError:
+                pass
+
+
+def load_counts(loads: dict[str, Any]) -> tuple[int, int]:
+    """(running, queued) from `/v1/loads`, summed over data-parallel ranks."""
+    rows = loads.get("loads") or []
+    running = sum(int(r.get("num_running_reqs", 0)) for r in rows)
+    queued = sum(int(r.get("num_waiting_reqs", 0)) for r in rows)
+    return running, queued

@@ -1,0 +1,186 @@
+"""Supervise the local stack's processes: start in order, watch, restart or stop.
+
+Each process's stdout+stderr goes to `<run_dir>/logs/<name>.log` and, line
+by line with a `[name]` prefix, to the console (unless quiet). A process
+counts as started once its ready URL answers 200 (`/readyz` of a service,
+`/health` of an engine). A process that exits on its own is reported by
+name with the tail of its log, then restarted (up to `max_restarts`) or
+the whole stack stops, as configured. Stopping sends SIGTERM in reverse
+start order, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from services.common.errors import FlywheelError
+from services.stack.plan import ProcSpec
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 30
+
+
+class StackError(FlywheelError, RuntimeError):
+    """A service could not be started, or died and may not be restarted."""
+
+
+@dataclass
+class Proc:
+    spec: ProcSpec
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    pump: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+async def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    import aiohttp
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s,
+            s.get(url) as r,
+        ):
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+class Supervisor:
+    def __init__(
+        self,
+        specs: list[ProcSpec],
+        log_dir: Path,
+        *,
+        on_failure: str = "restart",
+        max_restarts: int = 5,
+        ready_timeout_s: float = 180.0,
+        stop_grace_s: float = 15.0,
+        console: TextIO | None = sys.stdout,
+    ) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs = [Proc(s, log_dir / f"{s.name}.log") for s in specs]
+        self.on_failure = on_failure
+        self.max_restarts = max_restarts
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.console = console
+        self.failed: str | None = None  # why the stack stopped on its own
+
+    def get(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    async def _pump(self, p: Proc) -> None:
+        assert p.proc is not None and p.proc.stdout is not None
+        with p.log_path.open("a", encoding="utf-8") as f:
+            async for raw in p.proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                f.write(line + "\n")
+                f.flush()
+                p.tail.append(line)
+                if self.console is not None:
+                    self.console.write(f"[{p.name}] {line}\n")
+
+    async def spawn(self, p: Proc) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **p.spec.env}
+        p.proc = await asyncio.create_subprocess_exec(
+            *p.spec.argv,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
+        )
+        p.started_at = time.time()
+        p.pump = asyncio.create_task(self._pump(p))
+
+    async def wait_ready(self, p: Proc) -> None:
+        if p.spec.ready_url is None:
+            return
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not await http_ok(p.spec.ready_url):
+            if not p.alive:
+                raise StackError(self._death_report(p, "exited before it was ready"))
+            if time.monotonic() > deadline:
+                raise StackError(self._death_report(p, f"not ready after {self.ready_timeout_s}s"))
+            await asyncio.sleep(0.2)
+
+    def _death_report(self, p: Proc, what: str) -> str:
+        code = p.proc.returncode if p.proc else None
+        tail = "\n".join(f"    {line}" for line in p.tail) or "    (no output)"
+        return f"{p.name} {what} (exit code {code}); last lines of {p.log_path}:\n{tail}"
+
+    async def start_all(self) -> None:
+        """Start every process in order, each once its predecessors of other kinds are ready."""
+        kinds: list[str] = []
+        for p in self.procs:
+            if p.spec.kind not in kinds:
+                kinds.append(p.spec.kind)
+        for kind in kinds:
+            group = [p for p in self.procs if p.spec.kind == kind]
+            for p in group:
+                await self.spawn(p)
+            await asyncio.gather(*(self.wait_ready(p) for p in group))
+            log.info("stack: %s ready", ", ".join(p.name for p in group))
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`: restart (or give up on) processes that exit on their own."""
+        while not stop.is_set():
+            for p in self.procs:
+                if p.proc is None or p.alive:
+                    continue
+                if p.pump is not None:
+                    await p.pump
+                report = self._death_report(p, "died")
+                print(f"\nflywheel up: {report}\n", file=sys.stderr)
+                if self.on_failure == "restart" and p.restarts < self.max_restarts:
+                    p.restarts += 1
+                    print(f"flywheel up: restarting {p.name} ({p.restarts}/{self.max_restarts})",
+                          file=sys.stderr)  # fmt: skip
+                    await self.spawn(p)
+                else:
+                    self.failed = report
+                    stop.set()
+                    return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+    async def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            if p.alive and p.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        for p in reversed(self.procs):
+            if p.proc is None:
+                continue
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(p.proc.wait(), remaining)
+            except TimeoutError:
+                print(f"flywheel up: {p.name} ignored SIGTERM; killing it", file=sys.stderr)
+                with contextlib.suppress(ProcessLookupError):
+                    p.proc.kill()
+                await p.proc.wait()
+            if p.pump is not None:
+                await p.pump

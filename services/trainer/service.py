@@ -1,0 +1,393 @@
+"""The RL trainer service: TrainBatches in stream order → optimizer steps → weights out.
+
+    python -m services.trainer -c run.toml                       # one process
+    torchrun --nproc_per_node=2 -m services.trainer -c run.toml  # FSDP2
+
+Rank 0 does all NATS I/O and hands each batch to the other ranks as bytes
+(a length, then a uint8 tensor: no pickle). Every rank then runs the same
+step. The loop, as the algorithm reads:
+
+    batch = next batch in stream order          (rank 0; then broadcast)
+    metrics = trainer.train_step(batch)
+    every publish_every steps:
+        save weights → <weights_root>/<run>/v000012/ (atomic, sha256 manifest)
+        checkpoint (model, optimizer, schedule, RNG, stream position)
+        publish WeightsPublished                (rank 0)
+
+Position. The checkpoint records the stream sequence of the last batch
+trained; on restart the trainer reads from the next one, so no batch is
+trained twice and none is skipped, whatever the consumer's ack state. The
+checkpoint is written before the weights are announced, so a restart never
+announces a version whose weights it then trains again; a version that was
+saved and checkpointed but not yet announced is announced at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proto.chunking import Reassembler
+from proto.codec import decode, encode
+from proto.errors import ProtocolError
+from proto.messages import TrainBatch as WireBatch
+from proto.messages import WeightsPublished
+from proto.streams import stream_name
+from proto.subjects import Subjects
+from services.common.errors import FlywheelError
+from services.common.lifecycle import ServiceContext
+from services.common.msgloop import REASON_HEADER, dead_letter
+from services.common.publish import publish
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.distributed import DistInfo
+from services.trainer.service_settings import TrainerSettings
+from services.trainer.trainer import Trainer
+from services.trainer.wire import batch_stats, to_core_batch
+
+log = logging.getLogger(__name__)
+
+STOP = -1  # broadcast length that tells the other ranks to stop
+
+
+class BatchStreamError(FlywheelError, RuntimeError):
+    """The batch stream skips a step: training it would break the run's order."""
+
+
+def version_dir(root: Path, run: str, version: int) -> Path:
+    return root / run / f"v{version:06d}"
+
+
+# ── rank 0 → all ranks ───────────────────────────────────────────────────────
+def broadcast_bytes(data: bytes | None, info: DistInfo) -> bytes | None:
+    """Rank 0's `data` on every rank (None = stop). Plain tensors, no pickle."""
+    if not info.distributed:
+        return data
+    import torch.distributed as dist
+
+    dev = info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    n = torch.tensor([STOP if data is None else len(data)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src=0)
+    size = int(n.item())
+    if size == STOP:
+        return None
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        if info.is_main and data is not None
+        else torch.empty(size, dtype=torch.uint8, device=dev)
+    )
+    dist.broadcast(buf, src=0)
+    return data if info.is_main else bytes(buf.cpu().numpy().tobytes())
+
+
+# ── one step, on every rank ──────────────────────────────────────────────────
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    published: Path | None  # the new weights directory, if this step published
+    sha256: str = ""
+    size_bytes: int = 0
+    compute_s: float = 0.0
+    publish_s: float = 0.0
+
+
+def train_one(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:
+    """Train `batch` (stream sequence `seq`) and, when due, save weights + checkpoint."""
+    started = time.perf_counter()
+    metrics = trainer.train_step(to_core_batch(batch))
+    trainer.weight_version = trainer.step
+    result = StepResult(metrics, None, compute_s=time.perf_counter() - started)
+    if trainer.step % s.publish_every == 0:
+        t = time.perf_counter()
+        out = version_dir(s.weights_root, s.run, trainer.weight_version)
+        manifest = trainer.save_weights(out, overwrite=True)
+        save_checkpoint(trainer, s.checkpoint_dir, {"seq": seq, "batch_id": batch.batch_id})
+        if trainer.info.is_main:
+            prune_checkpoints(s.checkpoint_dir, s.keep_checkpoints)
+        result.published = out
+        if manifest is not None:
+            result.sha256, result.size_bytes = manifest.sha256, manifest.total_bytes
+        result.publish_s = time.perf_counter() - t
+    return result
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=False)
+
+
+def follower_loop(trainer: Trainer, s: TrainerSettings) -> None:
+    """Ranks > 0: train whatever rank 0 broadcasts until it says stop."""
+    while (data := broadcast_bytes(None, trainer.info)) is not None:
+        batch = decode(data, WireBatch)
+        train_one(trainer, s, batch, seq=-1)
+
+
+# ── rank 0: reading batches ──────────────────────────────────────────────────
+class BatchReader:
+    """TrainBatches in stream order from `start_seq`, reassembled, validated, gap-checked."""
+
+    def __init__(self, ctx: ServiceContext, run: str, start_seq: int) -> None:
+        self.ctx = ctx
+        self.run = run
+        self.start_seq = max(1, start_seq)
+        self.subjects = Subjects(run)
+        self.reassembler = Reassembler()
+        self.sub: Any = None
+
+    async def open(self) -> None:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        cfg = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.start_seq,
+            ack_policy=AckPolicy.EXPLICIT,
+            inactive_threshold=300.0,
+            max_ack_pending=64,
+        )
+        self.sub = await self.ctx.js.pull_subscribe(
+            self.subjects.batches, durable=None, stream=stream_name(self.run, "BATCHES"), config=cfg
+        )
+
+    async def next(self, step: int, stop: asyncio.Event) -> tuple[WireBatch, int] | None:
+        """The batch for `step` and its (last) stream sequence; None once stopped."""
+        from nats.errors import TimeoutError as NatsTimeout
+
+        while not stop.is_set():
+            try:
+                msgs = await self.sub.fetch(1, timeout=1.0)
+            except (TimeoutError, NatsTimeout):
+                continue
+            msg = msgs[0]
+            await msg.ack()
+            try:
+                whole = self.reassembler.feed(msg.data)
+                if whole is None:
+                    continue
+                batch = decode(whole, WireBatch)
+            except ProtocolError as e:
+                await self._dead_letter(msg, e)
+                continue
+            if batch.step < step:
+                log.info("trainer: skipping batch %d (already trained)", batch.step)
+                continue
+            if batch.step > step:
+                raise BatchStreamError(f"expected batch {step}, the stream has {batch.step}")
+            return batch, msg.metadata.sequence.stream
+        return None
+
+    async def _dead_letter(self, msg: Any, e: ProtocolError) -> None:
+        meta = msg.metadata
+        _, data = dead_letter(
+            run=self.run, reason=e.reason, error=str(e), subject=msg.subject, payload=msg.data,
+            service="trainer", delivered=meta.num_delivered, max_payload=self.ctx.max_payload,
+            where=f"stream {meta.stream} seq {meta.sequence.stream}",
+        )  # fmt: skip
+        log.warning("trainer: dead-lettering batch-stream message %d: %s", meta.sequence.stream, e)
+        await self.ctx.js.publish(
+            self.subjects.dlq(e.reason),
+            data,
+            headers={REASON_HEADER: e.reason, "Nats-Msg-Id": f"dlq:trainer:{meta.sequence.stream}"},
+        )
+
+
+# ── metrics ──────────────────────────────────────────────────────────────────
+GAUGES = {
+    "loss": "Policy loss of the last step.",
+    "reward_mean": "Mean reward of the last batch.",
+    "kl_ref": "KL to the reference model (configured estimator), last step.",
+    "approx_kl": "Approximate KL between the policy and the old policy.",
+    "entropy": "Mean token entropy of the last step.",
+    "clip_frac_low": "Fraction of tokens clipped below.",
+    "clip_frac_high": "Fraction of tokens clipped above.",
+    "ratio": "Mean importance ratio.",
+    "ratio_max": "Max importance ratio.",
+    "grad_norm": "Gradient norm before clipping.",
+    "lr": "Learning rate of the last step.",
+    "staleness_max": "Largest step − sample version in the last batch.",
+    "response_tokens_mean": "Mean response length of the last batch.",
+    "eval_accuracy": "Held-out greedy exact-match accuracy (last evaluation).",
+}
+
+
+class TrainerMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.gauges = {
+            k: Gauge(f"flywheel_trainer_{k}", doc, registry=r) for k, doc in GAUGES.items()
+        }
+        self.step = Gauge("flywheel_trainer_step", "Optimizer steps done.", registry=r)
+        self.version = Gauge("flywheel_trainer_weight_version", "Newest version.", registry=r)
+        self.phase = Counter(
+            "flywheel_trainer_phase_seconds",
+            "Wall time by phase: waiting for data, compute, publishing.", ["phase"], registry=r,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            "flywheel_trainer_step_seconds", "Compute time of one optimizer step.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r,
+        )  # fmt: skip
+        self.tokens = Counter("flywheel_trainer_tokens", "Tokens trained on.", registry=r)
+        self.samples = Counter("flywheel_trainer_samples", "Samples trained on.", registry=r)
+        self.tokens_per_s = Gauge(
+            "flywheel_trainer_tokens_per_second", "Compute tokens/s of the last step.", registry=r
+        )
+        self.idle = Gauge("flywheel_trainer_idle_fraction",
+                          "Fraction of wall time spent waiting for data since start.",
+                          registry=r)  # fmt: skip
+
+
+# ── the service body (rank 0) ────────────────────────────────────────────────
+class TrainerService:
+    def __init__(self, ctx: ServiceContext, s: TrainerSettings, trainer: Trainer, seq: int):
+        self.ctx, self.s, self.trainer = ctx, s, trainer
+        self.subjects = Subjects(s.run)
+        self.metrics = TrainerMetrics(ctx.registry)
+        self.reader = BatchReader(ctx, s.run, seq + 1)
+        self.waited = 0.0
+        self.busy = 0.0
+        self.started = time.time()
+
+    async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
+        msg = WeightsPublished(
+            run=self.s.run, version=version, step=self.trainer.step,
+            uri=path.resolve().as_uri(), sha256=sha256, size_bytes=size, published_at=time.time(),
+        )  # fmt: skip
+        await publish(self.ctx.js, self.subjects.weights_published, msg, self.ctx.max_payload)
+        log.info("trainer: published v%d (%s)", version, path)
+
+    async def announce_pending(self) -> None:
+        """After a restart: announce the checkpointed version if it never was."""
+        from services.common.weights import WeightsError, read_manifest
+
+        v = self.trainer.weight_version
+        if v == 0:
+            return
+        path = version_dir(self.s.weights_root, self.s.run, v)
+        try:
+            m = read_manifest(path)
+        except WeightsError as e:
+            log.warning("trainer: cannot re-announce v%d: %s", v, e)
+            return
+        await self.announce(v, path, m.sha256, m.total_bytes)  # same id: stored once
+
+    def record(self, batch: WireBatch, r: StepResult, waited: float) -> dict[str, Any]:
+        stats = batch_stats(batch)
+        row: dict[str, Any] = {
+            "step": self.trainer.step, "time": time.time(), "elapsed": time.time() - self.started,
+            **stats, **r.metrics, "wait_s": waited, "compute_s": r.compute_s,
+            "publish_s": r.publish_s,
+        }  # fmt: skip
+        for k, g in self.metrics.gauges.items():
+            if k in row:
+                g.set(float(row[k]))
+        m = self.metrics
+        m.step.set(self.trainer.step)
+        m.version.set(self.trainer.weight_version)
+        m.phase.labels(phase="wait").inc(waited)
+        m.phase.labels(phase="compute").inc(r.compute_s)
+        m.phase.labels(phase="publish").inc(r.publish_s)
+        m.step_seconds.observe(r.compute_s)
+        m.tokens.inc(stats["tokens"])
+        m.samples.inc(stats["samples"])
+        m.tokens_per_s.set(stats["tokens"] / max(r.compute_s, 1e-9))
+        self.waited += waited
+        self.busy += r.compute_s + r.publish_s
+        m.idle.set(self.waited / max(self.waited + self.busy, 1e-9))
+        row["idle_fraction"] = self.waited / max(self.waited + self.busy, 1e-9)
+        return row
+
+    def evaluate(self, path: Path) -> float:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from services.common.arithmetic import problem
+        from services.trainer.evaluate import exact_match_accuracy
+
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        problems = [
+            problem(self.s.eval_seed, i, self.s.eval_digits) for i in range(self.s.eval_size)
+        ]
+        return exact_match_accuracy(
+            model, tok, problems, max_new_tokens=self.s.eval_max_new_tokens
+        ).accuracy
+
+    def write_row(self, row: dict[str, Any]) -> None:
+        if self.s.metrics_file is None:
+            return
+        self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.s.metrics_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    async def run(self) -> None:
+        await self.reader.open()
+        await self.announce_pending()
+        if self.s.eval_every and self.trainer.step == 0:
+            acc = await asyncio.to_thread(self.evaluate, self.s.model)
+            self.metrics.gauges["eval_accuracy"].set(acc)
+            self.write_row({"step": 0, "time": time.time(), "elapsed": 0.0, "eval_accuracy": acc})
+            log.info("trainer: held-out accuracy at start %.3f", acc)
+        self.ctx.readiness.ok("trainer")
+        while not self.ctx.stop.is_set():
+            if self.s.max_steps is not None and self.trainer.step >= self.s.max_steps:
+                log.info("trainer: reached max_steps=%d", self.s.max_steps)
+                break
+            t = time.perf_counter()
+            got = await self.reader.next(self.trainer.step, self.ctx.stop)
+            if got is None:
+                break
+            batch, seq = got
+            waited = time.perf_counter() - t
+            data = encode(batch, max_payload=None)
+            r = await asyncio.to_thread(self._step, data, batch, seq)
+            row = self.record(batch, r, waited)
+            if r.published is not None:
+                await self.announce(self.trainer.weight_version, r.published, r.sha256,
+                                    r.size_bytes)  # fmt: skip
+                if self.s.eval_every and self.trainer.step % self.s.eval_every == 0:
+                    row["eval_accuracy"] = await asyncio.to_thread(self.evaluate, r.published)
+                    self.metrics.gauges["eval_accuracy"].set(row["eval_accuracy"])
+            self.write_row(row)
+            log.info(
+                "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs%s",
+                self.trainer.step, row.get("loss", float("nan")), row["reward_mean"], waited,
+                r.compute_s,
+                f" acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else "",
+            )  # fmt: skip
+
+    def _step(self, data: bytes, batch: WireBatch, seq: int) -> StepResult:
+        broadcast_bytes(data, self.trainer.info)
+        return train_one(self.trainer, self.s, batch, seq)
+
+
+def make_body(trainer: Trainer, seq: int):
+    async def body(ctx: ServiceContext) -> None:
+        settings = ctx.settings
+        assert isinstance(settings, TrainerSettings)
+        try:
+            await TrainerService(ctx, settings, trainer, seq).run()
+        finally:
+            with contextlib.suppress(RuntimeError):  # followers may already be gone
+                broadcast_bytes(None, trainer.info)
+
+    return body
+
+
+def load_trainer(s: TrainerSettings, info: DistInfo) -> tuple[Trainer, int]:
+    """The trainer, restored from the newest checkpoint if any, and its stream position."""
+    trainer = Trainer.from_pretrained(s.model, s.train_config(), info)
+    seq = 0
+    ckpt = latest_checkpoint(s.checkpoint_dir)
+    if ckpt is not None:
+        pos = load_checkpoint(trainer, ckpt)
+        seq = int(pos.get("seq", 0))
+        log.info("trainer: resumed from %s (step %d, stream seq %d)", ckpt, trainer.step, seq)
+    return trainer, seq

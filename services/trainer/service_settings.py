@@ -1,0 +1,45 @@
+"""Settings of the RL trainer service (`[trainer]` in the run file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
+from services.trainer.core.config import LossConfig
+
+
+class TrainerSettings(ServiceSettings):
+    section: ClassVar[str] = "trainer"
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_TRAINER_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    model: Path = Field(Path("runs/demo/model"), description="Initial policy (HF directory).")
+    weights_root: Path = Field(
+        Path("runs/weights"), description="Published weights go to <root>/<run>/v000012/."
+    )
+    checkpoint_dir: Path = Field(Path("runs/checkpoints"), description="Trainer checkpoints.")
+    publish_every: int = Field(1, ge=1, description="Publish weights every this many steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many steps (None: run until stopped)."
+    )
+    loss: LossConfig = Field(default_factory=LossConfig)  # type: ignore[arg-type]
+    optim: OptimConfig = Field(default_factory=OptimConfig)  # type: ignore[arg-type]
+    runtime: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    eval_every: int = Field(
+        0, ge=0, description="Held-out greedy accuracy every this many steps (0: never)."
+    )
+    eval_size: int = Field(200, ge=1, description="Held-out arithmetic problems per evaluation.")
+    eval_seed: int = Field(1_000_003, description="Seed of the held-out problems.")
+    eval_digits: int = Field(2, ge=1, le=9, description="Operand digits of held-out problems.")
+    eval_max_new_tokens: int = Field(8, ge=1, description="Greedy decode length in evaluation.")
+    metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime)

@@ -1,0 +1,51 @@
+"""Wire → tensors: a proto TrainBatch as the trainer core's TrainBatch. Pure."""
+
+from __future__ import annotations
+
+import torch
+
+from proto.messages import FinishReason, unpack_f32, unpack_i32, unpack_u8
+from proto.messages import TrainBatch as WireBatch
+from services.trainer.core.batching import BatchError, TrainBatch
+
+
+def to_core_batch(batch: WireBatch) -> TrainBatch:
+    """Flatten groups into samples; samples of one group share a group id (0, 1, …)."""
+    temps = {g.temperature for g in batch.groups}
+    if len(temps) != 1:
+        raise BatchError(f"batch {batch.batch_id} mixes temperatures {sorted(temps)}",
+                         field="temperature")  # fmt: skip
+    prompt, response, logprobs, masks, rewards, groups, truncated = [], [], [], [], [], [], []
+    for gi, g in enumerate(batch.groups):
+        for s in g.samples:
+            prompt.append(torch.from_numpy(unpack_i32(s.prompt_ids).astype("int64")))
+            response.append(torch.from_numpy(unpack_i32(s.response_ids).astype("int64")))
+            logprobs.append(torch.from_numpy(unpack_f32(s.logprobs).copy()))
+            masks.append(torch.from_numpy(unpack_u8(s.loss_mask).astype("int64")))
+            rewards.append(s.reward)
+            groups.append(gi)
+            truncated.append(s.finish_reason == FinishReason.LENGTH)
+    return TrainBatch(
+        prompt_ids=prompt,
+        response_ids=response,
+        rollout_logprobs=logprobs,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_ids=torch.tensor(groups, dtype=torch.int64),
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+        loss_mask=masks,
+        temperature=temps.pop(),
+    )
+
+
+def batch_stats(batch: WireBatch) -> dict[str, float]:
+    """What the batch itself says: reward, lengths, staleness (for metrics)."""
+    samples = [s for g in batch.groups for s in g.samples]
+    n = len(samples)
+    return {
+        "reward_mean": sum(s.reward for s in samples) / n,
+        "response_tokens_mean": sum(s.num_response_tokens for s in samples) / n,
+        "truncated_frac": sum(s.finish_reason == FinishReason.LENGTH for s in samples) / n,
+        "staleness_max": float(max(batch.step - s.weight_version for s in samples)),
+        "samples": float(n),
+        "tokens": float(sum(len(s.prompt_ids) // 4 + s.num_response_tokens for s in samples)),
+    }
