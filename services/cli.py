@@ -13,13 +13,18 @@ from collections.abc import Callable, Sequence
 
 # name -> (entry point, one-line help). Keep sorted by how a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
     "init-model": (
         "services.trainer.cli:init_model_main",
         "write a tiny model directory (char tokenizer + small Qwen2)",
     ),
     "sft": ("services.trainer.cli:sft_main", "supervised fine-tuning from JSONL"),
-    "engine": ("services.rollout.engine.cli:main", "run the CPU engine server (SGLang API)"),
     "nats": ("services.common.nats_cli:main", "run an embedded nats-server with JetStream"),
+    "engine": ("services.rollout.engine.__main__:main", "run the CPU engine server (SGLang API)"),
+    "rollout": ("services.rollout.cli:main", "run a rollout worker (beside one engine)"),
+    "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),
+    "trainer": ("services.trainer.service_main:main", "run the RL trainer service"),
+    "sync": ("services.sync.cli:main", "run the weight-sync service"),
 }
 
 

@@ -1,0 +1,105 @@
+"""`flywheel up -c run.toml`: the whole run as supervised local processes.
+
+Starts the embedded nats-server (unless the run file points at an external
+one), then engines, rollout workers, sync, trainer and buffer in readiness
+order (`[stack] services` picks a subset, as Kubernetes pods would), shows
+a status line every few seconds, and stops everything on Ctrl-C, on
+`--steps N` reached, or when a service dies and may not be restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from services.common.errors import ConfigError
+from services.common.settings import load_settings, render
+from services.stack.settings import StackSettings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flywheel up", description=__doc__.split("\n\n")[0])
+    p.add_argument("-c", "--config", required=True, help="TOML run file")
+    p.add_argument("--steps", type=int, help="stop once the trainer has done this many steps")
+    p.add_argument("--quiet", action="store_true", help="service output to log files only")
+    p.add_argument("--print-config", action="store_true", help="print [stack] settings and exit")
+    return p
+
+
+async def up(s: StackSettings, config: Path, *, steps: int | None, quiet: bool) -> int:
+    from services.common.nats_server import NatsServer
+    from services.stack.plan import plan
+    from services.stack.status import render_line, scrape, summarise
+    from services.stack.supervisor import StackError, Supervisor
+
+    run_dir = s.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    nats: NatsServer | None = None
+    url = s.nats.url
+    if s.embedded_nats:
+        nats = NatsServer(port=s.nats_port, store_dir=run_dir / "nats").start()
+        url = nats.url
+        print(f"flywheel up: embedded nats-server at {url} (store {run_dir / 'nats'})")
+    specs = plan(s, config.resolve(), url, free_port)
+    sup = Supervisor(
+        specs, run_dir / "logs", on_failure=s.on_failure, max_restarts=s.max_restarts,
+        ready_timeout_s=s.ready_timeout_s, stop_grace_s=s.stop_grace_s,
+        console=None if quiet else sys.stdout,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    status_file = run_dir / "status.log"
+    try:
+        await sup.start_all()
+        print(f"flywheel up: all services ready; logs in {run_dir / 'logs'}")
+        watcher = asyncio.create_task(sup.watch(stop))
+        urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
+        before = None
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), s.status_interval_s)
+            now = summarise(await scrape(urls))
+            line = render_line(now, before)
+            before = now
+            print(f"flywheel up: {line}", flush=True)
+            with status_file.open("a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            if steps is not None and now.step is not None and now.step >= steps:
+                print(f"flywheel up: reached {steps} steps; stopping")
+                stop.set()
+        await watcher
+    except StackError as e:
+        print(f"flywheel up: {e}", file=sys.stderr)
+        sup.failed = str(e)
+    finally:
+        await sup.stop_all()
+        if nats is not None:
+            nats.close()
+    return 1 if sup.failed else 0
+
+
+def up_main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = load_settings(StackSettings, args.config)
+    except ConfigError as e:
+        print(f"flywheel up: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(render(settings))
+        return 0
+    return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -1,0 +1,99 @@
+"""The live status view of `flywheel up`: scrape every service's /metrics, summarise.
+
+Pure parts (`parse`, `summarise`, `render_line`) are tested without a
+stack; `scrape` is one HTTP GET per service.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse(text: str) -> Samples:
+    """Prometheus text → {sample name: [(labels, value), …]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = defaultdict(list)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name].append((dict(s.labels), float(s.value)))
+    return dict(out)
+
+
+def value(samples: Samples, name: str, default: float | None = None, **labels: str) -> float | None:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    rows = [
+        v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())
+    ]
+    return sum(rows) if rows else default
+
+
+@dataclass
+class Status:
+    step: int | None = None
+    reward: float | None = None
+    accuracy: float | None = None
+    staleness: float | None = None
+    idle: float | None = None
+    samples_total: float = 0.0
+    engines: dict[str, int] = field(default_factory=dict)  # engine id → version
+    tasks_in_flight: float | None = None
+    dead_letters: float = 0.0
+    at: float = field(default_factory=time.time)
+
+
+def summarise(by_service: dict[str, Samples]) -> Status:
+    st = Status()
+    for name, s in by_service.items():
+        if name.startswith("trainer"):
+            step = value(s, "flywheel_trainer_step")
+            st.step = int(step) if step is not None else None
+            st.reward = value(s, "flywheel_trainer_reward_mean")
+            st.accuracy = value(s, "flywheel_trainer_eval_accuracy")
+            st.staleness = value(s, "flywheel_trainer_staleness_max")
+            st.idle = value(s, "flywheel_trainer_idle_fraction")
+        elif name.startswith("rollout"):
+            st.samples_total += value(s, "flywheel_rollout_samples_total", 0.0) or 0.0
+        elif name.startswith("sync"):
+            for labels, v in s.get("flywheel_sync_engine_version", []):
+                st.engines[labels.get("engine", "?")] = int(v)
+        elif name.startswith("buffer"):
+            st.tasks_in_flight = value(s, "flywheel_buffer_tasks_in_flight")
+        st.dead_letters += value(s, "flywheel_messages_dead_lettered_total", 0.0) or 0.0
+    return st
+
+
+def render_line(now: Status, before: Status | None) -> str:
+    rate = None
+    if before is not None and now.at > before.at:
+        rate = (now.samples_total - before.samples_total) / (now.at - before.at)
+
+    def f(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    engines = " ".join(f"{k}=v{v}" for k, v in sorted(now.engines.items())) or "-"
+    return (
+        f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
+        f"| staleness {f(now.staleness, '.0f')} | samples/s {f(rate, '.1f')} "
+        f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
+        f"| dead letters {now.dead_letters:.0f} | engines {engines}"
+    )
+
+
+async def scrape(urls: dict[str, str], timeout_s: float = 2.0) -> dict[str, Samples]:
+    import aiohttp
+
+    out: dict[str, Samples] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        for name, url in urls.items():
+            try:
+                async with session.get(url) as r:
+                    if r.status == 200:
+                        out[name] = parse(await r.text())
+            except (aiohttp.ClientError, TimeoutError):
+                continue  # a service that is restarting: shown as missing this round
+    return out
