@@ -26,3 +26,28 @@ class ConfigError(FlywheelError, ValueError):
 
 class NatsServerError(FlywheelError, RuntimeError):
     """The embedded nats-server could not be found or started."""
+
+
+class RetryableError(FlywheelError, RuntimeError):
+    """A transient failure handling a message: redeliver it later (nak with a delay).
+
+    `delay_s` overrides the message loop's backoff (e.g. "the engine is
+    loading weights, retry in 5 s"). After the consumer's max_deliver the
+    message is dead-lettered instead.
+    """
+
+    def __init__(self, message: str, *, delay_s: float | None = None) -> None:
+        self.delay_s = delay_s
+        super().__init__(message)
+
+
+class PermanentError(FlywheelError, ValueError):
+    """A message that can never be handled (e.g. a sample older than the staleness bound).
+
+    The message loop dead-letters it to `flywheel.<run>.dlq.<reason>` and
+    terminates it; `reason` is a subject token (`[A-Za-z0-9_-]`).
+    """
+
+    def __init__(self, message: str, *, reason: str = "rejected") -> None:
+        self.reason = reason
+        super().__init__(message)

@@ -1,0 +1,96 @@
+"""`flywheel nats`: run an embedded nats-server in the foreground for the local stack.
+
+The default port (4222) and URL match `NatsSettings.url`'s default, so the
+services of a local stack find it without configuration. The store directory
+persists between runs, so streams (and their unconsumed messages) survive a
+restart of the local stack, as they would with a real deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from services.common.errors import NatsServerError
+from services.common.nats_server import NatsServer
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flywheel nats", description="Run a nats-server with JetStream for the local stack."
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=4222,
+        help="client port; 0 picks a free one (default: %(default)s)",
+    )
+    p.add_argument(
+        "--monitor-port",
+        type=int,
+        default=8222,
+        help="HTTP monitoring port (/varz, /jsz); 0 picks a free one (default: %(default)s)",
+    )
+    p.add_argument(
+        "--store-dir",
+        type=Path,
+        default=Path(".flywheel/nats"),
+        help="JetStream store directory (default: %(default)s)",
+    )
+    p.add_argument("--config", type=Path, default=None, help="extra nats-server config file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run until SIGINT/SIGTERM (or until the server dies). Returns an exit code."""
+    args = parser().parse_args(argv)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    server = NatsServer(
+        host=args.host,
+        port=args.port,
+        monitor_port=args.monitor_port,
+        store_dir=args.store_dir,
+        config=args.config,
+    )
+    try:
+        return _serve(server, args.store_dir, stop)
+    finally:
+        server.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _serve(server: NatsServer, store_dir: Path, stop: threading.Event) -> int:
+    try:
+        server.start()
+    except NatsServerError as e:
+        print(f"flywheel nats: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(
+        f"nats-server ready at {server.url} (monitoring {server.monitor_url}, "
+        f"store {store_dir}); Ctrl-C stops it",
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        if not server.running:
+            print(
+                f"flywheel nats: nats-server exited; log tail:\n{server.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,382 @@
+"""NATS connection and JetStream setup, from typed settings and proto's stream data.
+
+Connecting. Start-up order in Kubernetes is arbitrary, so the first connect
+retries with capped exponential backoff (`connect_backoff`) for
+`settings.connect_attempts` attempts, logging each failure; an
+authorization failure is not retried (it will not fix itself). Each start-up
+attempt runs with reconnection off, so a dead server fails the attempt at
+once instead of looping inside nats-py; once connected, reconnection is
+switched on (forever, every `RECONNECT_WAIT_S`) so a running service rides
+out a NATS restart, with every disconnect/reconnect logged and `/readyz`
+reporting "disconnected" meanwhile.
+
+Streams and consumers are created idempotently: created when missing,
+updated when their config differs from proto's, left alone when equal. So
+every service can ensure the streams it uses at start-up, in any order,
+any number of times, and a changed definition in proto rolls out by
+restarting services. A change the server refuses in place (storage type,
+retention to/from work-queue) is a `StreamConfigError` naming the fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from services.common.errors import ConfigError, FlywheelError
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+    from nats.js.api import ConsumerConfig, StreamConfig
+
+    from proto.streams import ConsumerSpec, StreamSpec
+    from services.common.settings import NatsSettings
+
+log = logging.getLogger(__name__)
+
+RECONNECT_WAIT_S = 1.0
+"""Pause between reconnect attempts of a running service."""
+
+BACKOFF_BASE_S = 0.1
+BACKOFF_CAP_S = 5.0
+
+
+class NatsConnectError(FlywheelError, ConnectionError):
+    """NATS could not be reached within the configured attempts (or refused our credentials)."""
+
+    def __init__(self, message: str, *, url: str, attempts: int) -> None:
+        self.url = url
+        self.attempts = attempts
+        super().__init__(message)
+
+
+class StreamConfigError(FlywheelError, RuntimeError):
+    """The server refused to create or update a stream/consumer to proto's definition."""
+
+    def __init__(self, message: str, *, name: str, diff: dict[str, tuple[Any, Any]]) -> None:
+        self.name = name
+        self.diff = diff
+        super().__init__(message)
+
+
+def connect_backoff(
+    attempt: int, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S
+) -> float:
+    """Seconds to wait after failed attempt `attempt` (1-based): base·2^(n-1), capped.
+
+    0.1, 0.2, 0.4, … 5, 5, …: 30 attempts cover about two minutes, long
+    enough for a nats-server pod to be scheduled and start.
+    """
+    return min(cap_s, base_s * 2.0 ** (attempt - 1))
+
+
+def tls_context(settings: NatsSettings) -> ssl.SSLContext | None:
+    """An SSL context when TLS is configured (a CA, a client cert, or a tls:// URL)."""
+    wants_tls = settings.tls_ca or settings.tls_cert or settings.url.startswith("tls://")
+    if not wants_tls:
+        return None
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ConfigError("[nats] tls_cert and tls_key must be given together")
+    ctx = ssl.create_default_context(
+        ssl.Purpose.SERVER_AUTH, cafile=str(settings.tls_ca) if settings.tls_ca else None
+    )
+    if settings.tls_cert and settings.tls_key:
+        ctx.load_cert_chain(str(settings.tls_cert), str(settings.tls_key))
+    return ctx
+
+
+def auth_options(settings: NatsSettings) -> dict[str, Any]:
+    """nats-py keyword arguments for the configured credentials (none by default)."""
+    opts: dict[str, Any] = {}
+    if settings.user is not None or settings.password is not None:
+        if settings.user is None or settings.password is None:
+            raise ConfigError("[nats] user and password must be given together")
+        opts["user"], opts["password"] = settings.user, settings.password
+    if settings.token is not None:
+        opts["token"] = settings.token
+    if settings.creds_file is not None or settings.nkeys_seed is not None:
+        try:
+            import nkeys  # noqa: F401  (nats-py needs it for JWT/nkey auth)
+        except ImportError as e:
+            raise ConfigError(
+                "[nats] creds_file / nkeys_seed need the `nkeys` package: "
+                "pip install 'nats-py[nkeys]'"
+            ) from e
+        if settings.creds_file is not None:
+            opts["user_credentials"] = str(settings.creds_file)
+        if settings.nkeys_seed is not None:
+            opts["nkeys_seed"] = str(settings.nkeys_seed)
+    return opts
+
+
+def _callbacks(name: str) -> dict[str, Any]:
+    async def on_error(e: Exception) -> None:
+        log.warning("nats[%s]: %s: %s", name, type(e).__name__, e)
+
+    async def on_disconnected() -> None:
+        log.warning("nats[%s]: disconnected", name)
+
+    async def on_reconnected() -> None:
+        log.info("nats[%s]: reconnected", name)
+
+    async def on_closed() -> None:
+        log.info("nats[%s]: connection closed", name)
+
+    return {
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnected,
+        "reconnected_cb": on_reconnected,
+        "closed_cb": on_closed,
+    }
+
+
+async def connect(settings: NatsSettings, name: str) -> Client:
+    """Connect to NATS with start-up retries; see the module docstring."""
+    from nats.aio.client import Client
+    from nats.errors import Error as NatsError
+
+    servers = [u.strip() for u in settings.url.split(",") if u.strip()]
+    opts: dict[str, Any] = {
+        "servers": servers,
+        "name": name,
+        "connect_timeout": settings.connect_timeout_s,
+        "tls": tls_context(settings),
+        # One start-up attempt = one quick pass over the servers: nats-py's
+        # server selection retries a server until it has failed more than
+        # max_reconnect_attempts times (and forever for -1), without waiting
+        # when reconnect_time_wait is 0. Our loop below does the backoff.
+        "allow_reconnect": False,
+        "max_reconnect_attempts": 1,
+        "reconnect_time_wait": 0,
+        **auth_options(settings),
+        **_callbacks(name),
+    }
+    last: Exception | None = None
+    for attempt in range(1, settings.connect_attempts + 1):
+        nc = Client()
+        try:
+            await nc.connect(**opts)
+        except (OSError, TimeoutError, NatsError) as e:
+            await _discard(nc)
+            if _is_auth_error(e):
+                raise NatsConnectError(
+                    f"NATS at {settings.url} refused the credentials: {e}",
+                    url=settings.url,
+                    attempts=attempt,
+                ) from e
+            last = e
+            if attempt < settings.connect_attempts:
+                delay = connect_backoff(attempt)
+                log.warning(
+                    "nats[%s]: connect attempt %d/%d to %s failed (%s: %s); retrying in %.1fs",
+                    name,
+                    attempt,
+                    settings.connect_attempts,
+                    settings.url,
+                    type(e).__name__,
+                    e,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+            continue
+        _ride_out_restarts(nc)
+        log.info(
+            "nats[%s]: connected to %s", name, nc.connected_url.netloc if nc.connected_url else "?"
+        )
+        return nc
+    raise NatsConnectError(
+        f"cannot connect to NATS at {settings.url} after {settings.connect_attempts} attempts: "
+        f"{type(last).__name__}: {last}",
+        url=settings.url,
+        attempts=settings.connect_attempts,
+    ) from last
+
+
+def _is_auth_error(e: Exception) -> bool:
+    # nats-py raises a plain nats.errors.Error for the server's -ERR during
+    # the CONNECT handshake, so the typed AuthorizationError is not enough.
+    from nats.errors import AuthorizationError
+
+    return isinstance(e, AuthorizationError) or "authorization violation" in str(e).lower()
+
+
+def _ride_out_restarts(nc: Client) -> None:
+    """Switch a connected client to reconnect forever, every RECONNECT_WAIT_S.
+
+    nats-py reads these options at each disconnect (Client._process_op_err,
+    _select_next_server), so setting them after the initial connect is
+    enough. The server-restart integration test guards this against a
+    nats-py upgrade.
+    """
+    nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = RECONNECT_WAIT_S
+
+
+async def _discard(nc: Client) -> None:
+    from nats.errors import ConnectionClosedError
+
+    if not nc.is_closed:
+        try:
+            await nc.close()
+        except ConnectionClosedError:
+            log.debug("discarded a half-open NATS client")
+
+
+def server_max_payload(nc: Client, override: int | None = None) -> int:
+    """The largest message the server accepts; `override` may only lower it."""
+    server = int(nc.max_payload)
+    return min(server, override) if override else server
+
+
+# --- streams and consumers -------------------------------------------------
+
+
+def stream_config(spec: StreamSpec) -> StreamConfig:
+    """nats-py's StreamConfig for a proto StreamSpec."""
+    from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy(spec.retention),
+        storage=StorageType(spec.storage),
+        max_age=spec.max_age_s,
+        duplicate_window=spec.duplicate_window_s,
+        max_msg_size=spec.max_msg_size,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+    )
+
+
+def consumer_config(spec: ConsumerSpec) -> ConsumerConfig:
+    """nats-py's ConsumerConfig for a proto ConsumerSpec (durable, pull, explicit ack)."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    return ConsumerConfig(
+        name=spec.durable,
+        durable_name=spec.durable,
+        filter_subject=spec.filter_subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=spec.ack_wait_s,
+        max_deliver=spec.max_deliver,
+        max_ack_pending=spec.max_ack_pending,
+        backoff=list(spec.backoff_s) or None,
+    )
+
+
+_STREAM_FIELDS = (
+    "subjects",
+    "retention",
+    "storage",
+    "max_age",
+    "duplicate_window",
+    "max_msg_size",
+    "max_msgs_per_subject",
+)
+_CONSUMER_FIELDS = ("filter_subject", "ack_wait", "max_deliver", "max_ack_pending", "backoff")
+
+
+def _norm(value: Any) -> Any:
+    # The server reports durations in ns, nats-py converts to float seconds;
+    # round so 7 days == 604800.000000001 compares equal.
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, list | tuple):
+        return [_norm(v) for v in value]
+    if hasattr(value, "value"):  # enums
+        return value.value
+    return value
+
+
+def config_diff(want: Any, have: Any, fields: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+    """Fields whose desired value differs from the server's: name → (want, have).
+
+    Pure; `want`/`have` are nats-py config objects (or anything with those
+    attributes). An empty backoff and a missing one are the same.
+    """
+    diff: dict[str, tuple[Any, Any]] = {}
+    for f in fields:
+        w, h = _norm(getattr(want, f, None)), _norm(getattr(have, f, None))
+        if f == "backoff":
+            w, h = w or None, h or None
+        if w != h:
+            diff[f] = (w, h)
+    return diff
+
+
+@dataclass(frozen=True)
+class Ensured:
+    """What ensure_* did: "created", "updated" or "unchanged"."""
+
+    name: str
+    action: str
+    diff: dict[str, tuple[Any, Any]]
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Ensured:
+    """Create the stream, or update it if its config differs from `spec`."""
+    from nats.js.errors import APIError, NotFoundError
+
+    want = stream_config(spec)
+    try:
+        info = await js.stream_info(spec.name)
+    except NotFoundError:
+        try:
+            await js.add_stream(want)
+        except APIError as e:
+            raise StreamConfigError(
+                f"cannot create stream {spec.name}: {e.description}", name=spec.name, diff={}
+            ) from e
+        log.info("stream %s created (%s)", spec.name, ", ".join(spec.subjects))
+        return Ensured(spec.name, "created", {})
+    diff = config_diff(want, info.config, _STREAM_FIELDS)
+    if not diff:
+        return Ensured(spec.name, "unchanged", {})
+    try:
+        await js.update_stream(want)
+    except APIError as e:
+        raise StreamConfigError(
+            f"cannot update stream {spec.name} in place ({e.description}); differing: {diff}. "
+            "Delete the stream (losing its messages) or keep its old definition.",
+            name=spec.name,
+            diff=diff,
+        ) from e
+    log.info("stream %s updated: %s", spec.name, diff)
+    return Ensured(spec.name, "updated", diff)
+
+
+async def ensure_streams(js: JetStreamContext, specs: Iterable[StreamSpec]) -> list[Ensured]:
+    return [await ensure_stream(js, s) for s in specs]
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> Ensured:
+    """Create the durable pull consumer, or update it if its config differs."""
+    from nats.js.errors import APIError, NotFoundError
+
+    want = consumer_config(spec)
+    try:
+        info = await js.consumer_info(spec.stream, spec.durable)
+    except NotFoundError:
+        info = None
+    diff = {} if info is None else config_diff(want, info.config, _CONSUMER_FIELDS)
+    if info is not None and not diff:
+        return Ensured(spec.durable, "unchanged", {})
+    try:
+        # CONSUMER.CREATE without an action is create-or-update on the server.
+        await js.add_consumer(spec.stream, want)
+    except APIError as e:
+        raise StreamConfigError(
+            f"cannot create/update consumer {spec.durable} on {spec.stream}: {e.description}; "
+            f"differing: {diff}",
+            name=spec.durable,
+            diff=diff,
+        ) from e
+    action = "created" if info is None else "updated"
+    log.info("consumer %s/%s %s %s", spec.stream, spec.durable, action, diff or "")
+    return Ensured(spec.durable, action, diff)
