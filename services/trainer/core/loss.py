@@ -1,0 +1,220 @@
+"""The policy loss: PPO-clip family, aggregation, KL, entropy, TIS.
+
+Per token t of sample i (only tokens with loss mask 1 count):
+
+    r_t     = exp(logp_t - old_t)                         (PPO, token ratio)
+    r_t     = sg[exp(mean_{t∈i}(logp - old))] · exp(logp_t - sg[logp_t])
+                                                           (GSPO, Zheng et al. 2025, §4:
+                                                            sequence ratio, value s_i,
+                                                            gradient s_i·∇logp_t)
+    pg_t    = max(-A_i r_t, -A_i clip(r_t, 1 - eps_low, 1 + eps_high))
+                                                           (Schulman et al. 2017, with
+                                                            DAPO's decoupled clip,
+                                                            Yu et al. 2025)
+    pg_t    = min(pg_t, -c A_i)  if A_i < 0               (dual-clip, Ye et al. 2020)
+    pg_t   *= min(exp(old_t - mu_t), C)                   (TIS, Yao et al. 2025; only
+                                                            when `old` was recomputed by
+                                                            the trainer and mu is the
+                                                            engine's rollout logprob)
+    kl_t    = k(logp_t, ref_t)                            (k1/k2/k3 below)
+    l_t     = pg_t + kl_coef · kl_t - entropy_coef · H_t
+
+and the loss is sum_{i,t} w_{i,t} l_t with aggregation weights w (see
+`sample_weights`). Writing aggregation as fixed per-token weights computed
+from the *whole* batch is what makes gradient accumulation exact: a
+micro-batch contributes sum(w · l) over its own tokens, and the sum over
+micro-batches (and ranks) is the full-batch loss, for every mode.
+
+KL estimators of KL(pi || ref) from samples of pi, with log ρ = ref - logp
+(Schulman 2020, "Approximating KL Divergence"):
+    k1 = -log ρ,   k2 = ½ (log ρ)²,   k3 = (ρ - 1) - log ρ   (unbiased, ≥ 0).
+
+Log-ratios are clamped to ±20 before exp so one wild token cannot overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.trainer.core.config import AggregationMode, KlEstimator, LossConfig
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def sample_weights(
+    lengths: torch.Tensor, mode: AggregationMode, norm_tokens: int | None = None
+) -> torch.Tensor:
+    """Per-sample weight of each loss token, from loss-token counts `lengths` [N].
+
+    token-mean:               w_i = 1 / sum_j L_j
+    seq-mean-token-mean:      w_i = 1 / (L_i · S)
+    seq-mean-token-sum-norm:  w_i = 1 / (norm · S)     (norm: `norm_tokens` or max_j L_j)
+
+    S counts samples with at least one loss token; samples with none get 0.
+    Returns [N] float64 (summing many small weights in float32 drifts).
+    """
+    lengths = lengths.double()
+    active = lengths > 0
+    num_seqs = active.sum().clamp(min=1)
+    if mode == "token-mean":
+        w = torch.full_like(lengths, 1.0) / lengths.sum().clamp(min=1)
+    elif mode == "seq-mean-token-mean":
+        w = 1.0 / (lengths.clamp(min=1) * num_seqs)
+    elif mode == "seq-mean-token-sum-norm":
+        norm = float(norm_tokens) if norm_tokens is not None else lengths.max().clamp(min=1)
+        w = torch.full_like(lengths, 1.0) / (norm * num_seqs)
+    else:
+        raise ValueError(f"unknown aggregation mode {mode!r}")
+    return torch.where(active, w, torch.zeros_like(w))
+
+
+def token_weights(mask: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
+    """Per-token weights [B, T] from a 0/1 mask [B, T] and sample weights [B]."""
+    return mask.float() * per_sample.to(torch.float32).unsqueeze(-1)
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: AggregationMode,
+    norm_tokens: int | None = None,
+) -> torch.Tensor:
+    """Aggregate per-token `values` [B, T] over loss tokens `mask` [B, T] into a scalar."""
+    w = token_weights(mask, sample_weights(mask.float().sum(-1), mode, norm_tokens))
+    return (values * w).sum()
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) (shapes [B, T])."""
+    log_rho = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return -log_rho
+    if estimator == "k2":
+        return 0.5 * log_rho**2
+    if estimator == "k3":
+        return torch.exp(log_rho) - 1 - log_rho
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def importance_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, sequence_level: bool
+) -> torch.Tensor:
+    """pi / pi_old per token [B, T]; GSPO's sequence ratio when `sequence_level`."""
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    if sequence_level:
+        m = mask.float()
+        seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = seq.detach() + logprobs - logprobs.detach()  # value s_i, grad s_i·∇logp
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = None,
+) -> torch.Tensor:
+    """Per-token PPO-clip loss (to minimise) with clip-higher and optional dual-clip."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip_c is not None:
+        capped = torch.minimum(loss, -advantages * dual_clip_c)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss
+
+
+@dataclass
+class LossOutput:
+    """One micro-batch's loss and its metric contributions.
+
+    `loss` is already weighted for the whole batch (sum it over micro-batches
+    and ranks). `sums` are sums over loss tokens (divide by the batch's total
+    `tokens`), `parts` are weighted loss components (sum them), `maxes` are
+    maxima (max them).
+    """
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxes: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> LossOutput:
+    """The RL loss of one micro-batch. All tensors are [B, T] over target positions.
+
+    logprobs: current policy (requires grad); old_logprobs: the ratio's
+    denominator; advantages: per-sample advantage broadcast over tokens;
+    mask: 1 on loss tokens; weights: aggregation weights (`token_weights`),
+    0 off the mask; rollout_logprobs: the engine's logprobs (TIS when
+    cfg.old_logprobs == 'recompute'); ref_logprobs: the frozen reference
+    (needed when cfg.kl_coef > 0); entropy: per-token entropy (metric; a
+    bonus when cfg.entropy_coef > 0, then it must carry gradient).
+    """
+    m = mask.float()
+    old = old_logprobs.detach()
+    ratio = importance_ratio(logprobs, old, m, sequence_level=cfg.policy_loss == "gspo")
+    pg = clipped_surrogate(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
+
+    r = ratio.detach()
+    on = m > 0
+    neg, pos = advantages < 0, advantages > 0
+    sums = {
+        "ratio": (r * m).sum(),
+        "clip_frac_low": ((r < 1 - cfg.eps_low) & neg & on).float().sum(),
+        "clip_frac_high": ((r > 1 + cfg.eps_high) & pos & on).float().sum(),
+        # k3 of the update itself: how far pi moved from pi_old on these tokens.
+        "approx_kl": (kl_penalty(logprobs.detach(), old, "k3") * m).sum(),
+    }
+    if cfg.dual_clip_c is not None:
+        sums["dual_clip_frac"] = ((r > cfg.dual_clip_c) & neg & on).float().sum()
+
+    if cfg.old_logprobs == "recompute" and cfg.tis_cap is not None:
+        if rollout_logprobs is None:
+            raise ValueError("TIS needs rollout_logprobs when old_logprobs='recompute'")
+        log_w = (old - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        tis = torch.exp(log_w).clamp(max=cfg.tis_cap)  # [B, T], no gradient
+        pg = pg * tis
+        sums["tis_weight"] = (tis * m).sum()
+        sums["tis_clip_frac"] = ((torch.exp(log_w) > cfg.tis_cap) & on).float().sum()
+
+    total = pg
+    parts = {"pg_loss": (pg * weights).sum().detach()}
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
+        total = total + cfg.kl_coef * kl
+        parts["kl_loss"] = (kl * weights).sum().detach()
+        sums["kl_ref"] = (kl.detach() * m).sum()
+    if entropy is not None:
+        sums["entropy"] = (entropy.detach() * m).sum()
+        if cfg.entropy_coef > 0:
+            total = total - cfg.entropy_coef * entropy
+            parts["entropy_bonus"] = (entropy * weights).sum().detach()
+
+    masked_ratio = torch.where(on, r, torch.zeros_like(r))
+    return LossOutput(
+        loss=(total * weights).sum(),
+        tokens=m.sum(),
+        sums=sums,
+        parts=parts,
+        maxes={"ratio_max": masked_ratio.max() if r.numel() else r.new_zeros(())},
+    )

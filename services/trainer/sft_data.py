@@ -1,0 +1,147 @@
+"""SFT data: JSONL reading and tokenisation, and the arithmetic data generator.
+
+Two record shapes, one per line:
+
+- chat: {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
+  rendered with the tokenizer's chat template; only assistant turns are
+  trained on. A turn's span is found in the rendered *text* (the template
+  applied to the conversation so far, with the generation prompt, is a
+  prefix of the template applied through that turn) and mapped to tokens
+  by their character offsets, so any template and any fast tokenizer work
+  without re-tokenising prefixes.
+- completion: {"prompt": "...", "completion": "..."}; the completion and an
+  EOS token are trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.arithmetic import problem
+from services.common.errors import FlywheelError
+from services.trainer.trainer import SftExample
+
+
+class SftDataError(FlywheelError, ValueError):
+    """A JSONL record is malformed; names the file and line."""
+
+    def __init__(self, message: str, *, path: Path, line: int):
+        super().__init__(f"{path}:{line}: {message}")
+        self.path = path
+        self.line = line
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    p = Path(path)
+    with open(p) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SftDataError(f"invalid JSON: {e}", path=p, line=n) from e
+            if not isinstance(rec, dict):
+                raise SftDataError("a record must be a JSON object", path=p, line=n)
+            yield n, rec
+
+
+def _assistant_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple]]:
+    """Rendered text of the conversation and the character spans of assistant turns."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        start_text = (
+            tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            if i
+            else ""
+        )
+        if not upto.startswith(start_text) or not text.startswith(upto):
+            raise ValueError("chat template is not prefix-stable; cannot locate assistant turn")
+        spans.append((len(start_text), len(upto)))
+    return text, spans
+
+
+def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]]) -> SftExample:
+    text, spans = _assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [
+        1 if any(s <= start < e for s, e in spans) and end > start else 0
+        for start, end in enc["offset_mapping"]
+    ]
+    return SftExample(torch.tensor(enc["input_ids"]), torch.tensor(mask))
+
+
+def tokenize_completion(tokenizer: Any, prompt: str, completion: str) -> SftExample:
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return SftExample(torch.tensor(p + c), torch.tensor([0] * len(p) + [1] * len(c)))
+
+
+def load_sft_file(path: str | Path, tokenizer: Any, max_len: int | None = None) -> list[SftExample]:
+    """Tokenised examples of a JSONL file (chat or prompt/completion records)."""
+    out = []
+    for n, rec in read_jsonl(path):
+        try:
+            if "messages" in rec:
+                ex = tokenize_chat(tokenizer, rec["messages"])
+            elif "prompt" in rec and "completion" in rec:
+                ex = tokenize_completion(tokenizer, str(rec["prompt"]), str(rec["completion"]))
+            else:
+                raise ValueError("need 'messages' or 'prompt' and 'completion'")
+        except (ValueError, TypeError, KeyError) as e:
+            raise SftDataError(str(e), path=Path(path), line=n) from e
+        if max_len is not None:
+            ex = SftExample(ex.input_ids[:max_len], ex.loss_mask[:max_len])
+        if int(ex.loss_mask[1:].sum()) == 0:
+            continue  # nothing to learn from (e.g. truncated away)
+        out.append(ex)
+    if not out:
+        raise SftDataError("no trainable examples", path=Path(path), line=0)
+    return out
+
+
+def add_without_carry(a: int, b: int) -> int:
+    """Digit-wise sum mod 10 (the classic 'forgot to carry' mistake): 58 + 67 -> 15."""
+    result, place = 0, 1
+    while a or b:
+        result += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return result
+
+
+def arithmetic_records(
+    n: int, seed: int, *, digits: int = 2, corrupt_fraction: float = 0.0, start: int = 0
+) -> Iterator[dict[str, str]]:
+    """prompt/completion records of problems start..start+n of `seed`.
+
+    With `corrupt_fraction` p, each record's answer is replaced with
+    probability p by the sum without carries (unchanged where nothing
+    carries): a warm start that is plausible but wrong, for RL to repair.
+    """
+    rng = random.Random(f"corrupt:{seed}")
+    for i in range(start, start + n):
+        pr = problem(seed, i, digits)
+        answer = pr.answer
+        if corrupt_fraction > 0 and rng.random() < corrupt_fraction:
+            a, b = (int(x) for x in pr.prompt.rstrip("=").split("+"))
+            answer = str(add_without_carry(a, b))
+        yield {"prompt": pr.prompt, "completion": answer}
+
+
+def write_arithmetic_jsonl(path: str | Path, n: int, seed: int, **kwargs: Any) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w") as f:
+        for rec in arithmetic_records(n, seed, **kwargs):
+            f.write(json.dumps(rec) + "\n")
+    return p

@@ -1,0 +1,307 @@
+"""The `Trainer`: model + optimizer + LR schedule, and one optimizer step per batch.
+
+`train_step` is the RL algorithm in a screenful: advantages from rewards,
+per-token aggregation weights from the whole batch, this rank's share in
+micro-batches, optional recomputation of the old and reference logprobs,
+loss and backward per micro-batch, clip, step. `sft_step` is the same
+machinery with the negative log-likelihood.
+
+Exact accumulation across micro-batches *and ranks*: each micro-batch's loss
+is sum(w · l) with weights that already normalise by the global batch, so
+the per-rank sums add up to the full-batch loss. FSDP2 *averages* gradients
+over ranks in its reduce-scatter; the backward therefore uses
+loss × world_size, making the reduced gradient the sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.weights import Manifest, write_weights_dir
+from services.trainer.config import TrainConfig
+from services.trainer.core.advantages import compute_advantages
+from services.trainer.core.batching import (
+    MetricAccumulator,
+    TrainBatch,
+    collate,
+    layout_sample,
+    plan_micro_batches,
+    shard_for_ranks,
+)
+from services.trainer.core.logprobs import token_entropy, token_logprobs
+from services.trainer.core.loss import LossOutput, policy_loss, sample_weights
+from services.trainer.core.schedule import lr_multiplier
+from services.trainer.distributed import DistInfo, all_reduce, barrier
+from services.trainer.model import load_model, load_tokenizer, prepare_model
+
+Row = dict[str, torch.Tensor]
+MicroBatch = dict[str, torch.Tensor]
+
+
+@dataclass
+class SftExample:
+    """One supervised sequence: token ids and a per-token 0/1 loss mask on the same ids."""
+
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] 0/1, 1 where the token is a training target
+
+
+class Trainer:
+    """Holds the state that training changes; everything else is a function."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        cfg: TrainConfig,
+        info: DistInfo,
+        ref_model: torch.nn.Module | None = None,
+    ):
+        self.model, self.tokenizer, self.cfg, self.info = model, tokenizer, cfg, info
+        self.ref_model = ref_model
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_multiplier(
+                s,
+                warmup_steps=o.warmup_steps,
+                total_steps=o.total_steps,
+                kind=o.schedule,
+                min_lr_ratio=o.min_lr_ratio,
+            ),
+        )
+        self.step = 0
+        self.weight_version = 0
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, cfg: TrainConfig, info: DistInfo | None = None
+    ) -> Trainer:
+        """Load policy (and reference, when kl_coef > 0) from a local HF dir and shard them."""
+        info = info or DistInfo()
+        m = cfg.model
+        if m.cpu_threads is not None and info.device.type == "cpu":
+            torch.set_num_threads(m.cpu_threads)
+        torch.manual_seed(m.seed)
+        model = prepare_model(
+            load_model(model_dir),
+            info,
+            activation_checkpointing=m.activation_checkpointing,
+            mixed_precision=m.mixed_precision,
+        )
+        ref = None
+        if cfg.loss.kl_coef > 0:
+            ref = prepare_model(
+                load_model(model_dir), info, mixed_precision=m.mixed_precision, trainable=False
+            )
+        return cls(model, load_tokenizer(model_dir), cfg, info, ref)
+
+    # ---- the algorithm -------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on an RL batch; returns batch-level metrics (same on all ranks)."""
+        batch.validate()
+        rows = self._rl_rows(batch)
+        micro = self._micro_batches(rows)
+        if self.cfg.loss.old_logprobs == "recompute":
+            self._fill_logprobs(micro, "old_logprobs", self.model, batch.temperature)
+        if self.ref_model is not None:
+            self._fill_logprobs(micro, "ref_logprobs", self.ref_model, batch.temperature)
+        t = batch.temperature
+        return self._accumulate_and_step(micro, lambda mb: self._rl_loss(mb, t))
+
+    def sft_step(self, examples: list[SftExample]) -> dict[str, float]:
+        """One optimizer step of token-mean negative log-likelihood over `examples`."""
+        micro = self._micro_batches(self._sft_rows(examples))
+        return self._accumulate_and_step(micro, self._sft_loss)
+
+    @torch.no_grad()
+    def sft_eval_loss(self, examples: list[SftExample]) -> float:
+        """Token-mean NLL of `examples` without updating (same on all ranks)."""
+        self.model.eval()
+        acc = MetricAccumulator()
+        for mb in self._micro_batches(self._sft_rows(examples)):
+            acc.add(self._sft_loss(mb))
+        self.model.train()
+        return self._reduce(acc)["loss"]
+
+    # ---- batch preparation (pure given the batch) ----------------------------------
+
+    def _rl_rows(self, batch: TrainBatch) -> list[Row]:
+        lc = self.cfg.loss
+        adv = compute_advantages(
+            batch.rewards.float(),
+            batch.group_ids,
+            lc.advantage,
+            lc.advantage_eps,
+            lc.batch_normalize_advantages,
+        )  # [N]
+        masks = []
+        for i in range(len(batch)):
+            r = batch.response_ids[i].numel()
+            m = batch.loss_mask[i].float() if batch.loss_mask is not None else torch.ones(r)
+            if lc.drop_truncated and bool(batch.truncated[i]):
+                m = torch.zeros(r)
+            masks.append(m)
+        w = sample_weights(
+            torch.tensor([float(m.sum()) for m in masks]), lc.aggregation, lc.norm_tokens
+        )  # [N]
+        rows = []
+        for i in range(len(batch)):
+            m = masks[i]
+            per_token = {
+                "loss_mask": m,
+                "weights": m * float(w[i]),
+                "advantages": torch.full_like(m, float(adv[i])),
+                "rollout_logprobs": batch.rollout_logprobs[i].float(),
+            }
+            rows.append(layout_sample(batch.prompt_ids[i], batch.response_ids[i], per_token))
+        return rows
+
+    def _sft_rows(self, examples: list[SftExample]) -> list[Row]:
+        # Target position j predicts token j + 1, so the mask shifts by one.
+        masks = [e.loss_mask[1:].float() for e in examples]
+        w = sample_weights(torch.tensor([float(m.sum()) for m in masks]), "token-mean")
+        return [
+            {"input_ids": e.input_ids.long(), "loss_mask": m, "weights": m * float(w[i])}
+            for i, (e, m) in enumerate(zip(examples, masks, strict=True))
+        ]
+
+    def _micro_batches(self, rows: list[Row]) -> list[MicroBatch]:
+        """This rank's rows in micro-batches; every rank gets the same count (FSDP needs it)."""
+        lengths = [r["input_ids"].numel() for r in rows]
+        mine = shard_for_ranks(lengths, self.info.world_size)[self.info.rank]
+        plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.model.micro_batch_tokens)
+        micro = [collate([rows[mine[j]] for j in group], self.pad_id) for group in plan]
+        count = int(all_reduce(torch.tensor([len(micro)]), self.info, "max").item())
+        while len(micro) < count:  # a zero-weight row keeps the collectives in step
+            micro.append(self._dummy_micro_batch(rows[0]))
+        return micro
+
+    def _dummy_micro_batch(self, template: Row) -> MicroBatch:
+        row = {"input_ids": torch.full((2,), self.pad_id, dtype=torch.long)}
+        row.update(
+            {k: torch.zeros(1, dtype=v.dtype) for k, v in template.items() if k != "input_ids"}
+        )
+        return collate([row], self.pad_id)
+
+    # ---- forward / loss ----------------------------------------------------------
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        dev = self.info.device
+        out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev))
+        return out.logits[:, :-1]  # [B, T-1, V]: position j predicts token j + 1
+
+    @torch.no_grad()
+    def _fill_logprobs(
+        self, micro: list[MicroBatch], key: str, model: torch.nn.Module, temperature: float
+    ) -> None:
+        for mb in micro:
+            logits = self._logits(model, mb)
+            mb[key] = token_logprobs(logits, mb["targets"].to(logits.device), temperature).cpu()
+
+    def _rl_loss(self, mb: MicroBatch, temperature: float) -> LossOutput:
+        dev = self.info.device
+        logits = self._logits(self.model, mb)
+        logp = token_logprobs(logits, mb["targets"].to(dev), temperature)  # [B, T-1]
+        entropy = token_entropy(logits, temperature)
+        if self.cfg.loss.entropy_coef == 0:
+            entropy = entropy.detach()
+        on = {k: v.to(dev) for k, v in mb.items()}
+        old = (
+            on["old_logprobs"]
+            if self.cfg.loss.old_logprobs == "recompute"
+            else on["rollout_logprobs"]
+        )
+        return policy_loss(
+            logp,
+            old,
+            on["advantages"],
+            on["loss_mask"],
+            on["weights"],
+            self.cfg.loss,
+            rollout_logprobs=on["rollout_logprobs"],
+            ref_logprobs=on.get("ref_logprobs"),
+            entropy=entropy,
+        )
+
+    def _sft_loss(self, mb: MicroBatch) -> LossOutput:
+        dev = self.info.device
+        logits = self._logits(self.model, mb)
+        logp = token_logprobs(logits, mb["targets"].to(dev))  # [B, T-1]
+        w, m = mb["weights"].to(dev), mb["loss_mask"].to(dev)
+        return LossOutput(loss=-(logp * w).sum(), tokens=m.sum())
+
+    def _accumulate_and_step(
+        self, micro: list[MicroBatch], loss_fn: Callable[[MicroBatch], LossOutput]
+    ) -> dict[str, float]:
+        self.model.train()
+        acc = MetricAccumulator()
+        for mb in micro:
+            out = loss_fn(mb)
+            (out.loss * self.info.world_size).backward()
+            acc.add(out)
+        grad_norm = self._clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {**self._reduce(acc), "grad_norm": grad_norm, "lr": lr, "step": self.step}
+
+    def _clip_grad_norm(self) -> float:
+        max_norm = self.cfg.optim.grad_clip or float("inf")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _reduce(self, acc: MetricAccumulator) -> dict[str, float]:
+        summed, maxed, sk, mk = acc.as_tensors()
+        summed = all_reduce(summed, self.info, "sum")
+        maxed = all_reduce(maxed, self.info, "max")
+        return acc.finalize(summed, maxed, sk, mk)
+
+    # ---- weights out -------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded model state on CPU, on rank 0 only (None elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return sd if self.info.is_main else None
+
+    def save_weights(self, out_dir: str | Path, *, overwrite: bool = False) -> Manifest | None:
+        """Write an HF directory (config, safetensors, generation config, tokenizer) atomically.
+
+        Every rank must call it (the gather is a collective); rank 0 writes
+        and returns the manifest, the others return None after it is done.
+        """
+        sd = self.full_state_dict()
+        manifest = None
+        if self.info.is_main:
+            assert sd is not None
+
+            def write(tmp: Path) -> None:
+                self.model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+
+            manifest = write_weights_dir(out_dir, write, overwrite=overwrite)
+        barrier(self.info)
+        return manifest

@@ -1,0 +1,36 @@
+"""Run under torchrun by test_fsdp.py: one train step with FSDP2, then save weights.
+
+argv: MODEL_DIR OUT_DIR CONFIG_JSON. Writes OUT_DIR/metrics.json (rank 0),
+OUT_DIR/weights (HF dir gathered on rank 0) and OUT_DIR/ckpt (DCP, all ranks).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from trainer_helpers import random_batch
+
+from services.trainer.checkpoint import save_checkpoint
+from services.trainer.config import TrainConfig
+from services.trainer.distributed import init_distributed, shutdown
+from services.trainer.trainer import Trainer
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    cfg = TrainConfig.model_validate_json(sys.argv[3])
+    info = init_distributed()
+    trainer = Trainer.from_pretrained(model_dir, cfg, info)
+    metrics = trainer.train_step(random_batch(seed=1))
+    trainer.save_weights(out / "weights")
+    save_checkpoint(trainer, out / "ckpt", {"seq": 7})
+    if info.is_main:
+        (out / "metrics.json").write_text(json.dumps(metrics))
+    shutdown(info)
+
+
+if __name__ == "__main__":
+    main()

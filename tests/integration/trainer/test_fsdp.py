@@ -1,0 +1,72 @@
+"""FSDP2 under torchrun (2 ranks, gloo, CPU) equals one process on the same batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import random_batch
+
+from services.common.weights import verify_weights_dir
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
+from services.trainer.core.config import LossConfig
+from services.trainer.trainer import Trainer
+
+HERE = Path(__file__).resolve().parent
+CFG = TrainConfig(
+    loss=LossConfig(
+        old_logprobs="recompute",
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        aggregation="seq-mean-token-mean",
+        eps_high=0.28,
+    ),
+    optim=OptimConfig(lr=1e-3, grad_clip=1.0),
+    model=ModelConfig(micro_batch_tokens=24),
+)
+
+
+def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HERE / "fsdp_worker.py"),
+        str(tiny_model_dir),
+        str(tmp_path),
+        CFG.model_dump_json(),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    single = Trainer.from_pretrained(tiny_model_dir, CFG)
+    want = single.train_step(random_batch(seed=1))
+    got = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("loss", "pg_loss", "kl_loss", "entropy", "tokens", "grad_norm", "ratio_max"):
+        assert abs(got[key] - want[key]) < 1e-5, (key, got[key], want[key])
+
+    verify_weights_dir(tmp_path / "weights")
+    fsdp_weights = load_file(tmp_path / "weights" / "model.safetensors")
+    ref = single.model.state_dict()
+    assert set(fsdp_weights) <= set(ref) and len(fsdp_weights) > 10
+    for name, tensor in fsdp_weights.items():
+        torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)
+    moved = max(
+        float((ref[n] - t).abs().max())
+        for n, t in load_file(tiny_model_dir / "model.safetensors").items()
+    )
+    assert moved > 1e-4  # the step really changed the weights
+
+    # The 2-rank DCP checkpoint loads into one process (resharding) with the same weights.
+    resumed = Trainer.from_pretrained(tiny_model_dir, CFG)
+    pos = load_checkpoint(resumed, latest_checkpoint(tmp_path / "ckpt"))
+    assert pos == {"seq": 7} and resumed.step == 1
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)

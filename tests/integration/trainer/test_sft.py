@@ -1,0 +1,107 @@
+"""SFT end to end: `flywheel sft` (sft_main in a subprocess) on arithmetic, then accuracy."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.common.arithmetic import problem
+from services.common.weights import verify_weights_dir
+from services.trainer.evaluate import exact_match_accuracy
+from services.trainer.model import load_model, load_tokenizer
+from services.trainer.sft_data import (
+    SftDataError,
+    arithmetic_records,
+    load_sft_file,
+    tokenize_chat,
+)
+
+# Measured on the shared 2-core box (45 s budget, <= 900 steps): 10.6% to 26.3% held-out
+# exact match depending on load
+# (random init: 0%). The threshold leaves room for a slower machine.
+MIN_ACCURACY = 0.04
+
+
+def test_sft_learns_arithmetic(tiny_model_dir, tmp_path):
+    held_out = [problem(1, i) for i in range(400)]
+    banned = {p.prompt for p in held_out}
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for rec in arithmetic_records(20_000, seed=0):
+            if rec["prompt"] not in banned:
+                f.write(json.dumps(rec) + "\n")
+    with open(tmp_path / "eval.jsonl", "w") as f:
+        for p in held_out[:128]:
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": p.prompt},
+                            {"role": "assistant", "content": p.answer},
+                        ]
+                    }
+                )
+                + "\n"
+            )
+    (tmp_path / "run.toml").write_text(f"""
+[sft]
+model_dir = "{tiny_model_dir}"
+train_file = "{tmp_path / "train.jsonl"}"
+eval_file = "{tmp_path / "eval.jsonl"}"
+output_dir = "{tmp_path / "out"}"
+steps = 900
+max_time_s = 45
+batch_size = 32
+log_every = 300
+progress = false
+
+[sft.optim]
+lr = 3e-3
+warmup_steps = 20
+schedule = "cosine"
+min_lr_ratio = 0.05
+
+[sft.model]
+cpu_threads = 1
+""")
+    code = "import sys; from services.trainer.cli import sft_main; sys.exit(sft_main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "-c", str(tmp_path / "run.toml")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved" in proc.stdout
+
+    verify_weights_dir(tmp_path / "out")
+    tok = load_tokenizer(tmp_path / "out")
+    result = exact_match_accuracy(load_model(tmp_path / "out"), tok, held_out)
+    print(
+        f"held-out exact match: {result.accuracy:.3f} ({result.correct}/{result.total})",
+        result.samples,
+    )
+    assert result.accuracy >= MIN_ACCURACY, result
+    # the untrained model is at chance on the same problems
+    base = exact_match_accuracy(load_model(tiny_model_dir), tok, held_out[:100])
+    assert base.accuracy < 0.02
+
+
+def test_chat_records_train_only_assistant_turns(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    ex = tokenize_chat(
+        tok,
+        [
+            {"role": "user", "content": "1+2="},
+            {"role": "assistant", "content": "3"},
+            {"role": "user", "content": "4+4="},
+            {"role": "assistant", "content": "8"},
+        ],
+    )
+    text = [tok.decode([int(t)]) for t in ex.input_ids]
+    trained = [t for t, m in zip(text, ex.loss_mask.tolist(), strict=True) if m]
+    assert trained == ["3", tok.eos_token, "8", tok.eos_token]
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"bad": 1}\n')
+    with pytest.raises(SftDataError) as e:
+        load_sft_file(tmp_path / "d.jsonl", tok)
+    assert e.value.line == 2

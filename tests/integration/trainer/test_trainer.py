@@ -1,0 +1,109 @@
+"""The single-process Trainer: exact micro-batching, weights out, resume, load errors."""
+
+import pytest
+import torch
+from trainer_helpers import random_batch
+
+from services.common.weights import verify_weights_dir
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
+from services.trainer.core.config import LossConfig
+from services.trainer.model import ModelLoadError, load_model
+from services.trainer.trainer import Trainer
+
+
+def _cfg(budget=100_000, **loss):
+    return TrainConfig(
+        loss=LossConfig(**loss),
+        optim=OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=6),
+        model=ModelConfig(micro_batch_tokens=budget),
+    )
+
+
+def _grads(trainer):
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {"aggregation": "token-mean"},
+        {"aggregation": "seq-mean-token-sum-norm", "policy_loss": "gspo", "eps_low": 3e-4},
+        {"aggregation": "seq-mean-token-mean", "old_logprobs": "recompute", "drop_truncated": True},
+    ],
+)
+def test_micro_batching_gives_the_full_batch_gradient(tiny_model_dir, loss):
+    big = Trainer.from_pretrained(tiny_model_dir, _cfg(**loss))
+    small = Trainer.from_pretrained(tiny_model_dir, _cfg(budget=12, **loss))
+    batch = random_batch(seed=3)
+    big_mb = big._micro_batches(big._rl_rows(batch))
+    small_mb = small._micro_batches(small._rl_rows(batch))
+    assert len(big_mb) == 1 and len(small_mb) >= 5
+    totals = []
+    for t, micro in ((big, big_mb), (small, small_mb)):
+        if t.cfg.loss.old_logprobs == "recompute":
+            t._fill_logprobs(micro, "old_logprobs", t.model, batch.temperature)
+        total = 0.0
+        for mb in micro:
+            out = t._rl_loss(mb, batch.temperature)
+            out.loss.backward()
+            total += float(out.loss.detach())
+        totals.append(total)
+    assert totals[1] == pytest.approx(totals[0], abs=1e-6)
+    gb, gs = _grads(big), _grads(small)
+    assert sum(float(g.abs().sum()) for g in gb.values()) > 0
+    for name in gb:
+        torch.testing.assert_close(gs[name], gb[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_save_weights_is_a_loadable_verified_hf_dir(tiny_model_dir, tmp_path):
+    trainer = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    trainer.train_step(random_batch())
+    manifest = trainer.save_weights(tmp_path / "v1")
+    names = {f.name for f in manifest.files}
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= names
+    assert "tokenizer.json" in names
+    assert verify_weights_dir(tmp_path / "v1").sha256 == manifest.sha256
+    reloaded = load_model(tmp_path / "v1").state_dict()
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(reloaded[name], tensor), name
+
+
+def test_load_errors_are_typed(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        load_model(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError) as e:
+        load_model(tmp_path / "bad")
+    assert e.value.path == tmp_path / "bad"
+
+
+def test_resume_equals_never_stopping(tiny_model_dir, tmp_path):
+    n, k = 4, 2
+    batches = [random_batch(seed=10 + i) for i in range(n)]
+
+    straight = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    want = [straight.train_step(b) for b in batches]
+
+    first = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    for b in batches[:k]:
+        first.train_step(b)
+    first.weight_version = 5
+    save_checkpoint(first, tmp_path, {"stream_seq": 41})
+    del first
+
+    resumed = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    position = load_checkpoint(resumed, latest_checkpoint(tmp_path))
+    assert position == {"stream_seq": 41}
+    assert (resumed.step, resumed.weight_version) == (k, 5)
+    got = [resumed.train_step(b) for b in batches[k:]]
+    for g, w in zip(got, want[k:], strict=True):
+        assert g["lr"] == w["lr"] and g["step"] == w["step"]
+        assert abs(g["loss"] - w["loss"]) < 1e-6
+    ref = straight.model.state_dict()
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, ref[name], atol=1e-6, rtol=0, msg=name)
