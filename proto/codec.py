@@ -138,8 +138,8 @@ def message_id(msg: Message) -> str | None:
     duplicate window, which is what makes at-least-once publishing safe.
     """
     match msg:
-        case PromptTask():
-            return f"{msg.task_id}:a{msg.attempt}"
+        case PromptTask():  # not its group's id: ids must be unique across types
+            return f"task:{msg.task_id}:a{msg.attempt}"
         case SampleGroup():
             return msg.group_id
         case Sample():

@@ -62,7 +62,7 @@ from services.buffer.sources import (
 )
 from services.common.errors import ConfigError, PermanentError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery, MessageLoop
+from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
 
@@ -371,16 +371,10 @@ async def body(ctx: ServiceContext) -> None:
     svc = BufferService(ctx, settings, await open_kv(ctx, settings.run))
     await svc.restore()
     svc._update_gauges()
-    common = {
-        "run": settings.run,
-        "service": "buffer",
-        "registry": ctx.registry,
-        "max_payload": ctx.max_payload,
-    }
-    loops = [
-        MessageLoop(ctx.js, consumers["buffer"], SampleGroup, svc.on_group, **common),
-        MessageLoop(ctx.js, consumers["buffer-ready"], WeightsReady, svc.on_ready, **common),
-        MessageLoop(ctx.js, consumers["buffer-dlq"], DeadLetter, svc.on_dead_letter, **common),
-    ]
+    groups = ctx.message_loop(consumers["buffer"], SampleGroup, svc.on_group)
+    ready = ctx.message_loop(consumers["buffer-ready"], WeightsReady, svc.on_ready)
+    dead = ctx.message_loop(consumers["buffer-dlq"], DeadLetter, svc.on_dead_letter)
     ctx.readiness.ok("buffer")
-    await asyncio.gather(*(loop.run(ctx.stop) for loop in loops), svc.dispatch_loop(ctx.stop))
+    await asyncio.gather(
+        groups.run(ctx.stop), ready.run(ctx.stop), dead.run(ctx.stop), svc.dispatch_loop(ctx.stop)
+    )

@@ -99,7 +99,7 @@ class ReasoningGymSource:
     @classmethod
     def load(cls, name: str, size: int, seed: int) -> ReasoningGymSource:
         try:
-            import reasoning_gym  # type: ignore[import-not-found]
+            import reasoning_gym
         except ImportError as e:
             raise ConfigError("source 'reasoning_gym' needs `pip install reasoning-gym`") from e
         data = reasoning_gym.create_dataset(name, size=size, seed=seed)

@@ -70,7 +70,7 @@ class ServiceSettings(BaseSettings):
     run: str = Field(
         "demo", pattern=r"^[A-Za-z0-9_-]+$", description="Run name; namespaces every subject."
     )
-    nats: NatsSettings = Field(default_factory=NatsSettings)  # type: ignore[arg-type]
+    nats: NatsSettings = Field(default_factory=NatsSettings)
     metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics and /healthz.")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of /metrics and /healthz; 0 picks a free port."

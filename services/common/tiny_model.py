@@ -86,7 +86,6 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> 
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config)

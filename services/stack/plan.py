@@ -77,20 +77,21 @@ def plan(
         env = {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(weights)}
         specs.append(service("sync", "sync", _py("services.sync", "-c", str(config)), env))
     if "trainer" in s.services:
+        trainer_argv: tuple[str, ...]
         if s.trainer_nproc > 1:
-            argv: tuple[str, ...] = (
+            trainer_argv = (
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={s.trainer_nproc}", "-m", "services.trainer", "-c", str(config),
             )  # fmt: skip
         else:
-            argv = _py("services.trainer", "-c", str(config))
+            trainer_argv = _py("services.trainer", "-c", str(config))
         env = {
             "FLYWHEEL_TRAINER_MODEL": str(s.model),
             "FLYWHEEL_TRAINER_WEIGHTS_ROOT": str(weights),
             "FLYWHEEL_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
             "FLYWHEEL_TRAINER_METRICS_FILE": str(run_dir / "metrics.jsonl"),
         }
-        specs.append(service("trainer", "trainer", argv, env))
+        specs.append(service("trainer", "trainer", trainer_argv, env))
     if "buffer" in s.services:
         specs.append(service("buffer", "buffer", _py("services.buffer", "-c", str(config)), {}))
     return sorted(specs, key=lambda p: ORDER.index(p.kind))

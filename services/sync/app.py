@@ -29,7 +29,7 @@ from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
 from services.common.errors import PermanentError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery, MessageLoop
+from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
 from services.sync.core import Engine, Published, Registry
@@ -223,10 +223,7 @@ async def body(ctx: ServiceContext) -> None:
             log.warning("sync: bad heartbeat on %s: %s", msg.subject, e)
 
     sub = await ctx.nc.subscribe(svc.subjects.heartbeats_all, cb=on_heartbeat_msg)
-    loop = MessageLoop(
-        ctx.js, consumer, WeightsPublished, svc.on_published, run=settings.run, service="sync",
-        registry=ctx.registry, max_payload=ctx.max_payload,
-    )  # fmt: skip
+    loop = ctx.message_loop(consumer, WeightsPublished, svc.on_published)
     ctx.readiness.ok("sync")
     try:
         await asyncio.gather(loop.run(ctx.stop), svc.reconcile_loop(ctx.stop))

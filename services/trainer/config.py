@@ -60,6 +60,6 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    loss: LossConfig = Field(default_factory=LossConfig)  # type: ignore[arg-type]
-    optim: OptimConfig = Field(default_factory=OptimConfig)  # type: ignore[arg-type]
-    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)

@@ -29,9 +29,9 @@ class TrainerSettings(ServiceSettings):
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps (None: run until stopped)."
     )
-    loss: LossConfig = Field(default_factory=LossConfig)  # type: ignore[arg-type]
-    optim: OptimConfig = Field(default_factory=OptimConfig)  # type: ignore[arg-type]
-    runtime: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    runtime: ModelConfig = Field(default_factory=ModelConfig)
     eval_every: int = Field(
         0, ge=0, description="Held-out greedy accuracy every this many steps (0: never)."
     )

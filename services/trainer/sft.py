@@ -51,7 +51,7 @@ class SftSettings(ServiceSettings):
         default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"),
         description="Optimizer and LR schedule (total_steps is set to the run's steps).",
     )
-    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    model: ModelConfig = Field(default_factory=ModelConfig)
 
 
 def _batches(n: int, batch_size: int, seed: int):

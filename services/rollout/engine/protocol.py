@@ -1,0 +1,282 @@
+"""SGLang's native `/generate` contract: request parsing and response shaping (pure).
+
+Field names and shapes follow SGLang 0.5.x (`python/sglang/srt/managers/
+io_struct.py::GenerateReqInput` and `entrypoints/http_server.py`):
+
+- input: exactly one of `text` (str or list of str) or `input_ids` (list of
+  int, or list of lists for a batch); `rid` (str, or one per prompt);
+  `sampling_params` (one dict, or one per prompt); `return_logprob`.
+- `sampling_params`: temperature, top_p, top_k (-1 or 0 = off), max_new_tokens,
+  stop (str or list), stop_token_ids, n, ignore_eos, no_stop_trim,
+  skip_special_tokens, sampling_seed; unknown keys are refused (SGLang's
+  SamplingParams(**dict) raises on them too).
+- output, one dict per completion: `text`, `output_ids`, `meta_info` with
+  `id`, `finish_reason`, `prompt_tokens`, `completion_tokens`,
+  `cached_tokens`, `weight_version`, `e2e_latency` and, with
+  `return_logprob`, `output_token_logprobs` = [[logprob, token_id, null], …].
+  A single prompt with n == 1 returns a dict; a batch or n > 1 returns a list
+  ordered prompt-major (all n samples of prompt 0, then prompt 1, …).
+- finish reasons: {"type": "stop", "matched": token_id | stop_str},
+  {"type": "length", "length": max_new_tokens},
+  {"type": "abort", "message": str}.
+
+The stop token (EOS or a stop_token_id) stays in `output_ids` and in the
+logprobs: a trainer must see it to learn to stop. Only `text` is trimmed (a
+matched stop string is cut unless `no_stop_trim`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from services.common.errors import FlywheelError
+
+
+class RequestError(FlywheelError, ValueError):
+    """A request the engine refuses (answered with HTTP 400 and this message)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, validated (SGLang names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k (SGLang writes -1; both are accepted)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+
+_BOOL_FIELDS = ("ignore_eos", "no_stop_trim", "skip_special_tokens")
+# Accepted and ignored: SGLang fields with no effect on a plain CPU sampler.
+_IGNORED_FIELDS = frozenset(
+    {"min_new_tokens", "spaces_between_special_tokens", "custom_params", "min_p"}
+)
+
+
+def _number(d: dict[str, Any], key: str, default: float) -> float:
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"sampling_params.{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(d: dict[str, Any], key: str, default: int | None) -> int | None:
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"sampling_params.{key} must be an integer, got {value!r}")
+    return value
+
+
+def parse_sampling_params(raw: Any, default_max_new_tokens: int = 128) -> SamplingParams:
+    """Validate one `sampling_params` dict; RequestError names the bad field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError("sampling_params must be an object")
+    known = set(SamplingParams.__dataclass_fields__) | _IGNORED_FIELDS
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise RequestError(f"unknown sampling_params field(s): {', '.join(unknown)}")
+    temperature = _number(raw, "temperature", 1.0)
+    top_p = _number(raw, "top_p", 1.0)
+    top_k = _integer(raw, "top_k", 0) or 0
+    max_new = _integer(raw, "max_new_tokens", default_max_new_tokens)
+    n = _integer(raw, "n", 1)
+    seed = _integer(raw, "sampling_seed", None)
+    if temperature < 0:
+        raise RequestError("sampling_params.temperature must be >= 0")
+    if not 0.0 < top_p <= 1.0:
+        raise RequestError("sampling_params.top_p must be in (0, 1]")
+    if top_k < -1:
+        raise RequestError("sampling_params.top_k must be -1 (off) or >= 0")
+    assert max_new is not None and n is not None
+    if max_new < 0:
+        raise RequestError("sampling_params.max_new_tokens must be >= 0")
+    if n < 1:
+        raise RequestError("sampling_params.n must be >= 1")
+    stop = raw.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("sampling_params.stop must be a string or a list of non-empty strings")
+    stop_ids = raw.get("stop_token_ids") or ()
+    if not isinstance(stop_ids, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+    flags = {}
+    for key in _BOOL_FIELDS:
+        value = raw.get(key, getattr(SamplingParams, key))
+        if not isinstance(value, bool):
+            raise RequestError(f"sampling_params.{key} must be a boolean")
+        flags[key] = value
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        n=n,
+        sampling_seed=seed,
+        **flags,
+    )
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One completion to generate: a prompt, its settings and its ids."""
+
+    rid: str  # the request id the client gave (or generated); abort matches it
+    out_id: str  # meta_info.id of this completion
+    input_ids: tuple[int, ...]
+    params: SamplingParams
+    return_logprob: bool
+
+
+@dataclass(frozen=True)
+class ParsedGenerate:
+    """A validated /generate request: the completions in output order, and the reply shape."""
+
+    seqs: list[SeqSpec]
+    as_list: bool
+
+
+def _as_batch(value: Any, name: str, batch: int) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != batch:
+            raise RequestError(f"{name} has {len(value)} entries for a batch of {batch}")
+        return value
+    return [value] * batch
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompts(
+    body: dict[str, Any], encode: Callable[[str], list[int]]
+) -> tuple[list[list[int]], bool]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("exactly one of text or input_ids must be given")
+    if text is not None:
+        if isinstance(text, str):
+            return [encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [encode(t) for t in text], True
+        raise RequestError("text must be a string or a non-empty list of strings")
+    if isinstance(ids, list) and _is_id_list(ids):
+        return [list(ids)], False
+    if isinstance(ids, list) and ids and all(_is_id_list(x) for x in ids):
+        return [list(x) for x in ids], True
+    raise RequestError("input_ids must be a list of integers or a non-empty list of such lists")
+
+
+def parse_generate(
+    body: Any,
+    encode: Callable[[str], list[int]],
+    vocab_size: int,
+    context_len: int,
+    default_max_new_tokens: int = 128,
+) -> ParsedGenerate:
+    """Validate a /generate body into the completions to run; RequestError if invalid."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported by the CPU engine")
+    prompts, is_batch = _prompts(body, encode)
+    batch = len(prompts)
+    params_raw = body.get("sampling_params")
+    params_list = (
+        _as_batch(params_raw, "sampling_params", batch)
+        if isinstance(params_raw, list)
+        else [params_raw] * batch
+    )
+    rid = body.get("rid")
+    rids = _as_batch(rid, "rid", batch) if isinstance(rid, list) else [rid] * batch
+    if rid is not None and not isinstance(rid, list) and is_batch:
+        raise RequestError("a batch needs one rid per prompt")
+    return_logprob = body.get("return_logprob", False)
+    if not isinstance(return_logprob, bool):
+        raise RequestError("return_logprob must be a boolean")
+    seqs: list[SeqSpec] = []
+    n_total = 0
+    for prompt, raw, r in zip(prompts, params_list, rids, strict=True):
+        params = parse_sampling_params(raw, default_max_new_tokens)
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        if len(prompt) + params.max_new_tokens > context_len:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{context_len} tokens: {len(prompt)} prompt + {params.max_new_tokens} new"
+            )
+        if r is not None and not isinstance(r, str):
+            raise RequestError("rid must be a string or a list of strings")
+        base = r if r is not None else uuid.uuid4().hex
+        for j in range(params.n):
+            out_id = base if params.n == 1 else f"{base}-{j}"
+            # Sample j of n draws from seed + j: n copies of one seed would be n
+            # identical completions, useless for group-relative advantages.
+            seeded = params
+            if params.sampling_seed is not None and j:
+                seeded = replace(params, sampling_seed=params.sampling_seed + j)
+            seqs.append(SeqSpec(base, out_id, tuple(prompt), seeded, return_logprob))
+        n_total += params.n
+    return ParsedGenerate(seqs=seqs, as_list=is_batch or n_total > len(prompts))
+
+
+@dataclass
+class Completion:
+    """What the scheduler hands back for one sequence."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict[str, Any]
+    weight_version: str
+    e2e_latency: float
+    matched_stop_str: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def trim_text(text: str, params: SamplingParams, matched: str | None) -> str:
+    """Cut the text at a matched stop string unless no_stop_trim is set."""
+    if matched is None or params.no_stop_trim:
+        return text
+    cut = text.find(matched)
+    return text if cut < 0 else text[:cut]
+
+
+def response(spec: SeqSpec, done: Completion, text: str) -> dict[str, Any]:
+    """One completion as SGLang's /generate returns it."""
+    meta: dict[str, Any] = {
+        "id": spec.out_id,
+        "finish_reason": done.finish_reason,
+        "prompt_tokens": len(spec.input_ids),
+        "completion_tokens": len(done.output_ids),
+        "cached_tokens": 0,
+        "weight_version": done.weight_version,
+        "e2e_latency": done.e2e_latency,
+    }
+    if spec.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(done.logprobs, done.output_ids, strict=True)
+        ]
+    return {"text": text, "output_ids": list(done.output_ids), "meta_info": meta}

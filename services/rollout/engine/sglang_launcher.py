@@ -1,0 +1,72 @@
+"""`--engine sglang`: launch a real SGLang server (GPU only) that the same client drives.
+
+The command line is built by a pure function so it can be checked without a
+GPU; `launch` only runs it. The flags used (SGLang 0.5.x `ServerArgs`):
+
+    python -m sglang.launch_server
+        --model-path DIR            the Hugging Face directory (local, no hub)
+        --host 127.0.0.1 --port N   where the HTTP API listens
+        --weight-version V          the version /model_info reports at start
+        --mem-fraction-static F     GPU memory for weights + KV cache (0.85)
+        --tp-size K                 tensor parallel degree (1)
+        --dtype D                   model dtype ("auto")
+        --random-seed S             sampler seed
+        --api-key KEY               only if set
+        --skip-server-warmup        optional, faster start in tests
+        --enable-deterministic-inference   optional: batch-invariant kernels,
+                                           so rollout logprobs match a
+                                           recomputation more closely
+
+Weight updates then use `/update_weights_from_disk` with `weight_version`
+(the same call as on the CPU engine), and pause/continue around it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SGLangOptions:
+    model_path: Path
+    host: str = "127.0.0.1"
+    port: int = 30000
+    weight_version: str = "default"
+    mem_fraction_static: float = 0.85
+    tp_size: int = 1
+    dtype: str = "auto"
+    random_seed: int = 0
+    api_key: str | None = None
+    skip_warmup: bool = False
+    deterministic: bool = False
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
+    """The argv that starts SGLang with these options (pure)."""
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(opts.model_path),
+        "--host", opts.host,
+        "--port", str(opts.port),
+        "--weight-version", opts.weight_version,
+        "--mem-fraction-static", str(opts.mem_fraction_static),
+        "--tp-size", str(opts.tp_size),
+        "--dtype", opts.dtype,
+        "--random-seed", str(opts.random_seed),
+    ]  # fmt: skip
+    if opts.api_key:
+        argv += ["--api-key", opts.api_key]
+    if opts.skip_warmup:
+        argv.append("--skip-server-warmup")
+    if opts.deterministic:
+        argv.append("--enable-deterministic-inference")
+    return argv + list(opts.extra_args)
+
+
+def launch(opts: SGLangOptions) -> subprocess.Popen[bytes]:
+    """Start SGLang as a child process (needs a GPU and `pip install 'flywheel[sglang]'`)."""
+    return subprocess.Popen(command(opts))
