@@ -22,7 +22,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -44,6 +43,7 @@ from services.common.errors import PermanentError, RetryableError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery
 from services.common.publish import publish
+from services.rollout.envs import Reward
 from services.rollout.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
@@ -59,14 +59,8 @@ def parse_version(v: str | int | None) -> int:
     return int(s) if s.isdigit() else 0
 
 
-@dataclass(frozen=True)
-class Score:
-    reward: float
-    parts: dict[str, float]
-    error: str | None = None
-
-
-Scorer = Callable[[PromptTask, str], Awaitable[Score]]
+Scorer = Callable[[PromptTask, str], Awaitable[Reward]]
+"""Scores one completion of a task (the environment's verifier, in the sandbox)."""
 
 
 class RolloutMetrics:
@@ -177,16 +171,13 @@ class RolloutWorker:
                 results[i] = again[0]
         raise RetryableError(f"task {task.task_id}: generation aborted {attempt + 1} times")
 
-    async def score(self, task: PromptTask, text: str) -> Score:
-        try:
-            return await asyncio.wait_for(self.scorer(task, text), self.s.verifier_timeout_s)
-        except TimeoutError:
-            err = f"verifier timed out after {self.s.verifier_timeout_s}s"
-        except Exception as e:  # noqa: BLE001 (a broken verifier scores 0; the worker goes on)
-            err = f"verifier raised {type(e).__name__}: {e}"
-        self.metrics.verifier_errors.inc()
-        log.warning("rollout: task %s: %s", task.task_id, err)
-        return Score(0.0, {}, err)
+    async def score(self, task: PromptTask, text: str) -> Reward:
+        """The sandbox turns a hang or an exception into reward 0 with an error; counted here."""
+        r = await self.scorer(task, text)
+        if r.error is not None:
+            self.metrics.verifier_errors.inc()
+            log.warning("rollout: task %s: verifier failed: %s", task.task_id, r.error)
+        return r
 
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
         received = time.time()
@@ -231,7 +222,7 @@ class RolloutWorker:
                     logprobs=pack_f32(r.logprobs),
                     loss_mask=pack_u8([1] * len(r.output_ids)),
                     reward=score.reward,
-                    reward_parts=score.parts,
+                    reward_parts=dict(score.parts),
                     finish_reason=FinishReason(r.finish_type),
                     weight_version=min(before, version),
                     weight_version_last=version,

@@ -1,0 +1,5 @@
+import sys
+
+from services.rollout.cli import main
+
+sys.exit(main())

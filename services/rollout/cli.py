@@ -1,0 +1,16 @@
+"""`flywheel rollout` / `python -m services.rollout`: a rollout worker."""
+
+from __future__ import annotations
+
+from services.common.service_main import service_main
+from services.rollout.settings import RolloutSettings
+
+
+def _body():  # imported lazily: the app pulls in NATS, aiohttp, transformers
+    from services.rollout.app import body
+
+    return body
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_main("rollout", RolloutSettings, _body, argv)
