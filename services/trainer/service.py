@@ -186,6 +186,12 @@ class BatchReader:
             return batch, msg.metadata.sequence.stream
         return None
 
+    async def close(self) -> None:
+        """Unsubscribe (a pull subscription left open makes the connection's drain hang)."""
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+            self.sub = None
+
     async def _dead_letter(self, msg: Any, e: ProtocolError) -> None:
         meta = msg.metadata
         _, data = dead_letter(
@@ -329,6 +335,12 @@ class TrainerService:
 
     async def run(self) -> None:
         await self.reader.open()
+        try:
+            await self._run()
+        finally:
+            await self.reader.close()
+
+    async def _run(self) -> None:
         await self.announce_pending()
         if self.s.eval_every and self.trainer.step == 0:
             acc = await asyncio.to_thread(self.evaluate, self.s.model)
