@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 # name -> (entry point, one-line help). Keep sorted by how a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("services.stack.demo:demo_main", "SFT warm start, then async GRPO: watch it learn"),
     "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
     "init-model": (
         "services.trainer.cli:init_model_main",

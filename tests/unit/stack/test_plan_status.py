@@ -1,0 +1,71 @@
+"""The local stack's pure parts: what `flywheel up` starts, and the status line."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from services.stack.plan import plan
+from services.stack.settings import StackSettings
+from services.stack.status import Status, parse, render_line, summarise
+
+PORTS = itertools.count(20000)
+
+
+def test_plan_orders_services_and_wires_each_worker_to_its_engine(tmp_path: Path) -> None:
+    s = StackSettings(run="r1", run_dir=tmp_path, model=tmp_path / "m", engines=2)
+    specs = plan(s, tmp_path / "run.toml", "nats://127.0.0.1:4222", lambda: next(PORTS))
+    kinds = [p.kind for p in specs]
+    assert kinds == ["engine", "engine", "rollout", "rollout", "sync", "trainer", "buffer"]
+    engines = {p.name: p for p in specs if p.kind == "engine"}
+    for w in (p for p in specs if p.kind == "rollout"):
+        url = w.env["FLYWHEEL_ROLLOUT_ENGINE_URL"]
+        eid = w.env["FLYWHEEL_ROLLOUT_ENGINE_ID"]
+        assert engines[eid].ready_url == f"{url}/health"
+        assert w.env["FLYWHEEL_ROLLOUT_NATS__URL"] == "nats://127.0.0.1:4222"
+        assert w.ready_url is not None and w.ready_url.endswith("/readyz")
+    ports = [p.ready_url for p in specs]
+    assert len(set(ports)) == len(ports)  # every process its own port
+    trainer = next(p for p in specs if p.kind == "trainer")
+    assert trainer.argv[1:3] == ("-m", "services.trainer")
+
+
+def test_plan_subset_and_torchrun(tmp_path: Path) -> None:
+    s = StackSettings(run_dir=tmp_path, services=("trainer", "sync"), trainer_nproc=2)
+    specs = plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS))
+    assert [p.kind for p in specs] == ["sync", "trainer"]
+    assert "torch.distributed.run" in specs[1].argv
+    assert "--nproc_per_node=2" in specs[1].argv
+
+
+TRAINER = """
+# TYPE flywheel_trainer_step gauge
+flywheel_trainer_step 12
+# TYPE flywheel_trainer_reward_mean gauge
+flywheel_trainer_reward_mean 0.75
+# TYPE flywheel_trainer_idle_fraction gauge
+flywheel_trainer_idle_fraction 0.25
+"""
+ROLLOUT = """
+# TYPE flywheel_rollout_samples counter
+flywheel_rollout_samples_total{finish="stop"} 90
+flywheel_rollout_samples_total{finish="length"} 10
+# TYPE flywheel_messages_dead_lettered counter
+flywheel_messages_dead_lettered_total{reason="stale",service="rollout",subject="s"} 3
+"""
+SYNC = """
+# TYPE flywheel_sync_engine_version gauge
+flywheel_sync_engine_version{engine="engine-0"} 12
+flywheel_sync_engine_version{engine="engine-1"} 11
+"""
+
+
+def test_summary_and_status_line() -> None:
+    now = summarise({"trainer": parse(TRAINER), "rollout-0": parse(ROLLOUT), "sync": parse(SYNC)})
+    assert now.step == 12 and now.reward == 0.75 and now.samples_total == 100
+    assert now.engines == {"engine-0": 12, "engine-1": 11} and now.dead_letters == 3
+    before = Status(samples_total=50, at=now.at - 10)
+    line = render_line(now, before)
+    assert "step 12" in line and "samples/s 5.0" in line and "trainer idle 25%" in line
+    assert "engine-0=v12 engine-1=v11" in line
+    assert "acc -" in line  # never evaluated
