@@ -10,7 +10,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint format
+.PHONY: setup tools test lint format
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: setup
+# promtool/prometheus for tests/deploy (Debian packages; a no-op once present).
+tools:
+	deploy/ci-tools.sh
+
+test: setup tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
@@ -33,3 +37,10 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# Deployment checks: render + validate every overlay, promtool on the rules
+# and metrics, dashboards against the services' metrics, and the live stack
+# scraped by a real Prometheus. deploy/ci-tools.sh installs promtool/prometheus.
+.PHONY: deploy-check
+deploy-check: setup tools
+	$(PY) -m pytest -q tests/deploy

@@ -1,0 +1,310 @@
+"""The Kubernetes manifests: every overlay renders, validates, and says what the code expects.
+
+Validation is kubernetes-validate --strict against the Kubernetes version in
+deploy_support (unknown fields are errors). It has no schema for custom
+resources (KEDA, the Prometheus operator), so those are checked here against
+the code they configure instead: the stream and consumer names, the ports.
+Each container's environment is resolved the way the kubelet would and fed
+to the service's own settings class with the rendered run file, so a typo
+in a variable name (extra="forbid") or a bad value fails here, not in a pod.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deploy_support import (
+    KUBERNETES_VERSION,
+    OVERLAYS,
+    find,
+    objects,
+    rendered,
+    run,
+    run_file,
+    tool,
+    workloads,
+)
+
+# Custom resources kubernetes-validate has no schema for; checked below.
+CUSTOM_KINDS = {"ScaledObject", "PodMonitor", "PrometheusRule"}
+
+
+def test_there_are_overlays() -> None:
+    assert {"cpu-dev", "gpu"} <= set(OVERLAYS)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_strictly(overlay: str, tmp_path: Path) -> None:
+    manifest = tmp_path / f"{overlay}.yaml"
+    manifest.write_text(rendered(overlay))
+    out = run([
+        tool("kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION, str(manifest),
+    ])  # fmt: skip
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    unknown = re.findall(r"Couldn't find schema for kind (\w+)", report)
+    assert set(unknown) <= CUSTOM_KINDS, f"unvalidated kinds: {set(unknown) - CUSTOM_KINDS}"
+    passed = len(re.findall(r"passed for resource", report))
+    objs = objects(overlay)
+    assert passed == len(objs) - len(unknown), report
+
+
+def _resolve_env(container: dict[str, Any], pod_name: str) -> dict[str, str]:
+    """The container's environment as the kubelet builds it ($(VAR) expanded)."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), e["value"])
+        elif "secretKeyRef" in e.get("valueFrom", {}):
+            value = f"secret-{e['valueFrom']['secretKeyRef']['key']}"
+        else:
+            path = e["valueFrom"]["fieldRef"]["fieldPath"]
+            value = {"metadata.name": pod_name, "status.podIP": "10.1.2.3"}.get(path, "0")
+        env[e["name"]] = value
+    return env
+
+
+def _settings_class(section: str) -> type[Any]:
+    from services.buffer.settings import BufferSettings
+    from services.rollout.engine.settings import EngineSettings
+    from services.rollout.settings import RolloutSettings
+    from services.sync.settings import SyncSettings
+    from services.trainer.service_settings import TrainerSettings
+
+    return {
+        "buffer": BufferSettings, "rollout": RolloutSettings, "sync": SyncSettings,
+        "trainer": TrainerSettings, "engine": EngineSettings,
+    }[section]  # fmt: skip
+
+
+def _flywheel_containers(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], str]]:
+    """(workload name, container, settings section) of every Flywheel service container."""
+    out = []
+    for w in workloads(objs):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            argv = [*c.get("command", []), *c.get("args", [])]
+            section = next(
+                (s for s in ("buffer", "rollout", "sync", "engine") if argv and argv[0] == s),
+                "trainer" if "services.trainer" in argv else None,
+            )
+            if section is not None:
+                out.append((w["metadata"]["name"], c, section))
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_container_loads_its_settings(
+    overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.common.settings import load_settings
+
+    objs = objects(overlay)
+    run_toml = tmp_path / "run.toml"
+    cm = next(o for o in objs if o["metadata"]["name"].startswith("flywheel-run"))
+    run_toml.write_text(cm["data"]["run.toml"])
+    found = _flywheel_containers(objs)
+    sections = {s for _, _, s in found}
+    assert {"buffer", "rollout", "sync", "trainer"} <= sections, sections
+    for workload, c, section in found:
+        env = _resolve_env(c, f"{workload}-0")
+        for k in list(os.environ):
+            if k.startswith("FLYWHEEL_"):
+                monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        s = load_settings(_settings_class(section), run_toml)
+        ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+        if section == "engine":
+            assert "--host=0.0.0.0" in c["args"] and ports["engine"] == 30000
+            continue
+        assert s.metrics_host == "0.0.0.0", (workload, section)
+        assert s.metrics_port == ports["metrics"] == 9100, (workload, section)
+        assert s.nats.user == "secret-user" and s.nats.password == "secret-password"
+        assert s.nats.url == "nats://nats:4222"
+        if section == "rollout":
+            # sync reaches the engine at the URL the worker heartbeats: the pod IP.
+            assert s.engine_url == "http://10.1.2.3:30000"
+            assert s.engine_id == f"{workload}-0"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_weights_are_on_one_volume_at_one_path(overlay: str) -> None:
+    """Weights URIs are file:// paths: trainer, sync and engines must see the same tree."""
+    objs = objects(overlay)
+    run_cfg = run_file(objs)
+    root = Path(run_cfg["trainer"]["weights_root"])
+    assert root == Path(run_cfg["sync"]["weights_root"])
+    for kind, name, container in (
+        ("StatefulSet", "trainer", "trainer"), ("Deployment", "sync", "sync"),
+        ("Deployment", "rollout", "engine"),
+    ):  # fmt: skip
+        spec = find(objs, kind, name)["spec"]["template"]["spec"]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in spec["volumes"] if "persistentVolumeClaim" in v
+        }  # fmt: skip
+        c = next(c for c in spec["containers"] if c["name"] == container)
+        mounts = [m for m in c["volumeMounts"] if m["name"] in claims]
+        assert any(
+            root.is_relative_to(m["mountPath"]) and claims[m["name"]] == "flywheel-data"
+            for m in mounts
+        ), (name, container, mounts)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_trainer_nnodes_equals_replicas(overlay: str) -> None:
+    sts = find(objects(overlay), "StatefulSet", "trainer")
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert int(env["NNODES"]) == sts["spec"]["replicas"]
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    svc = find(objects(overlay), "Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert f"--master-addr=trainer-0.{svc['metadata']['name']}" in c["args"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_unprivileged(overlay: str) -> None:
+    objs = objects(overlay)
+    assert not [o for o in objs if o["kind"] in ("Role", "ClusterRole", "RoleBinding")]
+    sa = find(objs, "ServiceAccount", "flywheel")
+    assert sa["automountServiceAccountToken"] is False
+    for w in workloads(objs):
+        spec = w["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == "flywheel", w["metadata"]["name"]
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            if c["image"].startswith("lmsysorg/sglang"):
+                continue  # the SGLang image runs as root (documented in the gpu overlay)
+            assert spec["securityContext"]["runAsNonRoot"] is True, w["metadata"]["name"]
+            assert sc.get("runAsNonRoot", True) and sc["readOnlyRootFilesystem"], c["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_and_resources(overlay: str) -> None:
+    for w in workloads(objects(overlay)):
+        if w["kind"] == "Job":
+            continue
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            assert "readinessProbe" in c and "livenessProbe" in c, c["name"]
+            assert c["resources"]["requests"], c["name"]
+            http = c["readinessProbe"].get("httpGet")
+            if c["name"] not in ("engine", "nats") and http is not None:
+                assert http["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == (
+                    "/healthz"
+                )
+
+
+def test_gpu_overlay_requests_gpus_and_runs_sglang() -> None:
+    objs = objects("gpu")
+    rollout = find(objs, "Deployment", "rollout")["spec"]["template"]["spec"]
+    engine = next(c for c in rollout["containers"] if c["name"] == "engine")
+    assert engine["image"].startswith("lmsysorg/sglang:")
+    assert engine["command"][-1] == "sglang.launch_server" and "--enable-metrics" in engine["args"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    trainer = find(objs, "StatefulSet", "trainer")["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_keda_scales_the_rollout_consumer_of_the_tasks_stream() -> None:
+    from proto.streams import consumers_for, stream_name
+
+    objs = objects("gpu")
+    run_name = run_file(objs)["run"]
+    so = find(objs, "ScaledObject", "rollout")
+    assert (
+        so["spec"]["scaleTargetRef"]["name"]
+        == find(objs, "Deployment", "rollout")["metadata"]["name"]
+    )
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "nats-jetstream"
+    meta = trigger["metadata"]
+    consumer = consumers_for(run_name)["rollout"]
+    assert meta["stream"] == stream_name(run_name, "TASKS") == consumer.stream
+    assert meta["consumer"] == consumer.durable
+    host, port = meta["natsServerMonitoringEndpoint"].split(":")
+    ns = so["metadata"]["namespace"]
+    assert host == f"nats.{ns}.svc.cluster.local"
+    nats_ports = {p["name"]: p["port"] for p in find(objs, "Service", "nats")["spec"]["ports"]}
+    assert int(port) == nats_ports["monitor"]
+
+
+def test_hpa_targets_the_engine_container() -> None:
+    objs = objects("cpu-dev")
+    hpa = find(objs, "HorizontalPodAutoscaler", "rollout")
+    (metric,) = hpa["spec"]["metrics"]
+    containers = find(objs, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"]
+    assert metric["containerResource"]["container"] in {c["name"] for c in containers}
+
+
+def test_podmonitors_name_declared_ports() -> None:
+    objs = objects("gpu")
+    monitors = [o for o in objs if o["kind"] == "PodMonitor"]
+    assert {m["metadata"]["name"] for m in monitors} == {"flywheel", "flywheel-engine"}
+    for m in monitors:
+        sel = m["spec"]["selector"]["matchLabels"]
+        pods = [
+            w["spec"]["template"] for w in workloads(objs)
+            if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]  # fmt: skip
+        assert pods, m["metadata"]["name"]
+        for ep in m["spec"]["podMetricsEndpoints"]:
+            assert any(
+                p.get("name") == ep["port"]
+                for t in pods
+                for c in t["spec"]["containers"]
+                for p in c.get("ports", [])
+            ), (m["metadata"]["name"], ep["port"])
+
+
+def test_prometheusrule_is_generated_from_the_rules_file() -> None:
+    from deploy_support import K8S, load_script
+
+    build = K8S / "components" / "prometheus-operator" / "build.py"
+    committed = (build.parent / "prometheusrule.yaml").read_text()
+    stale = f"stale: run python {build.relative_to(K8S.parents[1])}"
+    assert load_script(build).render() == committed, stale
+    rule = find(objects("gpu"), "PrometheusRule", "flywheel")
+    import yaml
+    from deploy_support import RULES
+
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+
+
+def test_nats_credentials_come_from_the_secret() -> None:
+    objs = objects("cpu-dev")
+    conf = next(o for o in objs if o["metadata"]["name"].startswith("nats-config"))
+    text = conf["data"]["nats.conf"]
+    assert "$FLYWHEEL_NATS_PASSWORD" in text and "jetstream" in text
+    secret = next(o for o in objs if o["kind"] == "Secret")
+    nats = find(objs, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in nats["env"] if "valueFrom" in e
+            and "secretKeyRef" in e["valueFrom"]}  # fmt: skip
+    assert refs == {secret["metadata"]["name"]}
+
+
+def test_dockerfile_is_non_root_with_flywheel_entrypoint() -> None:
+    from deploy_support import ROOT
+
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001", text, re.M)
+    assert 'ENTRYPOINT ["flywheel"]' in text
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M) and "FROM torch-${VARIANT}" in text
+    # The run-as uid the manifests declare is the image's.
+    for o in objects("cpu-dev"):
+        if o["kind"] == "Deployment":
+            assert o["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "flywheel" in pyproject["project"]["scripts"]
