@@ -1,6 +1,7 @@
 # Flywheel — the targets the README names.
 #   make setup   create .venv (torch CPU wheel first, then the project + dev tools)
 #   make test    lint + the whole test suite (what CI runs)
+#   make demo    SFT warm start, then async GRPO through the local stack
 #   make lint    ruff (lint + format check) and mypy
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test lint format
+.PHONY: setup tools test demo lint format
 
 setup: $(STAMP)
 
@@ -28,6 +29,9 @@ tools:
 test: setup tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/flywheel demo
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", default=str(DEFAULT_CONFIG), help="run file of the RL stage")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
     p.add_argument("--sft-seconds", type=float, default=60.0, help="SFT warm-start budget")
-    p.add_argument("--sft-corrupt", type=float, default=0.6,
+    p.add_argument("--sft-corrupt", type=float, default=0.4,
                    help="fraction of SFT labels that drop the carry")  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
