@@ -2,34 +2,40 @@
 
 A verifier is named by import path, "pkg.module:function", and called as
 `function(*args)` in a child process. The parent waits on the child's pipe
-with an asyncio deadline (`loop.add_reader`, no threads). On timeout the
-child is killed (SIGKILL: a verifier stuck in C code ignores everything
-else) and replaced; a raising verifier is reported by the child; a child
-that dies mid-call is replaced. Each of these gives reward 0 and a counted,
-named error, and the caller carries on — a thread-based `wait_for` could
-not stop a hung pure-Python or C loop, which is why this is a process.
+with an asyncio deadline. On timeout the child is killed (SIGKILL: a
+verifier stuck in C code ignores everything else) and replaced; a raising
+verifier is reported by the child; a child that dies mid-call is replaced.
+Each of these gives reward 0 and a counted, named error, and the caller
+carries on — a thread-based `wait_for` could not stop a hung pure-Python or
+C loop, which is why this is a process.
 
-Children start with the "spawn" method: forking a parent that runs an
-event loop, NATS and torch threads is unsafe, and a spawned child imports
-only this module and the verifier's.
+Children are plain subprocesses (`python -m services.rollout.envs.sandbox`)
+speaking length-prefixed MessagePack on stdin/stdout — no pickle, and no
+fork of a parent that runs an event loop, NATS and torch threads. Request
+`[path, args]`; answer `["ok", reward, parts]` or `["error", message]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import math
-import multiprocessing
-import multiprocessing.connection
+import struct
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
+
+import msgpack
 
 from services.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -70,33 +76,66 @@ def to_reward(value: Any) -> Reward:
     return Reward(reward, parts)
 
 
-def _child_main(conn: multiprocessing.connection.Connection) -> None:
-    """Child loop: receive (path, args), answer ("ok", Reward) or ("error", message)."""
+def _read_frame(stream: BinaryIO) -> Any:
+    header = stream.read(_LEN.size)
+    if len(header) < _LEN.size:
+        raise EOFError
+    (n,) = _LEN.unpack(header)
+    return msgpack.unpackb(stream.read(n), raw=False)
+
+
+def _frame(obj: Any) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(data)) + data
+
+
+def _child_main() -> None:
+    """Child loop: read [path, args], answer ["ok", reward, parts] or ["error", message]."""
     cache: dict[str, Callable[..., Any]] = {}
+    out = sys.stdout.buffer
     while True:
         try:
-            path, args = conn.recv()
+            path, args = _read_frame(sys.stdin.buffer)
         except EOFError:
             return
         try:
             fn = cache.get(path) or cache.setdefault(path, resolve(path))
-            conn.send(("ok", to_reward(fn(*args))))
+            r = to_reward(fn(*args))
+            out.write(_frame(["ok", r.reward, r.parts]))
         except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            out.write(_frame(["error", f"{type(e).__name__}: {e}"]))
+        out.flush()
 
 
 class _Child:
-    def __init__(self, ctx: Any) -> None:
-        parent, child = ctx.Pipe(duplex=True)
-        self.conn: multiprocessing.connection.Connection = parent
-        self.proc = ctx.Process(target=_child_main, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
+    """One verifier subprocess and its pipes."""
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls) -> _Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.rollout.envs.sandbox",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        return cls(proc)
+
+    async def roundtrip(self, path: str, args: tuple[Any, ...]) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(_frame([path, list(args)]))
+        await self.proc.stdin.drain()
+        try:
+            header = await self.proc.stdout.readexactly(_LEN.size)
+            body = await self.proc.stdout.readexactly(_LEN.unpack(header)[0])
+        except asyncio.IncompleteReadError as e:
+            raise EOFError("verifier process closed its pipe") from e
+        return msgpack.unpackb(body, raw=False)
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        await self.proc.wait()
 
 
 class VerifierPool:
@@ -113,7 +152,6 @@ class VerifierPool:
         self.timeout_s = timeout_s
         self.errors: Counter[str] = Counter()
         self.calls = 0
-        self._ctx = multiprocessing.get_context("spawn")
         self._idle: asyncio.Queue[_Child] | None = None
         self._all: list[_Child] = []
 
@@ -127,21 +165,21 @@ class VerifierPool:
     async def start(self) -> None:
         self._idle = asyncio.Queue()
         for _ in range(self.size):
-            self._idle.put_nowait(self._spawn())
+            self._idle.put_nowait(await self._spawn())
 
-    def _spawn(self) -> _Child:
-        child = _Child(self._ctx)
+    async def _spawn(self) -> _Child:
+        child = await _Child.start()
         self._all.append(child)
         return child
 
-    def _retire(self, child: _Child) -> _Child:
-        child.kill()
+    async def _retire(self, child: _Child) -> _Child:
+        await child.kill()
         self._all.remove(child)
-        return self._spawn()
+        return await self._spawn()
 
     async def close(self) -> None:
         for child in list(self._all):
-            child.kill()
+            await child.kill()
         self._all.clear()
 
     async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
@@ -152,37 +190,23 @@ class VerifierPool:
         limit = timeout_s or self.timeout_s
         child = await self._idle.get()
         try:
-            status, payload = await asyncio.wait_for(self._roundtrip(child, path, args), limit)
+            answer = await asyncio.wait_for(child.roundtrip(path, args), limit)
         except TimeoutError:
             log.warning("verifier %s timed out after %.1fs; killing its process", path, limit)
             self.errors["timeout"] += 1
-            child = self._retire(child)
+            child = await self._retire(child)
             return Reward(0.0, error=f"verifier {path} timed out after {limit}s")
-        except (EOFError, OSError) as e:
+        except (EOFError, OSError, ConnectionError) as e:
             self.errors["crashed"] += 1
-            child = self._retire(child)
+            child = await self._retire(child)
             return Reward(0.0, error=f"verifier {path} process died: {e!r}")
         finally:
             self._idle.put_nowait(child)
-        if status == "error":
+        if answer[0] == "error":
             self.errors["raised"] += 1
-            return Reward(0.0, error=f"verifier {path} raised {payload}")
-        assert isinstance(payload, Reward)
-        return payload
+            return Reward(0.0, error=f"verifier {path} raised {answer[1]}")
+        return Reward(float(answer[1]), {str(k): float(v) for k, v in answer[2].items()})
 
-    async def _roundtrip(self, child: _Child, path: str, args: tuple[Any, ...]) -> Any:
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-        fd = child.conn.fileno()
 
-        def on_readable() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        child.conn.send((path, args))
-        loop.add_reader(fd, on_readable)
-        try:
-            await ready
-        finally:
-            loop.remove_reader(fd)
-        return child.conn.recv()
+if __name__ == "__main__":
+    _child_main()
