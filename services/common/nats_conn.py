@@ -96,9 +96,9 @@ def auth_options(settings: NatsSettings) -> dict[str, Any]:
     if settings.user is not None or settings.password is not None:
         if settings.user is None or settings.password is None:
             raise ConfigError("[nats] user and password must be given together")
-        opts["user"], opts["password"] = settings.user, settings.password
+        opts["user"], opts["password"] = settings.user, settings.password.get_secret_value()
     if settings.token is not None:
-        opts["token"] = settings.token
+        opts["token"] = settings.token.get_secret_value()
     if settings.creds_file is not None or settings.nkeys_seed is not None:
         try:
             import nkeys  # noqa: F401  (nats-py needs it for JWT/nkey auth)

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common.errors import ConfigError
@@ -49,8 +49,8 @@ class NatsSettings(BaseModel):
         None, gt=0, description="Override the server's max_payload (bytes); None: ask the server."
     )
     user: str | None = Field(None, description="User name for user/password auth.")
-    password: str | None = Field(None, description="Password for user/password auth.")
-    token: str | None = Field(None, description="Token auth.")
+    password: SecretStr | None = Field(None, description="Password for user/password auth.")
+    token: SecretStr | None = Field(None, description="Token auth.")
     creds_file: Path | None = Field(None, description="NATS .creds file (JWT + nkey seed).")
     nkeys_seed: Path | None = Field(None, description="File holding an nkey seed.")
     tls_ca: Path | None = Field(None, description="CA bundle to verify the server; enables TLS.")

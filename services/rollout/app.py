@@ -44,7 +44,11 @@ async def body(ctx: ServiceContext) -> None:
     assert isinstance(s, RolloutSettings)
     tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
     async with (
-        EngineClient(s.engine_url, timeout_s=s.generate_timeout_s, api_key=s.engine_api_key) as c,
+        EngineClient(
+            s.engine_url,
+            timeout_s=s.generate_timeout_s,
+            api_key=s.engine_api_key.get_secret_value() if s.engine_api_key else None,
+        ) as c,
         VerifierPool(size=2, timeout_s=s.verifier_timeout_s) as pool,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, EnvScorer(pool))

@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
@@ -28,7 +28,9 @@ class RolloutSettings(ServiceSettings):
         default_factory=lambda: f"rollout-{socket.gethostname()}",
         description="This worker's id, recorded in every group.",
     )
-    engine_api_key: str | None = Field(None, description="Bearer key of the engine's admin API.")
+    engine_api_key: SecretStr | None = Field(
+        None, description="Bearer key of the engine's admin API."
+    )
     model: Path | None = Field(
         None, description="Model directory for the tokenizer (the engine's model)."
     )

@@ -76,3 +76,12 @@ def test_bad_run_name_and_missing_file(tmp_path: Path) -> None:
         load_settings(DemoSettings, tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(DemoSettings, write(tmp_path, "[demo_svc\n"))
+
+
+def test_print_config_masks_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLYWHEEL_DEMO_SVC_NATS__PASSWORD", "hunter2")
+    monkeypatch.setenv("FLYWHEEL_DEMO_SVC_NATS__TOKEN", "s3cr3t")
+    s = load_settings(DemoSettings)
+    text = render(s)
+    assert "hunter2" not in text and "s3cr3t" not in text and "**********" in text
+    assert s.nats.password is not None and s.nats.password.get_secret_value() == "hunter2"

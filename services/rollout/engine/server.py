@@ -339,7 +339,8 @@ async def loads(request: web.Request) -> web.Response:
 
 
 def build_app(state: EngineState) -> web.Application:
-    middlewares = [api_key_middleware(state.settings.api_key)] if state.settings.api_key else []
+    key = state.settings.api_key
+    middlewares = [api_key_middleware(key.get_secret_value())] if key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[STATE] = state
     app[THROUGHPUT] = _Throughput()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
@@ -22,7 +22,7 @@ class EngineSettings(ServiceSettings):
     model: Path | None = Field(None, description="Hugging Face model directory to serve.")
     host: str = Field("127.0.0.1", description="Bind address (loopback unless told otherwise).")
     port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
-    api_key: str | None = Field(
+    api_key: SecretStr | None = Field(
         None,
         description="If set, admin endpoints (weights, pause, continue, abort, flush) "
         "require 'Authorization: Bearer <key>'.",
