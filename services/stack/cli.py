@@ -38,7 +38,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-async def up(s: StackSettings, config: Path, *, steps: int | None, quiet: bool) -> int:
+async def up(
+    s: StackSettings,
+    config: Path,
+    *,
+    steps: int | None,
+    quiet: bool,
+    target_accuracy: float | None = None,
+    max_seconds: float | None = None,
+) -> int:
+    """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
+    (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
     from services.common.nats_server import NatsServer
     from services.stack.plan import plan
     from services.stack.status import render_line, scrape, summarise
@@ -69,6 +79,7 @@ async def up(s: StackSettings, config: Path, *, steps: int | None, quiet: bool) 
         watcher = asyncio.create_task(sup.watch(stop))
         urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
         before = None
+        deadline = time.monotonic() + max_seconds if max_seconds else None
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), s.status_interval_s)
@@ -80,6 +91,12 @@ async def up(s: StackSettings, config: Path, *, steps: int | None, quiet: bool) 
                 f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
             if steps is not None and now.step is not None and now.step >= steps:
                 print(f"flywheel up: reached {steps} steps; stopping")
+                stop.set()
+            elif target_accuracy is not None and (now.accuracy or 0.0) >= target_accuracy:
+                print(f"flywheel up: held-out accuracy {now.accuracy:.3f} reached; stopping")
+                stop.set()
+            elif deadline is not None and time.monotonic() > deadline:
+                print(f"flywheel up: {max_seconds:.0f}s passed; stopping")
                 stop.set()
         await watcher
     except StackError as e:

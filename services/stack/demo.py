@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-corrupt", type=float, default=0.4,
                    help="fraction of SFT labels that drop the carry")  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
+    p.add_argument("--target-accuracy", type=float,
+                   help="stop RL once the trainer's held-out accuracy reaches this")  # fmt: skip
+    p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
     p.add_argument("--eval-size", type=int, default=500, help="held-out problems")
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
@@ -161,7 +164,12 @@ def demo_main(argv: list[str] | None = None) -> int:
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
     started = time.time()
-    code = asyncio.run(up(settings, rf, steps=args.rl_steps, quiet=args.quiet))
+    code = asyncio.run(
+        up(
+            settings, rf, steps=args.rl_steps, quiet=args.quiet,
+            target_accuracy=args.target_accuracy, max_seconds=args.rl_seconds,
+        )
+    )  # fmt: skip
     rl_s = time.time() - started
     final = latest_weights(run_dir, settings.run)
     if code != 0 or final is None:
@@ -169,11 +177,12 @@ def demo_main(argv: list[str] | None = None) -> int:
         return code or 1
     after = held_out_accuracy(final, args.eval_size, eval_seed)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
+    steps = int(final.name[1:])
     summary = {"accuracy_before": before, "accuracy_after": after, "rl_seconds": rl_s,
-               "weights": str(final)}  # fmt: skip
+               "rl_steps": steps, "weights": str(final)}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nflywheel demo: held-out greedy accuracy {before:.3f} → {after:.3f} "
-          f"after {args.rl_steps} RL steps ({rl_s:.0f}s)")  # fmt: skip
+          f"after {steps} RL steps ({rl_s:.0f}s)")  # fmt: skip
     print(
         f"flywheel demo: metrics {run_dir / 'metrics.jsonl'}, plot {png}, logs {run_dir / 'logs'}"
     )

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
+# Dead-letter reasons that are decisions, not failures: filtered groups
+# (DAPO dynamic sampling, length) and groups too old for the staleness bound.
+FILTERED = {"zero_variance", "too_long", "custom_filter", "stale"}
+
 
 def parse(text: str) -> Samples:
     """Prometheus text → {sample name: [(labels, value), …]}."""
@@ -42,7 +46,8 @@ class Status:
     samples_total: float = 0.0
     engines: dict[str, int] = field(default_factory=dict)  # engine id → version
     tasks_in_flight: float | None = None
-    dead_letters: float = 0.0
+    dead_letters: float = 0.0  # failures: malformed, handler errors, max deliveries, …
+    filtered: float = 0.0  # groups dropped by a filter or as stale
     at: float = field(default_factory=time.time)
 
 
@@ -63,7 +68,11 @@ def summarise(by_service: dict[str, Samples]) -> Status:
                 st.engines[labels.get("engine", "?")] = int(v)
         elif name.startswith("buffer"):
             st.tasks_in_flight = value(s, "flywheel_buffer_tasks_in_flight")
-        st.dead_letters += value(s, "flywheel_messages_dead_lettered_total", 0.0) or 0.0
+        for labels, v in s.get("flywheel_messages_dead_lettered_total", []):
+            if labels.get("reason") in FILTERED:
+                st.filtered += v
+            else:
+                st.dead_letters += v
     return st
 
 
@@ -80,7 +89,7 @@ def render_line(now: Status, before: Status | None) -> str:
         f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
         f"| staleness {f(now.staleness, '.0f')} | samples/s {f(rate, '.1f')} "
         f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
-        f"| dead letters {now.dead_letters:.0f} | engines {engines}"
+        f"| filtered {now.filtered:.0f} | dead letters {now.dead_letters:.0f} | engines {engines}"
     )
 
 

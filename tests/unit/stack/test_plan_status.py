@@ -52,6 +52,7 @@ flywheel_rollout_samples_total{finish="stop"} 90
 flywheel_rollout_samples_total{finish="length"} 10
 # TYPE flywheel_messages_dead_lettered counter
 flywheel_messages_dead_lettered_total{reason="stale",service="rollout",subject="s"} 3
+flywheel_messages_dead_lettered_total{reason="malformed",service="rollout",subject="s"} 2
 """
 SYNC = """
 # TYPE flywheel_sync_engine_version gauge
@@ -63,7 +64,8 @@ flywheel_sync_engine_version{engine="engine-1"} 11
 def test_summary_and_status_line() -> None:
     now = summarise({"trainer": parse(TRAINER), "rollout-0": parse(ROLLOUT), "sync": parse(SYNC)})
     assert now.step == 12 and now.reward == 0.75 and now.samples_total == 100
-    assert now.engines == {"engine-0": 12, "engine-1": 11} and now.dead_letters == 3
+    assert now.engines == {"engine-0": 12, "engine-1": 11}
+    assert (now.filtered, now.dead_letters) == (3, 2)
     before = Status(samples_total=50, at=now.at - 10)
     line = render_line(now, before)
     assert "step 12" in line and "samples/s 5.0" in line and "trainer idle 25%" in line

@@ -1,0 +1,63 @@
+"""The whole stack as subprocesses learns: `flywheel demo` end to end.
+
+Real everything: embedded nats-server, two CPU engines with a rollout
+worker each, buffer, trainer, sync; a tiny model warmed up by SFT on
+addition where many labels forget to carry, then async GRPO. The same
+SFT model is then trained synchronously (max_staleness = 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RL_SECONDS = 300  # the issue's budget: 0.9 within 5 minutes of RL
+
+
+def demo(run_dir: Path, *args: str, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "services", "demo", "--run-dir", str(run_dir), "--quiet", *args]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, f"demo failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("demo")
+    summary = demo(
+        run_dir, "--target-accuracy", "0.92", "--rl-seconds", str(RL_SECONDS),
+        "--rl-steps", "100000", "--max-staleness", "1", timeout=RL_SECONDS + 240,
+    )  # fmt: skip
+    return run_dir, summary
+
+
+def test_async_grpo_reaches_090_within_5_minutes(async_run: tuple[Path, dict]) -> None:
+    run_dir, s = async_run
+    print(json.dumps(s, indent=2))
+    assert s["accuracy_after"] >= 0.90, s
+    assert s["accuracy_after"] - s["accuracy_before"] >= 0.25, s
+    assert s["rl_seconds"] <= RL_SECONDS + 30, s
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r["step"] for r in rows if "loss" in r]
+    assert trained == list(range(1, len(trained) + 1))  # every step once, in order
+    assert all(r["staleness_max"] <= 1 for r in rows if "staleness_max" in r)
+    assert (run_dir / "reward.png").stat().st_size > 10_000
+
+
+def test_synchronous_grpo_also_learns(async_run: tuple[Path, dict]) -> None:
+    run_dir, first = async_run
+    s = demo(run_dir, "--keep", "--max-staleness", "0", "--rl-seconds", "90",
+             "--rl-steps", "100000", timeout=90 + 180)  # fmt: skip
+    print(json.dumps(s, indent=2))
+    assert s["accuracy_before"] == first["accuracy_before"]  # the same SFT start
+    assert s["accuracy_after"] >= s["accuracy_before"] + 0.10, s
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness_max"] == 0 for r in rows if "staleness_max" in r)
