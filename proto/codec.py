@@ -32,6 +32,7 @@ from proto.messages import (
     Sample,
     SampleGroup,
     TrainBatch,
+    WeightsChunk,
     WeightsPublished,
     WeightsReady,
 )
@@ -152,6 +153,8 @@ def message_id(msg: Message) -> str | None:
             return f"{msg.run}:ready:v{msg.version}"
         case Chunk():
             return f"{msg.of}:c{msg.index}"
+        case WeightsChunk():
+            return f"{msg.run}:wchunk:v{msg.version}:{msg.sha256[:16]}:{msg.index}"
         case DeadLetter() | EngineHeartbeat():
             return None
     raise TypeError(f"no message id rule for {type(msg).__name__}")

@@ -23,6 +23,7 @@ from proto.messages import (
     SampleGroup,
     SamplingParams,
     TrainBatch,
+    WeightsChunk,
     WeightsPublished,
     WeightsReady,
     pack_f32,
@@ -111,6 +112,8 @@ EXAMPLES: dict[str, Message] = {
         running=3,
         queued=1,
         sent_at=1700000006.0,
+        local_weights_dir="/var/lib/flywheel/weights/golden/engine-0",
+        downloaded_version=4,
     ),
     "DeadLetter": DeadLetter(
         run=RUN,
@@ -125,6 +128,16 @@ EXAMPLES: dict[str, Message] = {
     ),
     "Chunk": Chunk(
         of=f"{RUN}:step3", index=1, count=3, total_size=10, sha256=SHA, data=b"\x00\x01"
+    ),
+    "WeightsChunk": WeightsChunk(
+        run=RUN,
+        version=4,
+        sha256=SHA,
+        file="model.safetensors",
+        offset=1048576,
+        index=2,
+        count=3,
+        data=b"\x00\x01\x02\x03",
     ),
 }
 

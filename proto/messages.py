@@ -213,7 +213,11 @@ class WeightsPublished(Message):
     run: Id
     version: Version
     step: int = Field(ge=0)
-    uri: str = Field(min_length=1, description="file:///… dir, or nats://<bucket>/<key>.")
+    uri: str = Field(
+        min_length=1,
+        description="file:///… directory (shared), or nats://<WEIGHTDATA stream>/<version> "
+        "(WeightsChunk messages on weightdata.v<version>).",
+    )
     format: Literal["hf-safetensors"] = "hf-safetensors"
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
@@ -240,6 +244,14 @@ class EngineHeartbeat(Message):
     running: int = Field(0, ge=0, description="Requests being generated.")
     queued: int = Field(0, ge=0, description="Requests waiting.")
     sent_at: float = 0.0
+    local_weights_dir: str | None = Field(
+        None,
+        description="Engine-local directory where the worker writes weights received over "
+        "NATS (<dir>/v000012/); None: the engine reads the shared weights directory.",
+    )
+    downloaded_version: Version | None = Field(
+        None, description="Newest version complete and verified in local_weights_dir."
+    )
 
 
 class DeadLetter(Message):
@@ -273,6 +285,35 @@ class Chunk(Message):
         return self
 
 
+class WeightsChunk(Message):
+    """Bytes `[offset, offset + len(data))` of one file of weight version `version`.
+
+    The NATS weights transport (services/common/weights_nats.py): the trainer
+    publishes every file of the weights directory, manifest first, as
+    `count` chunks on `weightdata.v<version>`; a receiver has the version
+    once it holds all `count` indices, then checks the files against the
+    manifest and the manifest's digest against `sha256`.
+    """
+
+    run: Id
+    version: Version
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Directory digest (manifest).")
+    file: str = Field(min_length=1, max_length=1024, description="Path relative to the dir.")
+    offset: int = Field(ge=0, description="Byte offset of `data` in the file.")
+    index: int = Field(ge=0, description="Chunk number within the version, 0-based.")
+    count: int = Field(ge=1, description="Chunks of the whole version.")
+    data: bytes
+
+    @model_validator(mode="after")
+    def _in_range(self) -> WeightsChunk:
+        if self.index >= self.count:
+            raise ValueError(f"index {self.index} >= count {self.count}")
+        parts = self.file.split("/")
+        if self.file.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"file {self.file!r} must be a plain relative path")
+        return self
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -285,5 +326,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         EngineHeartbeat,
         DeadLetter,
         Chunk,
+        WeightsChunk,
     )
 }

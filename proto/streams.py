@@ -9,6 +9,9 @@ a client in another language creates the same from proto/README.md.
 - SAMPLES, BATCHES, WEIGHTS and DLQ keep history (limits retention) so a
   restarted consumer can resume by sequence and runs can be audited.
 - ENGINES keeps one heartbeat per engine subject: the latest state.
+- WEIGHTDATA carries weight versions as WeightsChunks (the NATS weights
+  transport), one subject per version. Sync purges the subjects of
+  versions older than its `keep_last`; `max_age_s` is the backstop.
 Every stream de-duplicates on `Nats-Msg-Id` within `duplicate_window_s`.
 """
 
@@ -67,7 +70,32 @@ def streams_for(run: str) -> list[StreamSpec]:
             duplicate_window_s=60,
         ),
         StreamSpec(stream_name(run, "DLQ"), (s.dlq_all,), max_age_s=30 * DAY),
+        StreamSpec(
+            stream_name(run, "WEIGHTDATA"),
+            (s.weightdata_all,),
+            max_age_s=DAY,
+            duplicate_window_s=600,
+        ),
     ]
+
+
+NATS_WEIGHTS_SCHEME = "nats"
+
+
+def weights_nats_uri(run: str, version: int) -> str:
+    """The `WeightsPublished.uri` of a version sent over NATS: `nats://<stream>/<version>`."""
+    return f"{NATS_WEIGHTS_SCHEME}://{stream_name(run, 'WEIGHTDATA')}/{version}"
+
+
+def parse_weights_nats_uri(uri: str) -> tuple[str, int]:
+    """(stream, version) of a `nats://<stream>/<version>` weights URI; ValueError otherwise."""
+    prefix = f"{NATS_WEIGHTS_SCHEME}://"
+    if not uri.startswith(prefix):
+        raise ValueError(f"not a nats weights uri: {uri!r}")
+    stream, _, version = uri[len(prefix) :].partition("/")
+    if not stream or not version.isdigit():
+        raise ValueError(f"weights uri {uri!r} is not nats://<stream>/<version>")
+    return stream, int(version)
 
 
 def consumers_for(run: str) -> dict[str, ConsumerSpec]:

@@ -58,6 +58,16 @@ class Subjects:
     def weights_all(self) -> str:
         return f"{self.prefix}.weights.>"
 
+    def weightdata(self, version: int) -> str:
+        """Where the WeightsChunks of one version travel (NATS weights transport)."""
+        if version < 0:
+            raise ValueError(f"weight version {version} must be >= 0")
+        return f"{self.prefix}.weightdata.v{version}"
+
+    @property
+    def weightdata_all(self) -> str:
+        return f"{self.prefix}.weightdata.*"
+
     def heartbeat(self, engine_id: str) -> str:
         return f"{self.prefix}.engines.{check_token(engine_id, 'engine id')}"
 

@@ -60,7 +60,7 @@ from services.buffer.sources import (
     ReasoningGymSource,
     TaskSource,
 )
-from services.common.errors import ConfigError, PermanentError
+from services.common.errors import ConfigError, FlywheelError, PermanentError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
@@ -89,17 +89,73 @@ def dump_state(state: BufferState, pending: list[tuple[str, int]]) -> bytes:
     )
 
 
+class BufferStateError(FlywheelError, ValueError):
+    """The persisted buffer state cannot be read (corrupt, or written by an incompatible version).
+
+    The buffer refuses to start rather than start over: a fresh state would
+    re-dispatch the whole dataset and re-number steps the trainer has done.
+    """
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BufferStateError(f"buffer state: {what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _pair(value: object, what: str) -> list[object]:
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise BufferStateError(f"buffer state: {what} must be a pair, got {value!r}")
+    return list(value)
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise BufferStateError(f"buffer state: {what} must be a non-empty string, got {value!r}")
+    return value
+
+
 def load_state(data: bytes) -> tuple[BufferState, list[tuple[str, int]]]:
-    d = msgpack.unpackb(data)
+    """Parse what `dump_state` wrote; BufferStateError names what is wrong."""
+    try:
+        d = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise BufferStateError(f"buffer state is not MessagePack: {e}") from e
+    if not isinstance(d, dict):
+        raise BufferStateError(f"buffer state must be a map, got {type(d).__name__}")
+    missing = {"cursor", "dispatched", "answered", "next_step", "ready_version", "settled",
+               "pending"} - set(d)  # fmt: skip
+    if missing:
+        raise BufferStateError(f"buffer state lacks {sorted(missing)}")
+    epoch, offset = _pair(d["cursor"], "cursor")
+    if not isinstance(d["settled"], dict):
+        raise BufferStateError("buffer state: settled must be a map")
+    settled: dict[str, tuple[int, str]] = {}
+    for gid, v in d["settled"].items():
+        step, verdict = _pair(v, f"settled[{gid!r}]")
+        settled[_str(gid, "a settled group id")] = (
+            _int(step, "a settled step"),
+            _str(verdict, "a settled verdict"),
+        )
+    if not isinstance(d["pending"], list | tuple):
+        raise BufferStateError("buffer state: pending must be a list")
+    pending = []
+    for p in d["pending"]:
+        gid, seq = _pair(p, "a pending entry")
+        pending.append((_str(gid, "a pending group id"), _int(seq, "a pending sequence")))
     state = BufferState(
-        cursor=Cursor(*d["cursor"]),
-        dispatched=d["dispatched"],
-        answered=d["answered"],
-        next_step=d["next_step"],
-        ready_version=d["ready_version"],
-        settled={k: (v[0], v[1]) for k, v in d["settled"].items()},
+        cursor=Cursor(_int(epoch, "cursor epoch"), _int(offset, "cursor offset")),
+        dispatched=_int(d["dispatched"], "dispatched"),
+        answered=_int(d["answered"], "answered"),
+        next_step=_int(d["next_step"], "next_step"),
+        ready_version=_int(d["ready_version"], "ready_version"),
+        settled=settled,
     )
-    return state, [(g, s) for g, s in d["pending"]]
+    if state.answered > state.dispatched:
+        raise BufferStateError(
+            f"buffer state: answered {state.answered} > dispatched {state.dispatched}"
+        )
+    return state, pending
 
 
 # ── metrics ──────────────────────────────────────────────────────────────────

@@ -3,7 +3,8 @@
 Connecting. Start-up order in Kubernetes is arbitrary, so the first connect
 retries with capped exponential backoff (`connect_backoff`) for
 `settings.connect_attempts` attempts, logging each failure; an
-authorization failure is not retried (it will not fix itself). Each start-up
+authorization failure or a server certificate that does not verify is not
+retried (neither will fix itself). Each start-up
 attempt runs with reconnection off, so a dead server fails the attempt at
 once instead of looping inside nats-py; once connected, reconnection is
 switched on (forever, every `RECONNECT_WAIT_S`) so a running service rides
@@ -163,6 +164,13 @@ async def connect(settings: NatsSettings, name: str) -> Client:
             await nc.connect(**opts)
         except (OSError, TimeoutError, NatsError) as e:
             await _discard(nc)
+            if isinstance(e, ssl.SSLCertVerificationError):  # a wrong CA will not fix itself
+                raise NatsConnectError(
+                    f"TLS: the certificate of NATS at {settings.url} does not verify "
+                    f"against [nats] tls_ca: {e}",
+                    url=settings.url,
+                    attempts=attempt,
+                ) from e
             if _is_auth_error(e):
                 raise NatsConnectError(
                     f"NATS at {settings.url} refused the credentials: {e}",
@@ -218,14 +226,25 @@ def _ride_out_restarts(nc: Client) -> None:
     nc.options["reconnect_time_wait"] = RECONNECT_WAIT_S
 
 
+DISCARD_TIMEOUT_S = 2.0
+"""Bound on closing a client whose connect failed.
+
+After a failed TLS upgrade (e.g. the server's certificate does not verify)
+nats-py's `close()` waits forever for the half-upgraded transport to close;
+unbounded, a misconfigured CA hung the service at start instead of failing
+with the certificate error (found by tests/integration/security)."""
+
+
 async def _discard(nc: Client) -> None:
     from nats.errors import ConnectionClosedError
 
     if not nc.is_closed:
         try:
-            await nc.close()
+            await asyncio.wait_for(nc.close(), DISCARD_TIMEOUT_S)
         except ConnectionClosedError:
             log.debug("discarded a half-open NATS client")
+        except TimeoutError:
+            log.debug("gave up closing a half-open NATS client after %.1fs", DISCARD_TIMEOUT_S)
 
 
 def server_max_payload(nc: Client, override: int | None = None) -> int:

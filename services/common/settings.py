@@ -96,9 +96,11 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
     """Parse a TOML run file, with a ConfigError naming the file on failure."""
     p = Path(path)
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"run file not found: {p}") from e
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8
+        raise ConfigError(f"run file {p} cannot be read: {e}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"run file {p} is not valid TOML: {e}") from e
 

@@ -13,6 +13,7 @@ from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
 from services.rollout.envs import Environment, Problem, Reward, VerifierPool, make_env, score
 from services.rollout.settings import RolloutSettings
+from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
 
 
@@ -52,8 +53,14 @@ async def body(ctx: ServiceContext) -> None:
         VerifierPool(size=2, timeout_s=s.verifier_timeout_s) as pool,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, EnvScorer(pool))
+        worker.fetcher = WeightsFetcher(
+            ctx.js, ctx.nc, s.run, s.weights_dir / s.run / s.engine_id, poll_s=s.weights_poll_s,
+            keep=s.weights_keep, idle_timeout_s=s.weights_idle_timeout_s,
+            on_download=worker.metrics.downloaded,
+        )  # fmt: skip
         ctx.readiness.set("engine", "not checked yet")
         heartbeat = asyncio.create_task(worker.heartbeat_loop(ctx.stop))
+        fetch = asyncio.create_task(worker.fetcher.run_loop(ctx.stop, worker.engine_version))
         try:
             await ctx.consume(
                 consumers_for(s.run)["rollout"], PromptTask, worker.on_task,
@@ -61,3 +68,4 @@ async def body(ctx: ServiceContext) -> None:
             )  # fmt: skip
         finally:
             await heartbeat
+            await fetch

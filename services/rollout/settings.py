@@ -48,6 +48,20 @@ class RolloutSettings(ServiceSettings):
     max_abort_retries: int = Field(
         20, ge=0, description="Re-generations of a sample aborted by a weight update."
     )
+    weights_dir: Path = Field(
+        Path("runs/engine-weights"),
+        description="Engine-local directory for weights received over NATS "
+        "(<dir>/<run>/<engine_id>/v000012/); the engine must be able to read it.",
+    )
+    weights_poll_s: float = Field(
+        2.0, gt=0, description="Re-read the newest WeightsPublished at least this often."
+    )
+    weights_keep: int = Field(
+        2, ge=1, description="NATS-received versions kept locally (plus the one being served)."
+    )
+    weights_idle_timeout_s: float = Field(
+        30.0, gt=0, description="A NATS weights download fails after this long with no chunk."
+    )
     behind_retry_s: float = Field(
         0.5, gt=0, description="Task redelivery delay while the engine is older than it needs."
     )

@@ -13,7 +13,9 @@ keeps `concurrency` tasks in flight so its engine batches them. Per task:
 4. publish the group (its id is deterministic, so a redelivered task's
    group is stored once) and only then let the loop ack the task.
 
-A heartbeat loop reports the engine (id, url, version, load) for sync.
+A heartbeat loop reports the engine (id, url, version, load) for sync, and,
+for the NATS weights transport, where the worker keeps weights it received
+and the newest one it has (services/rollout/weights_fetch.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from services.common.msgloop import Delivery
 from services.common.publish import publish
 from services.rollout.envs import Reward
 from services.rollout.settings import RolloutSettings
+from services.rollout.weights_fetch import WeightsFetcher
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,23 @@ class RolloutMetrics:
         self.engine_version = Gauge(
             "flywheel_rollout_engine_version", "Weight version of this engine.", registry=r
         )
+        self.weights_downloaded = Gauge(
+            "flywheel_rollout_weights_downloaded_version",
+            "Newest weight version received over NATS.", registry=r,
+        )  # fmt: skip
+        self.weights_bytes = Counter(
+            "flywheel_rollout_weights_download_bytes", "Weight bytes received over NATS.",
+            registry=r,
+        )  # fmt: skip
+        self.weights_seconds = Histogram(
+            "flywheel_rollout_weights_download_seconds", "Time to receive one weight version.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r,
+        )  # fmt: skip
+
+    def downloaded(self, version: int, size: int, seconds: float) -> None:
+        self.weights_downloaded.set(version)
+        self.weights_bytes.inc(size)
+        self.weights_seconds.observe(seconds)
 
 
 class RolloutWorker:
@@ -115,6 +135,7 @@ class RolloutWorker:
         self.scorer = scorer
         self.subjects = Subjects(s.run)
         self.metrics = RolloutMetrics(ctx.registry)
+        self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
 
     # tokenization
     def prompt_ids(self, task: PromptTask) -> list[int]:
@@ -260,10 +281,13 @@ class RolloutWorker:
                 self.ctx.readiness.ok("engine")
                 self.metrics.engine_version.set(version)
                 running, queued = load_counts(loads)
+                f = self.fetcher
                 hb = EngineHeartbeat(
                     run=self.s.run, engine_id=self.s.engine_id, url=self.s.engine_url,
                     worker_id=self.s.worker_id, weight_version=version, running=running,
                     queued=queued, sent_at=time.time(),
+                    local_weights_dir=str(f.local_dir) if f is not None else None,
+                    downloaded_version=f.downloaded if f is not None else None,
                 )  # fmt: skip
                 await publish(self.ctx.js, subject, hb, self.ctx.max_payload)
             try:

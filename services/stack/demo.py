@@ -29,9 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel demo", description=__doc__.split("\n\n")[0])
     p.add_argument("-c", "--config", default=str(DEFAULT_CONFIG), help="run file of the RL stage")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
-    p.add_argument("--sft-seconds", type=float, default=60.0, help="SFT warm-start budget")
-    p.add_argument("--sft-corrupt", type=float, default=0.4,
-                   help="fraction of SFT labels that drop the carry")  # fmt: skip
+    p.add_argument("--sft-steps", type=int, default=1000, help="SFT warm-start steps")
+    p.add_argument("--sft-corrupt", type=float, default=0.6,
+                   help="fraction of SFT labels that drop the carry out of the tens")  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
     p.add_argument("--target-accuracy", type=float,
                    help="stop RL once the trainer's held-out accuracy reaches this")  # fmt: skip
@@ -54,7 +54,7 @@ def held_out_accuracy(model_dir: Path, n: int, seed: int) -> float:
     return exact_match_accuracy(model, tok, [problem(seed, i) for i in range(n)]).accuracy
 
 
-def warm_start(run_dir: Path, seconds: float, corrupt: float) -> Path:
+def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
     from services.common.tiny_model import write_tiny_model
     from services.trainer.config import ModelConfig, OptimConfig
     from services.trainer.sft import SftSettings, run_sft
@@ -62,12 +62,12 @@ def warm_start(run_dir: Path, seconds: float, corrupt: float) -> Path:
 
     init = write_tiny_model(run_dir / "model-init")
     data = write_arithmetic_jsonl(
-        run_dir / "sft.jsonl", 50_000, seed=7, corrupt_fraction=corrupt
+        run_dir / "sft.jsonl", 50_000, seed=7, corrupt_fraction=corrupt, corrupt="final_carry"
     )  # seed 7: not the RL prompts (seed 0) nor the held-out ones
     out = run_dir / "model-sft"
     settings = SftSettings(
-        model_dir=init, train_file=data, output_dir=out, overwrite=True, steps=1_000_000,
-        max_time_s=seconds, batch_size=64, log_every=200,
+        model_dir=init, train_file=data, output_dir=out, overwrite=True, steps=steps,
+        batch_size=64, log_every=200,
         optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant"),
         model=ModelConfig(cpu_threads=1),
     )  # fmt: skip
@@ -151,9 +151,10 @@ def demo_main(argv: list[str] | None = None) -> int:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True)
-        print(f"flywheel demo: SFT warm start for {args.sft_seconds:.0f}s "
-              f"({args.sft_corrupt:.0%} of labels drop the carry)", flush=True)  # fmt: skip
-        warm_start(run_dir, args.sft_seconds, args.sft_corrupt)
+        print(f"flywheel demo: SFT warm start, {args.sft_steps} steps "
+              f"({args.sft_corrupt:.0%} of labels drop the carry out of the tens)",
+              flush=True)  # fmt: skip
+        warm_start(run_dir, args.sft_steps, args.sft_corrupt)
     else:  # keep the SFT model, start RL afresh
         for sub in ("weights", "checkpoints", "nats", "logs", "metrics.jsonl", "status.log"):
             p = run_dir / sub

@@ -24,7 +24,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from proto.codec import decode
 from proto.errors import ProtocolError
 from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
-from proto.streams import consumers_for, stream_name
+from proto.streams import (
+    NATS_WEIGHTS_SCHEME,
+    consumers_for,
+    parse_weights_nats_uri,
+    stream_name,
+)
 from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
 from services.common.errors import PermanentError
@@ -32,7 +37,7 @@ from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
-from services.sync.core import Engine, Published, Registry
+from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.settings import SyncSettings
 
 log = logging.getLogger(__name__)
@@ -64,11 +69,25 @@ class SyncMetrics:
                            registry=r)  # fmt: skip
         self.published = Gauge("flywheel_sync_published_version", "Newest published version.",
                                registry=r)  # fmt: skip
+        self.awaiting = Gauge(
+            "flywheel_sync_engines_awaiting_download",
+            "Engines behind only because their worker has not received the version over NATS.",
+            registry=r,
+        )
 
 
-def local_path(uri: str, root: Path) -> Path:
-    """The directory a `file://` weights URI names, confined to `root`."""
+def local_path(uri: str, root: Path) -> Path | None:
+    """The directory a `file://` weights URI names, confined to `root`.
+
+    None for a `nats://` URI: each engine then loads its own downloaded copy.
+    """
     parsed = urlparse(uri)
+    if parsed.scheme == NATS_WEIGHTS_SCHEME:
+        try:
+            parse_weights_nats_uri(uri)
+        except ValueError as e:
+            raise PermanentError(str(e), reason="bad_uri") from e
+        return None
     if parsed.scheme != "file":
         raise PermanentError(f"unsupported weights uri {uri!r}", reason="bad_uri")
     path = Path(parsed.path).resolve()
@@ -92,6 +111,7 @@ class SyncService:
         self.metrics = SyncMetrics(ctx.registry)
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.over_nats = False  # a version came over NATS: purge old chunks from the stream
 
     async def restore(self) -> None:
         """The newest published and announced versions, from the WEIGHTS stream."""
@@ -119,14 +139,21 @@ class SyncService:
         log.info("sync: resumed with published=%s announced=%d", latest, self.reg.announced)
 
     def on_heartbeat(self, hb: EngineHeartbeat) -> None:
-        self.reg.heartbeat(hb.engine_id, hb.url, hb.weight_version, time.time())
+        self.reg.heartbeat(
+            hb.engine_id, hb.url, hb.weight_version, time.time(),
+            weights_dir=hb.local_weights_dir, downloaded=hb.downloaded_version,
+        )  # fmt: skip
 
     async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
         path = local_path(msg.uri, self.s.weights_root)
-        if self.reg.publish(Published(msg.version, str(path), msg.published_at or time.time())):
+        p = Published(msg.version, None if path is None else str(path),
+                      msg.published_at or time.time())  # fmt: skip
+        if path is None:
+            self.over_nats = True
+        if self.reg.publish(p):
             self.sizes[msg.version] = msg.size_bytes
             self.metrics.published.set(msg.version)
-            log.info("sync: version %d published at %s", msg.version, path)
+            log.info("sync: version %d published at %s", msg.version, path or msg.uri)
 
     async def update(self, e: Engine, p: Published) -> None:
         started = time.monotonic()
@@ -137,8 +164,9 @@ class SyncService:
                     await c.pause_generation(self.s.update_mode)
                 try:
                     res = await c.update_weights_from_disk(
-                        p.path, str(p.version), abort_all_requests=self.s.update_mode == "abort"
-                    )
+                        path_for(e, p), str(p.version),
+                        abort_all_requests=self.s.update_mode == "abort",
+                    )  # fmt: skip
                 finally:
                     if pause:
                         await c.continue_generation()
@@ -163,6 +191,7 @@ class SyncService:
             with contextlib.suppress(KeyError):  # never labelled if it never loaded a version
                 self.metrics.engine_version.remove(gone)
         self.metrics.engines.set(len(self.reg.live(now)))
+        self.metrics.awaiting.set(len(self.reg.awaiting_copy(now)))
         if self.reg.latest is not None:
             for e in self.reg.updates_due(now):
                 self.reg.started(e)
@@ -179,15 +208,20 @@ class SyncService:
             if self.reg.latest is not None and self.reg.latest.version == v:
                 self.metrics.latency.observe(max(0.0, time.time() - self.reg.latest.published_at))
             log.info("sync: v%d ready on %s", v, ", ".join(engines))
-            self.cleanup(v)
+            floor = self.cleanup(v)
+            if self.over_nats:
+                await self.purge_chunks(floor)
 
-    def cleanup(self, ready: int) -> None:
-        """Delete version directories older than the newest `keep_last`, never a served one."""
-        run_dir = self.s.weights_root / self.s.run
-        if not run_dir.is_dir():
-            return
+    def cleanup(self, ready: int) -> int:
+        """Delete version directories older than the newest `keep_last`, never a served one.
+
+        Returns that floor: every version below it is no longer needed.
+        """
         served = min((e.version for e in self.reg.engines.values()), default=ready)
         floor = min(ready - self.s.keep_last + 1, served)
+        run_dir = self.s.weights_root / self.s.run
+        if not run_dir.is_dir():
+            return floor
         for d in run_dir.glob("v[0-9]*"):
             try:
                 v = int(d.name[1:])
@@ -196,6 +230,26 @@ class SyncService:
             if v < floor and d.is_dir():
                 shutil.rmtree(d, ignore_errors=False)
                 log.info("sync: deleted old weights %s", d)
+        return floor
+
+    async def purge_chunks(self, floor: int) -> None:
+        """Drop the NATS chunks of versions below `floor` (the WEIGHTDATA stream's subjects)."""
+        from nats.errors import Error as NatsError
+
+        from services.common.weights_nats import purge
+
+        stream = stream_name(self.s.run, "WEIGHTDATA")
+        try:
+            info = await self.ctx.js.stream_info(
+                stream, subjects_filter=self.subjects.weightdata_all
+            )
+            for subject in info.state.subjects or {}:
+                v = subject.rsplit(".", 1)[-1][1:]
+                if v.isdigit() and int(v) < floor:
+                    await purge(self.ctx.js, self.s.run, int(v))
+                    log.info("sync: purged NATS chunks of v%s", v)
+        except (NatsError, TimeoutError) as e:  # the stream's max_age is the backstop
+            log.warning("sync: cannot purge old weight chunks: %r", e)
 
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -9,6 +9,12 @@ ready. Decisions:
   that is not being updated and is not backing off after a failure gets an
   update. The same rule brings a newly joined engine up to date and retries
   a failed one; nothing else is special-cased.
+- Weights over NATS: a published version without a shared `path` reaches
+  an engine through the worker beside it, which downloads it into the
+  engine-local directory its heartbeat names. Such an engine is due only
+  once its heartbeat reports that version (or a newer one) downloaded, and
+  is then pointed at `<its dir>/v000012`; until then it just stays behind,
+  holding up `ready_version` like any engine that is not updated yet.
 - `ready_version`: the newest version that every live, healthy engine serves.
   An engine that keeps failing (`max_failures` in a row) is reported and
   left out of that minimum until it succeeds again, so one broken engine
@@ -31,12 +37,14 @@ class Engine:
     failures: int = 0  # consecutive failed updates
     retry_at: float = 0.0  # no new attempt before this time
     updating: bool = False
+    weights_dir: str | None = None  # engine-local dir of NATS-received versions
+    downloaded: int | None = None  # newest version complete there
 
 
 @dataclass(frozen=True)
 class Published:
     version: int
-    path: str  # local directory the engines load
+    path: str | None  # shared directory the engines load; None: each engine's own copy
     published_at: float  # when the trainer announced it (for publish→ready latency)
 
 
@@ -50,12 +58,23 @@ class Registry:
     latest: Published | None = None
     announced: int = -1  # newest version published as WeightsReady
 
-    def heartbeat(self, engine_id: str, url: str, version: int, now: float) -> None:
+    def heartbeat(
+        self,
+        engine_id: str,
+        url: str,
+        version: int,
+        now: float,
+        weights_dir: str | None = None,
+        downloaded: int | None = None,
+    ) -> None:
         e = self.engines.get(engine_id)
         if e is None or e.url != url:  # new, or restarted elsewhere: trust its report
-            self.engines[engine_id] = Engine(engine_id, url, version, now)
+            self.engines[engine_id] = Engine(
+                engine_id, url, version, now, weights_dir=weights_dir, downloaded=downloaded
+            )
             return
         e.last_seen = now
+        e.weights_dir, e.downloaded = weights_dir, downloaded
         if not e.updating:
             # A restarted engine reports a lower version than we confirmed; believe it.
             e.version = version
@@ -79,8 +98,19 @@ class Registry:
     def updates_due(self, now: float) -> list[Engine]:
         if self.latest is None:
             return []
-        v = self.latest.version
-        return [e for e in self.live(now) if e.version < v and not e.updating and now >= e.retry_at]
+        p = self.latest
+        return [
+            e
+            for e in self.live(now)
+            if e.version < p.version and not e.updating and now >= e.retry_at and has_copy(e, p)
+        ]
+
+    def awaiting_copy(self, now: float) -> list[Engine]:
+        """Live engines behind the newest version only because their copy is not there yet."""
+        p = self.latest
+        if p is None:
+            return []
+        return [e for e in self.live(now) if e.version < p.version and not has_copy(e, p)]
 
     def started(self, e: Engine) -> None:
         e.updating = True
@@ -112,3 +142,19 @@ class Registry:
         if v is None or v <= self.announced:
             return None
         return v
+
+
+def has_copy(e: Engine, p: Published) -> bool:
+    """Can `e` load version `p` now? Shared path: always; over NATS: once downloaded."""
+    if p.path is not None:
+        return True
+    return e.weights_dir is not None and e.downloaded is not None and e.downloaded >= p.version
+
+
+def path_for(e: Engine, p: Published) -> str:
+    """The directory `e` loads version `p` from (its own copy for NATS-sent versions)."""
+    if p.path is not None:
+        return p.path
+    if e.weights_dir is None:
+        raise ValueError(f"engine {e.engine_id} reports no local weights directory")
+    return f"{e.weights_dir.rstrip('/')}/v{p.version:06d}"

@@ -42,7 +42,7 @@ from proto.codec import decode, encode
 from proto.errors import ProtocolError
 from proto.messages import TrainBatch as WireBatch
 from proto.messages import WeightsPublished
-from proto.streams import stream_name
+from proto.streams import stream_name, weights_nats_uri
 from proto.subjects import Subjects
 from services.common.errors import FlywheelError
 from services.common.lifecycle import ServiceContext
@@ -235,13 +235,17 @@ class TrainerMetrics:
         self.version = Gauge("flywheel_trainer_weight_version", "Newest version.", registry=r)
         self.phase = Counter(
             "flywheel_trainer_phase_seconds",
-            "Wall time by phase: waiting for data, compute, publishing.", ["phase"], registry=r,
+            "Wall time by phase: waiting for data, compute, publishing (saving), upload (NATS).",
+            ["phase"], registry=r,
         )  # fmt: skip
         self.step_seconds = Histogram(
             "flywheel_trainer_step_seconds", "Compute time of one optimizer step.",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r,
         )  # fmt: skip
         self.tokens = Counter("flywheel_trainer_tokens", "Tokens trained on.", registry=r)
+        self.upload_bytes = Counter(
+            "flywheel_trainer_weights_upload_bytes", "Weight bytes sent over NATS.", registry=r
+        )
         self.samples = Counter("flywheel_trainer_samples", "Samples trained on.", registry=r)
         self.tokens_per_s = Gauge(
             "flywheel_trainer_tokens_per_second", "Compute tokens/s of the last step.", registry=r
@@ -263,9 +267,25 @@ class TrainerService:
         self.started = time.time()
 
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
+        """Announce a saved version; over NATS, its chunks are all stored first."""
+        uri = path.resolve().as_uri()
+        if self.s.weights_transport == "nats":
+            from services.common.weights_nats import upload
+
+            sent = await upload(
+                self.ctx.js, self.s.run, version, path, max_payload=self.ctx.max_payload,
+                window=self.s.weights_upload_window,
+            )  # fmt: skip
+            self.metrics.upload_bytes.inc(sent.bytes)
+            self.metrics.phase.labels(phase="upload").inc(sent.seconds)
+            log.info(
+                "trainer: v%d sent over NATS: %d chunks, %.1f MB in %.2fs (%.0f MB/s)",
+                version, sent.chunks, sent.bytes / 1e6, sent.seconds, sent.mb_per_s,
+            )  # fmt: skip
+            uri = weights_nats_uri(self.s.run, version)
         msg = WeightsPublished(
             run=self.s.run, version=version, step=self.trainer.step,
-            uri=path.resolve().as_uri(), sha256=sha256, size_bytes=size, published_at=time.time(),
+            uri=uri, sha256=sha256, size_bytes=size, published_at=time.time(),
         )  # fmt: skip
         await publish(self.ctx.js, self.subjects.weights_published, msg, self.ctx.max_payload)
         log.info("trainer: published v%d (%s)", version, path)
@@ -288,9 +308,9 @@ class TrainerService:
     def record(self, batch: WireBatch, r: StepResult, waited: float) -> dict[str, Any]:
         stats = batch_stats(batch)
         row: dict[str, Any] = {
-            "step": self.trainer.step, "time": time.time(), "elapsed": time.time() - self.started,
-            **stats, **r.metrics, "wait_s": waited, "compute_s": r.compute_s,
-            "publish_s": r.publish_s,
+            "step": self.trainer.step, "batch_id": batch.batch_id, "time": time.time(),
+            "elapsed": time.time() - self.started, **stats, **r.metrics, "wait_s": waited,
+            "compute_s": r.compute_s, "publish_s": r.publish_s,
         }  # fmt: skip
         for k, g in self.metrics.gauges.items():
             if k in row:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -22,6 +22,14 @@ class TrainerSettings(ServiceSettings):
     model: Path = Field(Path("runs/demo/model"), description="Initial policy (HF directory).")
     weights_root: Path = Field(
         Path("runs/weights"), description="Published weights go to <root>/<run>/v000012/."
+    )
+    weights_transport: Literal["disk", "nats"] = Field(
+        "disk",
+        description="How engines get weights: 'disk' announces the shared directory; 'nats' "
+        "also sends it as chunks into JetStream (no shared storage needed).",
+    )
+    weights_upload_window: int = Field(
+        16, ge=1, le=1024, description="NATS transport: chunk publishes in flight at once."
     )
     checkpoint_dir: Path = Field(Path("runs/checkpoints"), description="Trainer checkpoints.")
     publish_every: int = Field(1, ge=1, description="Publish weights every this many steps.")

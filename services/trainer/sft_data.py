@@ -119,22 +119,41 @@ def add_without_carry(a: int, b: int) -> int:
     return result
 
 
+def drop_final_carry(a: int, b: int, digits: int) -> int:
+    """The sum without its carry out of the top digit: 58 + 67 -> 25."""
+    return (a + b) % 10**digits
+
+
 def arithmetic_records(
-    n: int, seed: int, *, digits: int = 2, corrupt_fraction: float = 0.0, start: int = 0
+    n: int,
+    seed: int,
+    *,
+    digits: int = 2,
+    corrupt_fraction: float = 0.0,
+    corrupt: str = "all_carries",
+    start: int = 0,
 ) -> Iterator[dict[str, str]]:
     """prompt/completion records of problems start..start+n of `seed`.
 
     With `corrupt_fraction` p, each record's answer is replaced with
-    probability p by the sum without carries (unchanged where nothing
-    carries): a warm start that is plausible but wrong, for RL to repair.
+    probability p by a plausible mistake (unchanged where the mistake
+    cannot happen): `corrupt="all_carries"` adds without any carry (58 + 67
+    -> 15), `"final_carry"` drops only the carry out of the top digit
+    (58 + 67 -> 25). A warm start that is plausible but wrong, for RL to repair.
     """
+    if corrupt not in ("all_carries", "final_carry"):
+        raise ValueError(f"unknown corruption {corrupt!r}")
     rng = random.Random(f"corrupt:{seed}")
     for i in range(start, start + n):
         pr = problem(seed, i, digits)
         answer = pr.answer
         if corrupt_fraction > 0 and rng.random() < corrupt_fraction:
             a, b = (int(x) for x in pr.prompt.rstrip("=").split("+"))
-            answer = str(add_without_carry(a, b))
+            answer = str(
+                add_without_carry(a, b)
+                if corrupt == "all_carries"
+                else drop_final_carry(a, b, digits)
+            )
         yield {"prompt": pr.prompt, "completion": answer}
 
 

@@ -22,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m services.rollout.engine",
         description="Flywheel's CPU engine server (SGLang HTTP API subset).",
     )
-    p.add_argument("--config", help="TOML run file ([engine] table)")
+    p.add_argument("-c", "--config", help="TOML run file ([engine] table)")
     p.add_argument("--model", help="Hugging Face model directory")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 30000; 0 = any free port)")

@@ -27,6 +27,7 @@ matched stop string is cut unless `no_stop_trim`).
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -63,13 +64,28 @@ _IGNORED_FIELDS = frozenset(
 )
 
 
+MAX_N = 4096
+"""Most completions one request may ask for (PromptTask.n's bound too).
+
+Without a bound one request with n = 10**9 holds the event loop for minutes
+building its sequences and then floods the scheduler: a denial of service
+found by the fuzzer (tests/fuzz)."""
+
+
 def _number(d: dict[str, Any], key: str, default: float) -> float:
     value = d.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RequestError(f"sampling_params.{key} must be a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError as e:  # an integer literal beyond float range
+        raise RequestError(f"sampling_params.{key} is out of range") from e
+    # JSON parsers accept NaN/Infinity; a NaN temperature makes NaN probabilities.
+    if not math.isfinite(number):
+        raise RequestError(f"sampling_params.{key} must be finite, got {value!r}")
+    return number
 
 
 def _integer(d: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -106,8 +122,8 @@ def parse_sampling_params(raw: Any, default_max_new_tokens: int = 128) -> Sampli
     assert max_new is not None and n is not None
     if max_new < 0:
         raise RequestError("sampling_params.max_new_tokens must be >= 0")
-    if n < 1:
-        raise RequestError("sampling_params.n must be >= 1")
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"sampling_params.n must be in 1..{MAX_N}")
     stop = raw.get("stop") or ()
     if isinstance(stop, str):
         stop = (stop,)
@@ -218,6 +234,8 @@ def parse_generate(
     n_total = 0
     for prompt, raw, r in zip(prompts, params_list, rids, strict=True):
         params = parse_sampling_params(raw, default_max_new_tokens)
+        if n_total + params.n > MAX_N:
+            raise RequestError(f"a request may ask for at most {MAX_N} completions in all")
         if not prompt:
             raise RequestError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < vocab_size]

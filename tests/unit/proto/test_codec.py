@@ -32,6 +32,7 @@ from proto.messages import (
     SampleGroup,
     SamplingParams,
     TrainBatch,
+    WeightsChunk,
     WeightsPublished,
     WeightsReady,
     pack_f32,
@@ -150,6 +151,8 @@ STRATEGIES = {
         running=st.integers(0, 1000),
         queued=st.integers(0, 1000),
         sent_at=times,
+        local_weights_dir=st.none() | st.text(min_size=1, max_size=40),
+        downloaded_version=st.none() | versions,
     ),
     "DeadLetter": st.builds(
         DeadLetter,
@@ -171,6 +174,23 @@ STRATEGIES = {
             count=st.just(count),
             total_size=st.integers(0, 10**9),
             sha256=sha,
+            data=st.binary(max_size=100),
+        )
+    ),
+    "WeightsChunk": st.integers(1, 5).flatmap(
+        lambda count: st.builds(
+            WeightsChunk,
+            run=ids,
+            version=versions,
+            sha256=sha,
+            file=st.lists(
+                st.from_regex(r"[A-Za-z0-9_.-]{1,12}", fullmatch=True), min_size=1, max_size=3
+            )
+            .filter(lambda parts: all(p not in (".", "..") for p in parts))
+            .map("/".join),
+            offset=st.integers(0, 2**40),
+            index=st.integers(0, count - 1),
+            count=st.just(count),
             data=st.binary(max_size=100),
         )
     ),
@@ -367,3 +387,12 @@ def test_discard_lets_a_redelivered_message_reassemble_again() -> None:
     assert r.feed(parts[0]) is None  # a stray late duplicate is ignored
     r.discard("b")  # handling failed: every part comes again
     assert [r.feed(p) for p in parts][-1] == data
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../x", "a/../b", "a//b", "./a"])
+def test_weights_chunk_rejects_paths_outside_its_directory(bad: str) -> None:
+    good = EXAMPLES["WeightsChunk"]
+    body = msgpack.unpackb(codec.encode(good))
+    body["file"] = bad
+    with pytest.raises(SchemaViolation):
+        codec.decode(msgpack.packb(body, use_bin_type=True), WeightsChunk)

@@ -1,0 +1,271 @@
+"""Weight-sync benchmark: publish→ready latency against model size, both transports.
+
+    .venv/bin/python bench/sync.py [--sizes 1m,10m,100m] [--reps 3]
+
+For each model size (tiny Qwen2 shapes of ~1M, ~10M, ~100M parameters,
+fp32 safetensors) one real CPU engine and the real sync service
+(subprocesses) run against an embedded nats-server; this script plays the
+trainer (writes the weights directory, publishes WeightsPublished) and, for
+the NATS transport, the rollout worker beside the engine (downloads the
+chunks, reports the copy in its heartbeat).
+
+- disk: publish a `file://` version → WeightsReady. The engine verifies the
+  sha256 manifest and loads the safetensors (the same bytes once, read).
+- nats: upload the chunks (trainer) → publish → download + verify + rename
+  (worker) → heartbeat → engine load → WeightsReady. Also reported: the
+  transport alone, bytes / (upload + download seconds).
+- baseline, measured in the same run: a raw copy (`shutil.copyfile`) of the
+  same files to a fresh directory on the same filesystem.
+
+Targets (issue 6): disk publish→ready ≤ 1.5× the raw copy; NATS transport
+≥ 500 MB/s on loopback. Medians of `--reps` versions per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from proto.codec import decode  # noqa: E402
+from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady  # noqa: E402
+from proto.streams import streams_for, weights_nats_uri  # noqa: E402
+from proto.subjects import Subjects  # noqa: E402
+from services.common.publish import publish  # noqa: E402
+
+RUN = "benchsync"
+SIZES = {  # name → (hidden, layers): params ≈ 16·h²·layers (intermediate = 4h)
+    "1m": (128, 4),
+    "10m": (256, 10),
+    "100m": (768, 10),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass  # not up yet
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as f:
+        return subprocess.Popen(
+            argv, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            stdout=f, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def raw_copy_s(src: Path, dst_root: Path) -> float:
+    dst = dst_root / f"copy-{time.monotonic_ns()}"
+    dst.mkdir(parents=True)
+    t = time.perf_counter()
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            shutil.copyfile(p, dst / p.name)
+    took = time.perf_counter() - t
+    shutil.rmtree(dst)
+    return took
+
+
+class Bench:
+    def __init__(self, nc, js, root: Path, max_payload: int) -> None:
+        self.nc, self.js, self.root = nc, js, root
+        self.max_payload = max_payload
+        self.s = Subjects(RUN)
+        self.ready: dict[int, float] = {}
+        self.hb: EngineHeartbeat | None = None
+        self.version = 0
+        self.beating: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        async def on_ready(msg) -> None:
+            r = decode(msg.data, WeightsReady)
+            self.ready.setdefault(r.version, time.perf_counter())
+
+        await self.nc.subscribe(self.s.weights_ready, cb=on_ready)
+        self.beating = asyncio.create_task(self.heartbeats())
+
+    async def heartbeats(self) -> None:
+        while True:
+            if self.hb is not None:
+                await self.nc.publish(self.s.heartbeat(self.hb.engine_id), _enc(self.hb))
+            await asyncio.sleep(0.1)
+
+    def beat(self, engine_id: str, url: str, version: int, local: Path | None, dl: int | None):
+        self.hb = EngineHeartbeat(
+            run=RUN, engine_id=engine_id, url=url, worker_id="bench", weight_version=version,
+            local_weights_dir=str(local) if local else None, downloaded_version=dl,
+        )  # fmt: skip
+
+    async def wait_ready(self, v: int, timeout_s: float = 300) -> float:
+        deadline = time.monotonic() + timeout_s
+        while v not in self.ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"v{v} never ready")
+            await asyncio.sleep(0.002)
+        return self.ready[v]
+
+    async def announce(self, v: int, uri: str, m) -> None:
+        msg = WeightsPublished(run=RUN, version=v, step=v, uri=uri, sha256=m.sha256,
+                               size_bytes=m.total_bytes, published_at=time.time())  # fmt: skip
+        await publish(self.js, self.s.weights_published, msg, self.max_payload)
+
+
+def _enc(msg) -> bytes:
+    from proto.codec import encode
+
+    return encode(msg)
+
+
+async def run_size(b: Bench, name: str, reps: int, tmp: Path, log_dir: Path) -> dict:
+    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+    from services.common.weights import read_manifest, write_weights_dir
+    from services.common.weights_nats import download, upload
+
+    hidden, layers = SIZES[name]
+    heads = max(4, hidden // 64)
+    spec = TinyModelSpec(hidden_size=hidden, num_layers=layers, num_heads=heads,
+                         num_kv_heads=heads, intermediate_size=4 * hidden)  # fmt: skip
+    model = await asyncio.to_thread(write_tiny_model, tmp / f"model-{name}", spec)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = spawn([sys.executable, "-m", "services.rollout.engine", "--model", str(model),
+                    "--port", str(port), "--weight-version", str(b.version)],
+                   {"FLYWHEEL_ENGINE_NUM_THREADS": "4"},
+                   log_dir / f"engine-{name}.log")  # fmt: skip
+    engine_id = f"engine-{name}"
+    local = tmp / "local" / engine_id
+    try:
+        await asyncio.to_thread(wait_http, f"{url}/health", engine)
+        b.beat(engine_id, url, b.version, local, None)
+        await asyncio.sleep(1.0)  # sync registers the engine
+        out: dict[str, list[float]] = {k: [] for k in ("copy", "disk", "up", "down", "nats")}
+        size = 0
+        for transport in ("disk", "nats"):
+            for _ in range(reps):
+                b.version += 1
+                v = b.version
+                target = tmp / "weights" / RUN / f"v{v:06d}"
+
+                def save(d: Path, src: Path = model) -> None:
+                    for p in src.iterdir():
+                        if p.is_file() and p.name != "flywheel-manifest.json":
+                            shutil.copyfile(p, d / p.name)
+
+                m = await asyncio.to_thread(write_weights_dir, target, save)
+                size = m.total_bytes
+                out["copy"].append(await asyncio.to_thread(raw_copy_s, target, tmp / "copies"))
+                t0 = time.perf_counter()
+                if transport == "disk":
+                    await b.announce(v, target.resolve().as_uri(), m)
+                else:
+                    up = await upload(b.js, RUN, v, target, max_payload=b.max_payload)
+                    await b.announce(v, weights_nats_uri(RUN, v), read_manifest(target))
+                    t1 = time.perf_counter()
+                    await download(b.js, RUN, v, m.sha256, local / f"v{v:06d}")
+                    out["up"].append(up.seconds)
+                    out["down"].append(time.perf_counter() - t1)
+                    b.beat(engine_id, url, v - 1, local, v)
+                done = await b.wait_ready(v)
+                out[transport].append(done - t0)
+                b.beat(engine_id, url, v, local, v if transport == "nats" else None)
+                shutil.rmtree(target)
+        med = {k: statistics.median(x) for k, x in out.items()}
+        return {"name": name, "params": spec_params(hidden, layers), "bytes": size, **med}
+    finally:
+        engine.terminate()
+        engine.wait(15)
+        b.hb = None
+
+
+def spec_params(hidden: int, layers: int) -> int:
+    return 16 * hidden * hidden * layers
+
+
+async def main(args: argparse.Namespace) -> None:
+    import nats
+
+    from services.common.nats_conn import ensure_streams
+    from services.common.nats_server import NatsServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sync-", dir=args.tmp))
+    log_dir = tmp / "logs"
+    log_dir.mkdir()
+    config = tmp / "run.toml"
+    config.write_text(f'run = "{RUN}"\n[sync]\ntick_s = 0.01\nliveness_s = 30\nkeep_last = 1\n')
+    rows = []
+    with NatsServer(store_dir=tmp / "nats") as server:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await ensure_streams(js, streams_for(RUN))
+        port = free_port()
+        env = {"FLYWHEEL_SYNC_NATS__URL": server.url, "FLYWHEEL_SYNC_METRICS_PORT": str(port),
+               "FLYWHEEL_SYNC_WEIGHTS_ROOT": str(tmp / "weights")}  # fmt: skip
+        sync = spawn([sys.executable, "-m", "services.sync", "-c", str(config)], env,
+                     log_dir / "sync.log")  # fmt: skip
+        try:
+            await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/readyz", sync)
+            b = Bench(nc, js, tmp, nc.max_payload)
+            await b.start()
+            for name in args.sizes.split(","):
+                row = await run_size(b, name, args.reps, tmp, log_dir)
+                rows.append(row)
+                print(fmt(row), flush=True)
+        finally:
+            sync.terminate()
+            sync.wait(15)
+            await nc.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print("| model | params | bytes | raw copy | disk p→r | disk/copy | NATS up | NATS down |"
+          " NATS transport | NATS p→r | NATS/copy |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mb = r["bytes"] / 1e6
+        print(
+            f"| {r['name']} | {r['params'] / 1e6:.1f}M | {mb:.1f} MB | {r['copy'] * 1e3:.0f} ms "
+            f"| {r['disk'] * 1e3:.0f} ms | {r['disk'] / r['copy']:.2f}× "
+            f"| {mb / r['up']:.0f} MB/s | {mb / r['down']:.0f} MB/s "
+            f"| {mb / (r['up'] + r['down']):.0f} MB/s | {r['nats'] * 1e3:.0f} ms "
+            f"| {r['nats'] / r['copy']:.2f}× |"
+        )
+
+
+def fmt(r: dict) -> str:
+    return (f"{r['name']}: {r['bytes'] / 1e6:.1f} MB copy {r['copy']:.3f}s disk {r['disk']:.3f}s "
+            f"nats up {r['up']:.3f}s down {r['down']:.3f}s p→r {r['nats']:.3f}s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="1m,10m,100m")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tmp", default=None, help="where to write (default: the system temp dir)")
+    asyncio.run(main(p.parse_args()))

@@ -1,0 +1,269 @@
+"""Weights over NATS: a weights directory as WeightsChunks in JetStream, and back.
+
+For clusters without shared storage (proto/README.md, *Weights over NATS*).
+The trainer `upload`s a finished weights directory to
+`flywheel.<run>.weightdata.v<version>` and only then announces it; the
+rollout worker beside each engine `download`s it into an engine-local
+directory, which the engine then loads from disk like any other version.
+
+Mechanism, chosen by measurement on this machine (2 shared cores, loopback,
+1 MiB max_payload, file storage): nats-py's object store `get` reads at
+~40 MB/s; a pull consumer without acks, fetching 16–64 messages at a time,
+reads at ~500–800 MB/s; publishing with ~16 JetStream publishes in flight
+writes at ~250 MB/s (one at a time: ~100 MB/s, since each waits for its ack).
+So: plain WeightsChunk messages (a typed MessagePack message, so the data
+is self-describing and validated), a bounded window of in-flight publishes,
+and an ephemeral pull consumer with `AckPolicy.NONE` on the version's subject.
+
+Integrity: the manifest travels first; the receiver writes each chunk at its
+offset, and once it holds every index, `verify_weights_dir` re-hashes the
+files against the manifest and the manifest's digest must equal the
+published sha256. The temporary directory is renamed into place only then,
+so an engine never sees a partial version. Nothing is fsynced: a receiver
+that restarts discards its local copies and downloads again.
+
+This module imports no torch; the NATS client only inside functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from proto.codec import decode, encode, message_id
+from proto.errors import ProtocolError
+from proto.messages import WeightsChunk
+from proto.streams import stream_name
+from proto.subjects import Subjects
+from services.common.errors import FlywheelError
+from services.common.weights import MANIFEST_NAME, Manifest, read_manifest, verify_weights_dir
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+# A WeightsChunk's fields besides `data` (ids, names, digest, msgpack framing)
+# take well under this; the file name is added on top.
+CHUNK_OVERHEAD = 1024
+
+
+class WeightsTransferError(FlywheelError, RuntimeError):
+    """A version could not be sent or received over NATS (incomplete, timed out, corrupt)."""
+
+    def __init__(self, message: str, *, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One planned chunk: bytes [offset, offset + size) of `file`."""
+
+    index: int
+    file: str
+    offset: int
+    size: int
+
+
+def plan_chunks(manifest: Manifest, max_payload: int) -> list[Piece]:
+    """The chunks of a directory: manifest first, then its files in name order.
+
+    Each piece is at most `max_payload - CHUNK_OVERHEAD - len(name)` bytes, so
+    the encoded WeightsChunk fits in one NATS message. An empty file still
+    gets one (empty) piece so that the receiver creates it.
+    """
+    manifest_size = len(manifest.to_json().encode())
+    files = [(MANIFEST_NAME, manifest_size)] + [(f.name, f.size) for f in manifest.files]
+    pieces: list[Piece] = []
+    for name, size in files:
+        step = max_payload - CHUNK_OVERHEAD - len(name.encode())
+        if step <= 0:
+            raise ValueError(f"max_payload {max_payload} is too small for chunks of {name!r}")
+        offsets = range(0, size, step) if size else range(1)
+        for off in offsets:
+            pieces.append(Piece(len(pieces), name, off, min(step, size - off)))
+    return pieces
+
+
+def _read_pieces(root: Path, pieces: list[Piece]) -> Iterator[tuple[Piece, bytes]]:
+    handles: dict[str, int] = {}
+    try:
+        for p in pieces:
+            fd = handles.get(p.file)
+            if fd is None:
+                fd = handles[p.file] = os.open(root / p.file, os.O_RDONLY)
+            data = os.pread(fd, p.size, p.offset)
+            if len(data) != p.size:
+                raise OSError(f"{root / p.file}: short read at {p.offset}")
+            yield p, data
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    version: int
+    chunks: int
+    bytes: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e6
+
+
+async def upload(
+    js: JetStreamContext,
+    run: str,
+    version: int,
+    root: Path,
+    *,
+    max_payload: int,
+    window: int = 16,
+) -> Transfer:
+    """Publish the weights directory `root` (with its manifest) as WeightsChunks.
+
+    Returns once every chunk is acknowledged by JetStream (so a receiver that
+    starts after this finds them all). Chunk ids are deterministic: a retry
+    after a crash is de-duplicated within the stream's duplicate window, and
+    a receiver ignores repeated indices beyond it.
+    """
+    started = time.perf_counter()
+    manifest = read_manifest(root)
+    pieces = plan_chunks(manifest, max_payload)
+    subject = Subjects(run).weightdata(version)
+    pending: set[asyncio.Future[object]] = set()
+    total = 0
+    try:
+        for p, data in _read_pieces(root, pieces):
+            msg = WeightsChunk(
+                run=run, version=version, sha256=manifest.sha256, file=p.file, offset=p.offset,
+                index=p.index, count=len(pieces), data=data,
+            )  # fmt: skip
+            payload = encode(msg, max_payload)
+            headers = {"Nats-Msg-Id": message_id(msg) or ""}
+            pending.add(asyncio.ensure_future(js.publish(subject, payload, headers=headers)))
+            total += len(data)
+            if len(pending) >= window:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for f in done:
+                    f.result()  # raise a failed publish now
+        if pending:
+            await asyncio.gather(*pending)
+            pending = set()
+    finally:
+        for f in pending:
+            f.cancel()
+    return Transfer(version, len(pieces), total, time.perf_counter() - started)
+
+
+def _safe_join(root: Path, name: str) -> Path:
+    """`root/name`, refusing anything that would land outside `root`."""
+    path = (root / name).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise ValueError(f"chunk file {name!r} escapes {root}")
+    return path
+
+
+async def download(
+    js: JetStreamContext,
+    run: str,
+    version: int,
+    sha256: str,
+    target: Path,
+    *,
+    idle_timeout_s: float = 10.0,
+    batch: int = 32,
+) -> Transfer:
+    """Receive version `version` into `target` (atomically), verified against `sha256`.
+
+    Raises WeightsTransferError if no chunk arrives for `idle_timeout_s`, or if
+    the files do not match the manifest or the manifest does not match
+    `sha256`. An existing `target` is left alone and returned as is.
+    """
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from services.common.weights import WeightsError
+
+    started = time.perf_counter()
+    if target.is_dir():
+        return Transfer(version, 0, 0, 0.0)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.part-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    cfg = ConsumerConfig(
+        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0
+    )
+    sub = await js.pull_subscribe(
+        Subjects(run).weightdata(version), durable=None,
+        stream=stream_name(run, "WEIGHTDATA"), config=cfg,
+    )  # fmt: skip
+    handles: dict[str, int] = {}
+    seen: set[int] = set()
+    others = 0  # chunks of another publication of this version (other digest)
+    count: int | None = None
+    total = 0
+    try:
+        while count is None or len(seen) < count:
+            try:
+                msgs = await sub.fetch(batch, timeout=idle_timeout_s)
+            except (TimeoutError, NatsTimeout) as e:
+                raise WeightsTransferError(
+                    f"v{version}: no chunk for {idle_timeout_s}s "
+                    f"({len(seen)}/{count if count is not None else '?'} received, "
+                    f"{others} of another publication ignored)",
+                    version=version,
+                ) from e
+            for m in msgs:
+                c = decode(m.data, WeightsChunk)
+                if c.version != version or c.sha256 != sha256:
+                    others += 1  # an older publication of the same version (a trainer re-run)
+                    continue
+                if count is None:
+                    count = c.count
+                if c.index in seen:
+                    continue
+                fd = handles.get(c.file)
+                if fd is None:
+                    path = _safe_join(tmp, c.file)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    fd = handles[c.file] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                os.pwrite(fd, c.data, c.offset)
+                seen.add(c.index)
+                total += len(c.data)
+        for fd in handles.values():
+            os.close(fd)
+        handles.clear()
+        manifest = await asyncio.to_thread(verify_weights_dir, tmp)
+        if manifest.sha256 != sha256:
+            raise WeightsTransferError(
+                f"v{version}: manifest digest {manifest.sha256} != published {sha256}",
+                version=version,
+            )
+        if target.is_dir():  # someone else finished first; theirs is as good
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, target)
+    except (WeightsError, ProtocolError, ValueError) as e:
+        raise WeightsTransferError(f"v{version}: bad chunks or files: {e}",
+                                   version=version) from e  # fmt: skip
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        await sub.unsubscribe()
+    return Transfer(version, count or 0, total, time.perf_counter() - started)
+
+
+async def purge(js: JetStreamContext, run: str, version: int) -> None:
+    """Drop the chunks of one version from the stream (no error if there are none)."""
+    await js.purge_stream(stream_name(run, "WEIGHTDATA"), subject=Subjects(run).weightdata(version))

@@ -1,0 +1,164 @@
+"""The engine side of the NATS weights transport: keep the newest version on local disk.
+
+Beside each engine, the rollout worker watches the newest `WeightsPublished`
+(the last message on `weights.published`, re-read every `weights_poll_s`
+and at once when a new one is announced — so a worker that starts late, or
+missed a message while disconnected, still finds the newest version) and,
+when it is a `nats://` version newer than what it holds, downloads it into
+`<weights_dir>/<run>/<engine_id>/v000012/` (services/common/weights_nats.py:
+verified, renamed into place). Its heartbeats report that directory and the
+newest downloaded version; sync updates the engine only once the version is
+there, with the engine-local path. File-URI versions are ignored here: the
+engine reads those from the shared directory.
+
+Local copies are not trusted across restarts (they are not fsynced): the
+directory is emptied at start and the newest version is fetched again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from proto.codec import decode
+from proto.errors import ProtocolError
+from proto.messages import WeightsPublished
+from proto.streams import parse_weights_nats_uri, stream_name
+from proto.subjects import Subjects
+from services.common.weights_nats import WeightsTransferError, download
+
+log = logging.getLogger(__name__)
+
+
+def version_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def prunable(held: list[int], serving: int, keep: int) -> list[int]:
+    """Local versions to delete: older than both the served one and the newest `keep`."""
+    if not held:
+        return []
+    floor = min(serving, sorted(held)[-keep] if len(held) >= keep else min(held))
+    return [v for v in held if v < floor]
+
+
+class WeightsFetcher:
+    def __init__(
+        self,
+        js: Any,
+        nc: Any,
+        run: str,
+        local_dir: Path,
+        *,
+        poll_s: float,
+        keep: int,
+        idle_timeout_s: float,
+        on_download: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        self.js, self.nc = js, nc
+        self.run = run
+        self.subjects = Subjects(run)
+        self.local_dir = local_dir.resolve()
+        self.poll_s = poll_s
+        self.keep = keep
+        self.idle_timeout_s = idle_timeout_s
+        self.on_download = on_download  # (version, bytes, seconds), for metrics
+        self.downloaded: int | None = None
+        self._wake = asyncio.Event()
+
+    def reset(self) -> None:
+        """Start empty: copies from a previous life may be incomplete on disk."""
+        if self.local_dir.exists():
+            shutil.rmtree(self.local_dir)
+        self.local_dir.mkdir(parents=True)
+
+    def held(self) -> list[int]:
+        return sorted(
+            int(p.name[1:])
+            for p in self.local_dir.glob("v[0-9]*")
+            if p.is_dir() and p.name[1:].isdigit()
+        )
+
+    async def latest(self) -> WeightsPublished | None:
+        from nats.js.errors import NotFoundError
+
+        try:
+            raw = await self.js.get_last_msg(
+                stream_name(self.run, "WEIGHTS"), self.subjects.weights_published
+            )
+        except NotFoundError:
+            return None
+        try:
+            return decode(raw.data or b"", WeightsPublished)
+        except ProtocolError as e:
+            log.warning("rollout: unreadable last WeightsPublished: %s", e)
+            return None
+
+    async def fetch_once(self) -> int | None:
+        """Download the newest published version if it came over NATS and is new here."""
+        msg = await self.latest()
+        if msg is None or not msg.uri.startswith("nats://"):
+            return None
+        try:
+            _, version = parse_weights_nats_uri(msg.uri)
+        except ValueError as e:
+            log.warning("rollout: %s", e)
+            return None
+        if self.downloaded is not None and version <= self.downloaded:
+            return None
+        got = await download(
+            self.js, self.run, version, msg.sha256, self.local_dir / version_name(version),
+            idle_timeout_s=self.idle_timeout_s,
+        )  # fmt: skip
+        self.downloaded = version
+        log.info("rollout: v%d downloaded over NATS: %.1f MB in %.2fs (%.0f MB/s)",
+                 version, got.bytes / 1e6, got.seconds, got.mb_per_s)  # fmt: skip
+        if self.on_download is not None:
+            self.on_download(version, got.bytes, got.seconds)
+        return version
+
+    def prune(self, serving: int) -> None:
+        for v in prunable(self.held(), serving, self.keep):
+            shutil.rmtree(self.local_dir / version_name(v), ignore_errors=True)
+
+    async def run_loop(self, stop: asyncio.Event, serving: Callable[[], Awaitable[int]]) -> None:
+        """Until `stop`: fetch what is new, prune what the engine no longer needs."""
+        from nats.errors import Error as NatsError
+
+        from services.common.engine_client import EngineError
+
+        self.reset()
+
+        async def on_published(_msg: Any) -> None:
+            self._wake.set()
+
+        sub = await self.nc.subscribe(self.subjects.weights_published, cb=on_published)
+        try:
+            while not stop.is_set():
+                self._wake.clear()
+                try:
+                    await self.fetch_once()
+                    self.prune(await serving())
+                except (WeightsTransferError, NatsError, EngineError, OSError, TimeoutError) as e:
+                    # NATS reconnecting, engine restarting, a bad download: try again later.
+                    log.warning("rollout: weights fetch failed (will retry): %r", e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        _first(stop.wait(), self._wake.wait()), timeout=self.poll_s
+                    )
+        finally:
+            await sub.unsubscribe()
+
+
+async def _first(*aws: Awaitable[Any]) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

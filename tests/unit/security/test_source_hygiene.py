@@ -1,0 +1,93 @@
+"""Source-tree rules that keep untrusted bytes from executing code.
+
+- No pickle (nor its relatives: marshal, shelve, dill, cloudpickle, joblib),
+  and no `multiprocessing` (it pickles every argument and result); the
+  verifier sandbox speaks MessagePack to plain subprocesses instead.
+- `torch.load` only with `weights_only=True` (torch's restricted unpickler).
+- No `eval`/`exec` of message content and no `yaml.load` (only safe_load).
+
+Scans every .py file Flywheel ships or runs (proto, services, bench, tests);
+comments and docstrings may mention the words, code may not.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SCANNED = ("proto", "services", "bench", "tests")
+FORBIDDEN_MODULES = {
+    "pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve",
+    "multiprocessing", "concurrent.futures.process",
+}  # fmt: skip
+FORBIDDEN_NAMES = {"ProcessPoolExecutor"}
+
+
+def python_files() -> list[Path]:
+    return sorted(p for d in SCANNED for p in (ROOT / d).rglob("*.py") if ".venv" not in p.parts)
+
+
+def violations(source: str) -> list[str]:
+    """What in `source` breaks the rules, as "line: what" strings (pure, tested below)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [f"{line}: import {a.name}" for a in node.names if _forbidden(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if _forbidden(node.module):
+                found.append(f"{line}: from {node.module} import …")
+            found += [f"{line}: {a.name}" for a in node.names if a.name in FORBIDDEN_NAMES]
+        elif isinstance(node, ast.Call):
+            name = _call_name(node.func)
+            if name == "torch.load" and not _kw_true(node, "weights_only"):
+                found.append(f"{line}: torch.load without weights_only=True")
+            if name in ("yaml.load", "yaml.unsafe_load"):
+                found.append(f"{line}: {name} (use yaml.safe_load)")
+            if name in ("eval", "exec"):
+                found.append(f"{line}: {name}()")
+            if name.endswith(("pickle.loads", "pickle.load")):
+                found.append(f"{line}: {name}")
+    return found
+
+
+def _forbidden(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in FORBIDDEN_MODULES)
+
+
+def _call_name(func: ast.expr) -> str:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return f"{_call_name(func.value)}.{func.attr}"
+    return ""
+
+
+def _kw_true(call: ast.Call, name: str) -> bool:
+    return any(
+        k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is True
+        for k in call.keywords
+    )
+
+
+def test_the_scan_finds_what_it_forbids() -> None:
+    bad = (
+        "import pickle\nfrom multiprocessing import Pool\nimport torch\n"
+        "torch.load('x')\ntorch.load('x', weights_only=False)\n"
+        "from concurrent.futures import ProcessPoolExecutor\neval('1')\n"
+    )
+    found = violations(bad)
+    assert len(found) == 6, found
+    ok = "import torch\ntorch.load('x', weights_only=True)\n# pickle is mentioned here\n"
+    assert violations(ok) == []
+
+
+def test_no_pickle_multiprocessing_or_unsafe_torch_load_in_the_tree() -> None:
+    files = python_files()
+    assert len(files) > 50  # the scan really covers the tree
+    problems = {str(p.relative_to(ROOT)): v for p in files if (v := violations(p.read_text()))}
+    if problems:
+        pytest.fail(f"forbidden deserialisation / process pools: {problems}")
