@@ -27,6 +27,12 @@ class OptimConfig(BaseModel):
         1000, ge=1, description="Steps over which the cosine schedule decays (ignored if constant)."
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per RL batch: its groups are split into this many "
+        "mini-batches (PPO-style); 1 = one step per batch.",
+    )
     grad_clip: float | None = Field(
         1.0, gt=0, description="Clip the global gradient norm to this; None: no clipping."
     )

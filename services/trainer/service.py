@@ -353,7 +353,37 @@ class TrainerService:
         with self.s.metrics_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
+    def reconcile_rows(self) -> None:
+        """Make the metrics file agree with the checkpoint we resumed from.
+
+        A row is appended after its step's checkpoint, so a crash between the
+        two leaves the checkpointed step without a row; rows of steps after
+        the checkpoint (publish_every > 1) describe training that died with
+        the process and is done again. Both would break the file's contract
+        of one row per trained step, in order (tests/chaos checks it): drop
+        rows past the checkpoint, and add a `recovered` row for its step.
+        """
+        path = self.s.metrics_file
+        ckpt = latest_checkpoint(self.s.checkpoint_dir)
+        if path is None or ckpt is None or not path.is_file():
+            return
+        doc = json.loads((ckpt / "trainer-state.json").read_text())
+        step, batch_id = int(doc["step"]), doc["input_position"].get("batch_id")
+        lines = path.read_text().splitlines()
+        rows = [(ln, _json_row(ln)) for ln in lines]
+        # An unparsable line is a row cut by the crash itself: dropped too.
+        keep = [ln for ln, r in rows if r is not None and int(r.get("step", 0)) <= step]
+        if batch_id and not any((_json_row(ln) or {}).get("batch_id") == batch_id for ln in keep):
+            row = {"step": step, "batch_id": batch_id, "time": time.time(), "recovered": True}
+            keep.append(json.dumps(row))
+            log.warning("trainer: metrics row of step %d was lost in a crash; recovered", step)
+        if keep != lines:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            tmp.replace(path)
+
     async def run(self) -> None:
+        self.reconcile_rows()
         await self.reader.open()
         try:
             await self._run()
@@ -398,6 +428,14 @@ class TrainerService:
     def _step(self, data: bytes, batch: WireBatch, seq: int) -> StepResult:
         broadcast_bytes(data, self.trainer.info)
         return train_one(self.trainer, self.s, batch, seq)
+
+
+def _json_row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def make_body(trainer: Trainer, seq: int):

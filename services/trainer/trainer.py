@@ -1,4 +1,4 @@
-"""The `Trainer`: model + optimizer + LR schedule, and one optimizer step per batch.
+"""The `Trainer`: model + optimizer + LR schedule, and the optimizer steps of a batch.
 
 `train_step` is the RL algorithm in a screenful: advantages from rewards,
 per-token aggregation weights from the whole batch, this rank's share in
@@ -32,6 +32,7 @@ from services.trainer.core.batching import (
     layout_sample,
     plan_micro_batches,
     shard_for_ranks,
+    split_groups,
 )
 from services.trainer.core.logprobs import token_entropy, token_logprobs
 from services.trainer.core.loss import LossOutput, policy_loss, sample_weights
@@ -112,8 +113,19 @@ class Trainer:
     # ---- the algorithm -------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on an RL batch; returns batch-level metrics (same on all ranks)."""
+        """Train on one RL batch: `optim.minibatches` optimizer steps over its groups.
+
+        Returns batch-level metrics (the mean over mini-batches; same on all ranks).
+        """
         batch.validate()
+        parts = split_groups(batch, self.cfg.optim.minibatches)
+        results = [self._train_minibatch(part) for part in parts]
+        self.step += 1
+        merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        merged["lr"] = results[-1]["lr"]
+        return {**merged, "step": self.step, "minibatches": len(results)}
+
+    def _train_minibatch(self, batch: TrainBatch) -> dict[str, float]:
         rows = self._rl_rows(batch)
         micro = self._micro_batches(rows)
         if self.cfg.loss.old_logprobs == "recompute":
@@ -126,7 +138,9 @@ class Trainer:
     def sft_step(self, examples: list[SftExample]) -> dict[str, float]:
         """One optimizer step of token-mean negative log-likelihood over `examples`."""
         micro = self._micro_batches(self._sft_rows(examples))
-        return self._accumulate_and_step(micro, self._sft_loss)
+        metrics = self._accumulate_and_step(micro, self._sft_loss)
+        self.step += 1
+        return {**metrics, "step": self.step}
 
     @torch.no_grad()
     def sft_eval_loss(self, examples: list[SftExample]) -> float:
@@ -259,8 +273,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {**self._reduce(acc), "grad_norm": grad_norm, "lr": lr, "step": self.step}
+        return {**self._reduce(acc), "grad_norm": grad_norm, "lr": lr}
 
     def _clip_grad_norm(self) -> float:
         max_norm = self.cfg.optim.grad_clip or float("inf")

@@ -77,6 +77,36 @@ class TrainBatch:
                 raise BatchError("loss_mask length != response length", sample=i, field="loss_mask")
 
 
+def split_groups(batch: TrainBatch, parts: int) -> list[TrainBatch]:
+    """`batch` as up to `parts` mini-batches of whole groups (for several optimizer
+    steps per batch, PPO-style). A group is never split: its advantages are
+    relative to its own samples."""
+    order = list(dict.fromkeys(batch.group_ids.tolist()))  # group ids, first-seen order
+    parts = max(1, min(parts, len(order)))
+    if parts == 1:
+        return [batch]
+    chunks = [order[i::parts] for i in range(parts)]
+    out = []
+    for chunk in chunks:
+        keep = set(chunk)
+        idx = [i for i, g in enumerate(batch.group_ids.tolist()) if g in keep]
+        out.append(
+            TrainBatch(
+                prompt_ids=[batch.prompt_ids[i] for i in idx],
+                response_ids=[batch.response_ids[i] for i in idx],
+                rollout_logprobs=[batch.rollout_logprobs[i] for i in idx],
+                rewards=batch.rewards[idx],
+                group_ids=batch.group_ids[idx],
+                truncated=batch.truncated[idx],
+                loss_mask=[batch.loss_mask[i] for i in idx]
+                if batch.loss_mask is not None
+                else None,
+                temperature=batch.temperature,
+            )
+        )
+    return out
+
+
 def response_positions(prompt_len: int, response_len: int) -> slice:
     """Target positions of the response tokens (see the module docstring)."""
     return slice(prompt_len - 1, prompt_len - 1 + response_len)
