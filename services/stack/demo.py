@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel demo", description=__doc__.split("\n\n")[0])
     p.add_argument("-c", "--config", default=str(DEFAULT_CONFIG), help="run file of the RL stage")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
-    p.add_argument("--sft-steps", type=int, default=1000, help="SFT warm-start steps")
+    p.add_argument("--sft-steps", type=int, default=3000, help="SFT warm-start steps")
     p.add_argument("--sft-corrupt", type=float, default=0.6,
                    help="fraction of SFT labels that drop the carry out of the tens")  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
@@ -68,7 +68,7 @@ def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
     settings = SftSettings(
         model_dir=init, train_file=data, output_dir=out, overwrite=True, steps=steps,
         batch_size=64, log_every=200,
-        optim=OptimConfig(lr=1e-3, warmup_steps=20, schedule="constant"),
+        optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="cosine"),
         model=ModelConfig(cpu_threads=1),
     )  # fmt: skip
     run_sft(settings)
