@@ -48,3 +48,10 @@ format: setup
 .PHONY: deploy-check
 deploy-check: setup tools
 	$(PY) -m pytest -q tests/deploy
+
+# The chaos suite, full variant: every fault kind (kill -9 of each service,
+# nats-server restart and kill -9, SIGSTOP/SIGCONT) during one run, with the
+# stream accounting asserted. CI runs the smaller variant (tests/chaos).
+.PHONY: chaos
+chaos: setup
+	FLYWHEEL_CHAOS_FULL=1 $(PY) -m pytest -q -s tests/chaos

@@ -14,6 +14,15 @@ changed it is acked, and pending groups are kept as stream sequence numbers
 in SAMPLES (limits retention), re-read on restart. Every publish carries a
 deterministic Nats-Msg-Id, so redoing the work after a crash re-publishes
 identical tasks and batches, which JetStream stores once.
+
+Batches go through an outbox (KV key `outbox`): their composition (step,
+created_at, group sequences) is stored, then the state that counts them as
+batched, then they are published, then the outbox is emptied; a restart
+publishes what the outbox still holds for steps the state has passed. Without
+it a crash between publishing batch s and persisting the state let the
+restarted buffer build a *different* batch s from groups arriving in another
+order, which JetStream then dropped as a duplicate id: one group trained
+twice (in s and later), another never.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ from services.buffer.sources import (
 )
 from services.common.errors import ConfigError, FlywheelError, PermanentError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery
+from services.common.msgloop import Delivery, transient_errors
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
 
@@ -72,6 +81,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_KEY = "state"
+OUTBOX_KEY = "outbox"
 
 
 # ── state persistence ────────────────────────────────────────────────────────
@@ -156,6 +166,32 @@ def load_state(data: bytes) -> tuple[BufferState, list[tuple[str, int]]]:
             f"buffer state: answered {state.answered} > dispatched {state.dispatched}"
         )
     return state, pending
+
+
+def dump_outbox(batches: list[tuple[int, float, list[int]]]) -> bytes:
+    """Batches decided but maybe not yet published: (step, created_at, SAMPLES seqs)."""
+    return msgpack.packb([[step, at, list(seqs)] for step, at, seqs in batches])
+
+
+def load_outbox(data: bytes) -> list[tuple[int, float, list[int]]]:
+    """Parse what `dump_outbox` wrote (empty bytes: an empty outbox)."""
+    if not data:
+        return []
+    try:
+        doc = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise BufferStateError(f"buffer outbox is not MessagePack: {e}") from e
+    if not isinstance(doc, list):
+        raise BufferStateError(f"buffer outbox must be a list, got {type(doc).__name__}")
+    out = []
+    for entry in doc:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise BufferStateError(f"buffer outbox entry must be a triple, got {entry!r}")
+        step, at, seqs = entry
+        if not isinstance(at, float | int) or not isinstance(seqs, list):
+            raise BufferStateError(f"buffer outbox entry {entry!r} has the wrong types")
+        out.append((_int(step, "outbox step"), float(at), [_int(s, "outbox seq") for s in seqs]))
+    return out
 
 
 # ── metrics ──────────────────────────────────────────────────────────────────
@@ -264,6 +300,27 @@ class BufferService:
             "buffer: resumed at step %d, cursor %s, %d pending groups, %d in flight",
             state.next_step, state.cursor, len(pending), state.in_flight,
         )  # fmt: skip
+        await self._flush_outbox()
+
+    async def _flush_outbox(self) -> None:
+        """Publish the batches a crash may have left unpublished (ids de-duplicate the rest)."""
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(OUTBOX_KEY)
+        except KeyNotFoundError:
+            return
+        outbox = load_outbox(entry.value or b"")
+        stream = stream_name(self.s.run, "SAMPLES")
+        for step, created_at, seqs in outbox:
+            if step >= self.asm.state.next_step:
+                continue  # the state never counted it: it will be decided again
+            groups = [decode((await self.ctx.js.get_msg(stream, q)).data or b"", SampleGroup)
+                      for q in seqs]  # fmt: skip
+            await self._publish_batch(step, groups, created_at)
+            log.info("buffer: re-published batch %d from the outbox", step)
+        if outbox:
+            await self.kv.put(OUTBOX_KEY, b"")
 
     async def persist(self) -> None:
         pending = [(g.group_id, self.pending_seqs[g.group_id]) for g in self.asm.pending]
@@ -302,16 +359,17 @@ class BufferService:
             )
 
     async def _publish_ready_batches(self) -> None:
+        """Outbox, then state, then publish (module docstring: why in this order)."""
+        batches = []
         while (batch := self.asm.take_batch()) is not None:
-            step, groups = batch
-            msg = TrainBatch(
-                run=self.s.run,
-                batch_id=f"{self.s.run}:step{step}",
-                step=step,
-                groups=tuple(groups),
-                created_at=time.time(),
-            )
-            parts = await publish(self.ctx.js, self.subjects.batches, msg, self.ctx.max_payload)
+            batches.append((batch[0], time.time(), batch[1]))
+        if batches:
+            outbox = [(step, at, [self.pending_seqs[g.group_id] for g in groups])
+                      for step, at, groups in batches]  # fmt: skip
+            await self.kv.put(OUTBOX_KEY, dump_outbox(outbox))
+            await self.persist()
+        for step, at, groups in batches:
+            parts = await self._publish_batch(step, groups, at)
             for g in groups:
                 self.pending_seqs.pop(g.group_id, None)
             self.metrics.batches.inc()
@@ -319,7 +377,19 @@ class BufferService:
                 self.metrics.batch_fill.observe(time.monotonic() - self._fill_started)
             self._fill_started = time.monotonic() if self.asm.pending else None
             log.info("buffer: published batch %d (%d groups, %d parts)", step, len(groups), parts)
+        if batches:
+            await self.kv.put(OUTBOX_KEY, b"")
         self.asm.forget_before(self.asm.state.next_step - self.s.keep_settled_steps)
+
+    async def _publish_batch(self, step: int, groups: list[SampleGroup], created_at: float) -> int:
+        msg = TrainBatch(
+            run=self.s.run,
+            batch_id=f"{self.s.run}:step{step}",
+            step=step,
+            groups=tuple(groups),
+            created_at=created_at,  # kept in the outbox: a re-publish is byte-identical
+        )
+        return await publish(self.ctx.js, self.subjects.batches, msg, self.ctx.max_payload)
 
     async def on_ready(self, msg: WeightsReady, d: Delivery) -> None:
         async with self.lock:
@@ -394,9 +464,16 @@ class BufferService:
         return n
 
     async def dispatch_loop(self, stop: asyncio.Event) -> None:
+        transient = transient_errors()
         while not stop.is_set():
             self.wake.clear()
-            await self.dispatch_once()
+            try:
+                await self.dispatch_once()
+            except transient as e:
+                # NATS away (restart, partition): the cursor was not advanced, so
+                # the next round re-publishes the same task ids (de-duplicated).
+                # Found by tests/chaos: this used to kill the buffer.
+                log.warning("buffer: dispatch failed (%s: %s); retrying", type(e).__name__, e)
             wake = asyncio.create_task(self.wake.wait())
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait(

@@ -583,6 +583,15 @@ class _Heartbeat:
             self._timer = None
 
 
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """`TRANSIENT` plus nats-py's connection errors: what a publish during a NATS outage raises.
+
+    For loops outside the message loop (a dispatcher, a heartbeat) that must
+    retry such a publish later rather than die with it.
+    """
+    return TRANSIENT + _nats_transient_errors()
+
+
 def _nats_transient_errors() -> tuple[type[BaseException], ...]:
     from nats import errors
     from nats.js import errors as js_errors

@@ -43,7 +43,7 @@ from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError, GenerateResult
 from services.common.errors import PermanentError, RetryableError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery
+from services.common.msgloop import Delivery, transient_errors
 from services.common.publish import publish
 from services.rollout.envs import Reward
 from services.rollout.settings import RolloutSettings
@@ -269,6 +269,7 @@ class RolloutWorker:
     # heartbeat
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         subject = self.subjects.heartbeat(self.s.engine_id)
+        transient = transient_errors()
         while not stop.is_set():
             try:
                 version = await self.engine_version()
@@ -289,7 +290,12 @@ class RolloutWorker:
                     local_weights_dir=str(f.local_dir) if f is not None else None,
                     downloaded_version=f.downloaded if f is not None else None,
                 )  # fmt: skip
-                await publish(self.ctx.js, subject, hb, self.ctx.max_payload)
+                try:
+                    await publish(self.ctx.js, subject, hb, self.ctx.max_payload)
+                except transient as e:
+                    # NATS away: skip this beat. Raising here ended the loop for
+                    # good, and sync then dropped a healthy engine.
+                    log.warning("rollout: heartbeat not sent (%s: %s)", type(e).__name__, e)
             try:
                 await asyncio.wait_for(stop.wait(), self.s.heartbeat_s)
             except TimeoutError:

@@ -66,7 +66,7 @@ async def up(
     sup = Supervisor(
         specs, run_dir / "logs", on_failure=s.on_failure, max_restarts=s.max_restarts,
         ready_timeout_s=s.ready_timeout_s, stop_grace_s=s.stop_grace_s,
-        console=None if quiet else sys.stdout,
+        console=None if quiet else sys.stdout, pids_file=run_dir / "pids.json",
     )  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

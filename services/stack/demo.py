@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=int, default=3000, help="SFT warm-start steps")
     p.add_argument("--sft-corrupt", type=float, default=0.6,
                    help="fraction of SFT labels that drop the carry out of the tens")  # fmt: skip
-    p.add_argument("--rl-steps", type=int, default=40, help="RL optimizer steps")
+    p.add_argument("--rl-steps", type=int, default=130, help="RL optimizer steps")
     p.add_argument("--target-accuracy", type=float,
                    help="stop RL once the trainer's held-out accuracy reaches this")  # fmt: skip
     p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")

@@ -7,12 +7,18 @@ counts as started once its ready URL answers 200 (`/readyz` of a service,
 name with the tail of its log, then restarted (up to `max_restarts`) or
 the whole stack stops, as configured. Stopping sends SIGTERM in reverse
 start order, then SIGKILL after a grace period.
+
+`pids_file` (`flywheel up` writes `<run_dir>/pids.json`) maps each process
+name to its current pid and is rewritten, atomically, on every (re)start:
+an operator, or the chaos suite (tests/chaos), can signal one service of a
+running stack without guessing from `ps`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -67,6 +73,12 @@ async def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def _write_json(path: Path, doc: object) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 class Supervisor:
     def __init__(
         self,
@@ -78,6 +90,7 @@ class Supervisor:
         ready_timeout_s: float = 180.0,
         stop_grace_s: float = 15.0,
         console: TextIO | None = sys.stdout,
+        pids_file: Path | None = None,
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.procs = [Proc(s, log_dir / f"{s.name}.log") for s in specs]
@@ -86,6 +99,7 @@ class Supervisor:
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
         self.console = console
+        self.pids_file = pids_file
         self.failed: str | None = None  # why the stack stopped on its own
 
     def get(self, name: str) -> Proc:
@@ -113,6 +127,21 @@ class Supervisor:
         )
         p.started_at = time.time()
         p.pump = asyncio.create_task(self._pump(p))
+        self._write_pids()
+
+    def _write_pids(self) -> None:
+        """`{name: pid}` of every process started so far, and beside it `procs.json`
+        (pid, restarts, metrics and ready URLs); each replaced atomically (rename)."""
+        if self.pids_file is None:
+            return
+        started = [p for p in self.procs if p.proc is not None]
+        procs = {
+            p.name: {"pid": p.proc.pid, "restarts": p.restarts, "metrics_url": p.spec.metrics_url,
+                     "ready_url": p.spec.ready_url}
+            for p in started if p.proc is not None
+        }  # fmt: skip
+        _write_json(self.pids_file, {name: d["pid"] for name, d in procs.items()})
+        _write_json(self.pids_file.with_name("procs.json"), procs)
 
     async def wait_ready(self, p: Proc) -> None:
         if p.spec.ready_url is None:

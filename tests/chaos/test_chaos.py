@@ -1,0 +1,141 @@
+"""Faults during a training run: the run completes, and the streams account for every task.
+
+One `flywheel up` run (2 CPU engines and workers, sync, trainer, buffer,
+`on_failure = "restart"`) on a nats-server we own; faults at seeded random
+moments, each once the run has recovered from the previous one (two more
+trained steps). Then, from the streams and the buffer's KV state only
+(chaos_stack.account): every dispatched task trained exactly once or
+dead-lettered, never both; no step trained twice or skipped; no sample
+beyond the staleness bound; at most (k+1)·G tasks left in flight by the
+stop. The supervisor's restart counts, service metrics and logs show each
+fault and the recovery.
+
+CI runs a few faults in one run (≤ 3 min on 2 cores). The full variant, every
+fault kind several times, runs with `FLYWHEEL_CHAOS_FULL=1` (`make chaos`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from chaos_stack import RUN, ChaosRun, Fault, G, K, account, schedule
+
+FULL = os.environ.get("FLYWHEEL_CHAOS_FULL") == "1"
+SEED = int(os.environ.get("FLYWHEEL_CHAOS_SEED", "0"))
+
+CI_FAULTS = [
+    Fault("kill", "rollout-0"),
+    Fault("kill", "buffer"),
+    Fault("kill", "trainer"),
+    Fault("nats"),
+    Fault("stop", "sync", hold_s=4.0),
+]
+FULL_FAULTS = [
+    Fault("kill", "rollout-0"),
+    Fault("kill", "engine-1"),
+    Fault("kill", "buffer"),
+    Fault("kill", "sync"),
+    Fault("kill", "trainer"),
+    Fault("nats"),
+    Fault("stop", "trainer", hold_s=5.0),
+    Fault("stop", "buffer", hold_s=5.0),
+    Fault("stop", "rollout-1", hold_s=5.0),
+    Fault("stop", "sync", hold_s=5.0),
+    Fault("stop", "engine-0", hold_s=5.0),
+    Fault("nats9"),
+    Fault("kill", "rollout-1"),
+    Fault("kill", "engine-0"),
+    Fault("kill", "buffer"),
+    Fault("kill", "trainer"),
+]
+
+
+def run_with_faults(root: Path, model: Path, faults: list[Fault], seed: int) -> None:
+    at = schedule(len(faults), seed)
+    steps = at[-1] + 12
+    chaos = ChaosRun(root, model, steps=steps, seed=seed)
+    t0 = time.monotonic()
+    chaos.start()
+    try:
+        try:
+            chaos.wait_alive()
+            started = time.monotonic() - t0
+            chaos.run_faults(faults, at)
+            evidence = gather_evidence(chaos, faults)
+            rc = chaos.wait_done(240)
+            assert rc == 0, f"flywheel up exited {rc}"
+        except BaseException:
+            print(chaos.diagnostics())
+            raise
+        finally:
+            chaos.close()
+        report(chaos, started, time.monotonic() - t0, evidence)
+        check_accounting(chaos, steps)  # nats-server still up: the streams are read
+    finally:
+        chaos.nats.close()
+
+
+def gather_evidence(chaos: ChaosRun, faults: list[Fault]) -> dict[str, object]:
+    """While the run goes on: the supervisor and the services saw each fault and recovered."""
+    restarts = chaos.restarts()
+    for f in faults:
+        if f.kind == "kill":
+            want = sum(1 for g in faults if g.kind == "kill" and g.target == f.target)
+            assert restarts[f.target] >= want, (f, restarts)
+        if f.kind == "stop":
+            # frozen, not dead: the supervisor did not restart it for that
+            kills = sum(1 for g in faults if g.kind == "kill" and g.target == f.target)
+            assert restarts[f.target] == kills, (f, restarts)
+    nats_faults = sum(1 for f in faults if f.kind.startswith("nats"))
+    reconnects = {n: chaos.service_log(n).count("reconnected") for n in ("buffer", "sync")}
+    if nats_faults:
+        # a service started after the last restart need not have reconnected; sync or buffer did
+        assert max(reconnects.values()) >= 1, reconnects
+    handled = chaos.metric("buffer", "flywheel_messages_handled_total")
+    ready = chaos.metric("sync", "flywheel_sync_ready_version")
+    step = chaos.step()
+    assert ready is not None and ready >= step - K - 1, (ready, step)  # sync kept up
+    assert handled is not None and handled > 0
+    return {"restarts": restarts, "reconnects": reconnects, "buffer_handled": handled,
+            "sync_ready": ready, "sync_update_failures":
+            chaos.metric("sync", "flywheel_sync_update_failures_total")}  # fmt: skip
+
+
+def report(chaos: ChaosRun, started: float, total: float, evidence: dict[str, object]) -> None:
+    print(f"\nchaos: first step after {started:.0f}s, run {total:.0f}s, seed {chaos.seed}")
+    for r in chaos.injected:
+        print(f"  {r.fault!s:22s} at step {r.at_step:3d}: recovered (+2 steps) in "
+              f"{r.recovered_s:5.1f}s  pid {r.old_pid} -> {r.new_pid}")  # fmt: skip
+    print(f"  evidence: {evidence}")
+
+
+def check_accounting(chaos: ChaosRun, steps: int) -> None:
+    rows = chaos.rows()
+    got = [int(r["step"]) for r in rows]
+    assert got == list(range(1, len(got) + 1)), got  # no step twice, none skipped
+    assert len(got) >= steps
+    assert [r["batch_id"] for r in rows] == [f"{RUN}:step{s - 1}" for s in got]
+    trained_steps = len(got)
+    acc = account(chaos.nats.url, trained_steps)
+    print(f"  dispatched {len(acc.dispatched)}, trained {len(acc.trained)}, "
+          f"dead-lettered {len(acc.dead)} {dict(acc.dlq_reasons)}, stranded {len(acc.stranded)} "
+          f"(batched for untrained steps {len(acc.batched_untrained)})")  # fmt: skip
+    assert set(range(trained_steps)) <= set(acc.batch_steps)
+    assert len(acc.trained) == trained_steps * G  # every trained batch: G distinct tasks
+    assert acc.trained_twice == [], acc.trained_twice
+    assert acc.both == [], acc.both
+    assert acc.foreign == [], acc.foreign
+    assert acc.stale == [], acc.stale[:5]
+    assert all(acc.dead.values())  # every dead letter has its reason
+    # Stopped mid-run: what was in flight, pending or batched ahead is bounded by admission.
+    assert len(acc.stranded) <= (K + 1) * G, acc.stranded
+    assert acc.state.answered <= acc.state.dispatched
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900 if FULL else 240)
+def test_chaos_run_completes_and_accounts_for_every_task(chaos_model: Path, tmp_path: Path) -> None:
+    run_with_faults(tmp_path, chaos_model, FULL_FAULTS if FULL else CI_FAULTS, SEED)
