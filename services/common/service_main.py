@@ -13,10 +13,12 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings, load_settings, render
+
+S = TypeVar("S", bound=ServiceSettings)
 
 if TYPE_CHECKING:
     from services.common.lifecycle import Body
@@ -29,6 +31,19 @@ def parse_args(service: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def settings_or_exit(command: str, cls: type[S], config: str | None, print_config: bool) -> S:
+    """The resolved settings; or exit 2 naming the bad field, or 0 after --print-config."""
+    try:
+        settings = load_settings(cls, config)
+    except ConfigError as e:
+        print(f"flywheel {command}: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    if print_config:
+        print(render(settings))
+        raise SystemExit(0)
+    return settings
+
+
 def service_main(
     service: str,
     settings_cls: type[ServiceSettings],
@@ -37,14 +52,7 @@ def service_main(
 ) -> int:
     """Load settings, then run `body()` (a lazily imported service body) under run_service."""
     args = parse_args(service, argv)
-    try:
-        settings = load_settings(settings_cls, args.config)
-    except ConfigError as e:
-        print(f"flywheel {service}: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(render(settings))
-        return 0
+    settings = settings_or_exit(service, settings_cls, args.config, args.print_config)
     from services.common.lifecycle import run_service, setup_logging
 
     setup_logging(service, settings.log_level)

@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.errors import ConfigError
-from services.common.settings import load_settings, render
+from services.common.service_main import settings_or_exit
 from services.stack.settings import StackSettings
 
 
@@ -111,12 +110,5 @@ async def up(
 
 def up_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        settings = load_settings(StackSettings, args.config)
-    except ConfigError as e:
-        print(f"flywheel up: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(render(settings))
-        return 0
+    settings = settings_or_exit("up", StackSettings, args.config, args.print_config)
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 
-from services.common.errors import ConfigError
-from services.common.service_main import parse_args
-from services.common.settings import load_settings, render
+from services.common.service_main import parse_args, settings_or_exit
 from services.trainer.service_settings import TrainerSettings
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args("trainer", argv)
-    try:
-        settings = load_settings(TrainerSettings, args.config)
-    except ConfigError as e:
-        print(f"flywheel trainer: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(render(settings))
-        return 0
+    settings = settings_or_exit("trainer", TrainerSettings, args.config, args.print_config)
     from services.common.lifecycle import run_service, setup_logging
     from services.trainer.distributed import init_distributed, shutdown
     from services.trainer.service import follower_loop, load_trainer, make_body
