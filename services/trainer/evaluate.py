@@ -39,7 +39,8 @@ def exact_match_accuracy(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    correct, shown = 0, []
+    correct = 0
+    shown: list[tuple[str, str, str]] = []
     try:
         for i in range(0, len(problems), batch_size):
             chunk = problems[i : i + batch_size]

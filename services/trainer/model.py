@@ -81,7 +81,8 @@ def prepare_model(
     """Move to the device, optionally checkpoint activations, and FSDP2-shard if distributed."""
     model.to(info.device)
     if activation_checkpointing and trainable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = model.gradient_checkpointing_enable  # a transformers PreTrainedModel method
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -89,12 +90,10 @@ def prepare_model(
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {}
+    policy = MixedPrecisionPolicy()  # fp32 everywhere (CPU, or mixed precision off)
     if mixed_precision and info.device.type == "cuda":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model

@@ -298,7 +298,7 @@ class Trainer:
         sd = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return sd if self.info.is_main else None
+        return sd if self.info.is_main else None  # type: ignore[return-value]
 
     def save_weights(self, out_dir: str | Path, *, overwrite: bool = False) -> Manifest | None:
         """Write an HF directory (config, safetensors, generation config, tokenizer) atomically.
@@ -312,7 +312,8 @@ class Trainer:
             assert sd is not None
 
             def write(tmp: Path) -> None:
-                self.model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                save = self.model.save_pretrained  # a transformers PreTrainedModel method
+                save(tmp, state_dict=sd, safe_serialization=True)  # type: ignore[operator]
                 self.tokenizer.save_pretrained(tmp)
 
             manifest = write_weights_dir(out_dir, write, overwrite=overwrite)
