@@ -79,6 +79,15 @@ def _write_json(path: Path, doc: object) -> None:
     os.replace(tmp, path)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it if the supervisor dies, even by SIGKILL,
+    so a killed `flywheel up` leaves no orphaned services behind (Linux prctl)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class Supervisor:
     def __init__(
         self,
@@ -124,6 +133,7 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         p.started_at = time.time()
         p.pump = asyncio.create_task(self._pump(p))

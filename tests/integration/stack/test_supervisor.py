@@ -1,0 +1,75 @@
+"""The local stack's supervisor with real processes: readiness, restarts, no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.stack.plan import ProcSpec
+from services.stack.supervisor import Supervisor
+
+SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
+
+SUPERVISED = """
+import asyncio, sys
+from pathlib import Path
+from services.stack.plan import ProcSpec
+from services.stack.supervisor import Supervisor
+
+async def main():
+    spec = ProcSpec("sleeper", "x", {argv!r})
+    sup = Supervisor([spec], Path({logs!r}), console=None)
+    await sup.start_all()
+    print(sup.procs[0].proc.pid, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_killed_supervisor_leaves_no_orphans(tmp_path: Path) -> None:
+    code = SUPERVISED.format(argv=SLEEPER, logs=str(tmp_path / "logs"))
+    sup = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert sup.stdout is not None
+    child = int(sup.stdout.readline())
+    assert alive(child)
+    sup.kill()  # SIGKILL: no chance to stop its children itself
+    sup.wait()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = not alive(child)
+    if not gone:
+        os.kill(child, 9)
+    assert gone, "the supervised child outlived its supervisor"
+
+
+def test_a_dead_service_is_reported_and_restarted(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        crash = (sys.executable, "-c", "print('boom', flush=True); raise SystemExit(3)")
+        sup = Supervisor(
+            [ProcSpec("crasher", "x", crash)], tmp_path / "logs", max_restarts=2, console=None
+        )
+        stop = asyncio.Event()
+        await sup.start_all()
+        await asyncio.wait_for(sup.watch(stop), 30)  # returns once restarts are used up
+        p = sup.get("crasher")
+        assert p.restarts == 2
+        assert sup.failed is not None and "crasher died (exit code 3)" in sup.failed
+        assert "boom" in sup.failed  # the tail of its log
+        assert (tmp_path / "logs" / "crasher.log").read_text().count("boom") == 3
+        await sup.stop_all()
+
+    asyncio.run(scenario())
