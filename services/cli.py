@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("services.stack.demo:demo_main", "SFT warm start, then async GRPO: watch it learn"),
     "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
+    "status": ("services.stack.inspect:status_main", "a run's state, read from NATS"),
+    "eval": ("services.stack.inspect:eval_main", "held-out accuracy of a weights directory"),
     "init-model": (
         "services.trainer.cli:init_model_main",
         "write a tiny model directory (char tokenizer + small Qwen2)",
