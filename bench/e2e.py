@@ -1,0 +1,279 @@
+"""End to end: Flywheel's demo at max_staleness 0, 1, 2 against TRL's GRPOTrainer.
+
+    .venv/bin/python bench/e2e.py [--seconds 300] [--target 0.9] [--staleness 0 1 2]
+                                  [--run-dir runs/bench-e2e] [--out bench/results_e2e.md]
+    .venv/bin/python bench/e2e.py --quick          # smoke run: k=1 and TRL, 30 s each
+
+Every configuration runs in this one invocation, one after the other, on
+the same SFT warm start, so the ratios compare runs under the same (shared,
+noisy) machine load; the load average is recorded around each run.
+
+- Flywheel: `flywheel demo --run-dir DIR --quiet --keep --max-staleness K
+  --rl-seconds S --target-accuracy T` as a subprocess. The first run builds
+  the SFT model in DIR (the demo's own warm start) unless one is there;
+  every later run, and TRL, restart RL from that same `DIR/model-sft`. The
+  demo's hyper-parameters are whatever `configs/demo.toml` and
+  `services/stack/demo.py` say at run time; this script does not set them.
+  After each run its metrics.jsonl, status.log and summary.json are copied
+  to DIR/bench/<name>/ (the next `--keep` run deletes them).
+- TRL: `bench/trl_grpo.py` (same model directory, prompts, reward,
+  hyper-parameters, held-out evaluation; see its docstring).
+
+Figures, per configuration:
+
+- time to target: the first `elapsed` (seconds since the trainer service
+  started, its step-0 evaluation included) whose held-out accuracy is
+  ≥ target; "not reached" if none within the cap. Evaluations happen every
+  `eval_every` steps, so this is quantised to those steps.
+- trained samples/s: samples in the trainer's batches (metrics.jsonl
+  `samples`, zero-variance groups already filtered out) / last `elapsed`.
+- generated samples/s: Flywheel — the mean of the stack's status lines'
+  `samples/s` (rate of the rollout workers' `flywheel_rollout_samples_total`
+  between scrapes, every `status_interval_s`), i.e. everything generated,
+  filtered groups included; TRL — every generated sample is trained on, so
+  steps × prompts × samples / (RL time − evaluation time).
+- trainer idle: the trainer's cumulative `idle_fraction` (time waiting for
+  a batch / (waiting + compute + publish)) at its last step; for TRL, the
+  trainer is idle while it generates, but it reports no such split.
+
+Ratios: time to target against max_staleness=0 (synchronous) of this run;
+samples/s against TRL of this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+STATUS_RATE = re.compile(r"samples/s ([0-9.]+)")
+
+
+@dataclass
+class RunResult:
+    name: str
+    ok: bool
+    rl_seconds: float | None = None
+    steps: int | None = None
+    time_to_target: float | None = None
+    trained_per_s: float | None = None
+    generated_per_s: float | None = None
+    idle_fraction: float | None = None
+    acc_start: float | None = None
+    acc_end: float | None = None
+    load: tuple[float, float] = (0.0, 0.0)  # 1-min load average before, after
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_reaching(rows: list[dict[str, Any]], target: float) -> float | None:
+    """`elapsed` of the first evaluation at or above `target`."""
+    for r in rows:
+        if r.get("eval_accuracy", -1.0) >= target:
+            return float(r["elapsed"])
+    return None
+
+
+def status_rate(status_log: Path) -> float | None:
+    """Mean rollout samples/s over the stack's status lines (equal scrape intervals)."""
+    if not status_log.is_file():
+        return None
+    rates = [float(m.group(1)) for m in map(STATUS_RATE.search, status_log.read_text().splitlines())
+             if m]  # fmt: skip
+    return statistics.fmean(rates) if rates else None
+
+
+def flywheel_result(name: str, dest: Path, target: float) -> RunResult:
+    """Figures of one demo run from the files it left (copied to `dest`)."""
+    rows = read_jsonl(dest / "metrics.jsonl")
+    steps = [r for r in rows if "samples" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    res = RunResult(name, ok=bool(steps))
+    if not steps:
+        res.notes.append("no trainer steps in metrics.jsonl")
+        return res
+    last = steps[-1]
+    res.rl_seconds = float(last["elapsed"])
+    res.steps = int(last["step"])
+    res.trained_per_s = sum(r["samples"] for r in steps) / max(res.rl_seconds, 1e-9)
+    res.idle_fraction = last.get("idle_fraction")
+    res.time_to_target = first_reaching(evals, target)
+    res.acc_start = evals[0]["eval_accuracy"] if evals else None
+    res.acc_end = evals[-1]["eval_accuracy"] if evals else None
+    res.generated_per_s = status_rate(dest / "status.log")
+    summary = dest / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        res.notes.append(
+            f"demo summary (500 held-out): {s['accuracy_before']:.3f} → "
+            f"{s['accuracy_after']:.3f} in {s['rl_steps']} steps, {s['rl_seconds']:.0f}s of `up`"
+        )
+    return res
+
+
+def run_flywheel(args: argparse.Namespace, k: int, keep: bool) -> RunResult:
+    name = f"flywheel k={k}"
+    cmd = [PY, "-m", "services", "demo", "--run-dir", str(args.run_dir), "--quiet",
+           "--max-staleness", str(k), "--rl-seconds", str(args.seconds),
+           "--rl-steps", "100000"]  # fmt: skip
+    cmd += ["--keep"] if keep else []
+    cmd += ["--target-accuracy", str(args.target)] if args.stop_at_target else []
+    print(f"e2e: {name}: {' '.join(cmd[1:])}", flush=True)
+    dest = args.run_dir / "bench" / f"k{k}"
+    load0 = os.getloadavg()[0]
+    t = time.monotonic()
+    log = args.run_dir.parent / f"{args.run_dir.name}-k{k}.log"
+    with log.open("w") as f:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+    wall = time.monotonic() - t
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for part in ("metrics.jsonl", "status.log", "summary.json", "run.toml"):
+        if (args.run_dir / part).is_file():
+            shutil.copy2(args.run_dir / part, dest / part)
+    shutil.copy2(log, dest / "demo.log")
+    res = flywheel_result(name, dest, args.target)
+    res.load, res.wall_s = (load0, os.getloadavg()[0]), wall
+    if code.returncode != 0:
+        res.notes.append(f"demo exited {code.returncode}; see {dest / 'demo.log'}")
+    return res
+
+
+def run_trl(args: argparse.Namespace) -> RunResult:
+    dest = args.run_dir / "bench" / "trl"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    cmd = [PY, str(ROOT / "bench" / "trl_grpo.py"), "--model", str(args.run_dir / "model-sft"),
+           "--seconds", str(args.seconds), "--metrics-out", str(dest / "metrics.jsonl"),
+           "--output-dir", str(dest / "trl-out")]  # fmt: skip
+    cmd += ["--target-accuracy", str(args.target)] if args.stop_at_target else []
+    print(f"e2e: trl: {' '.join(cmd[1:])}", flush=True)
+    load0 = os.getloadavg()[0]
+    t = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - t
+    (dest / "trl.log").write_text(p.stdout + p.stderr)
+    res = RunResult("TRL GRPOTrainer", ok=False, load=(load0, os.getloadavg()[0]), wall_s=wall)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"steps"')]
+    if p.returncode != 0 or not lines:
+        res.notes.append(f"trl_grpo.py exited {p.returncode}; see {dest / 'trl.log'}")
+        return res
+    s = json.loads(lines[-1])
+    rows = read_jsonl(dest / "metrics.jsonl")
+    res.ok = True
+    res.rl_seconds, res.steps = s["rl_seconds"], s["steps"]
+    res.time_to_target = first_reaching(rows, args.target)
+    res.generated_per_s = s["samples_per_s"]
+    res.trained_per_s = s["samples_per_s"]
+    res.acc_start, res.acc_end = s["accuracy_start"], s["accuracy_end"]
+    res.notes.append(
+        f"TRL: {s['eval_seconds']:.0f}s of its {s['rl_seconds']:.0f}s were held-out evaluation "
+        f"(excluded from its samples/s; {s['samples_per_s_incl_eval']:.0f}/s with them)"
+    )
+    return res
+
+
+def fmt(x: float | None, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def table(results: list[RunResult], target: float, seconds: float) -> str:
+    sync = next((r for r in results if r.name == "flywheel k=0" and r.ok), None)
+    trl = next((r for r in results if r.name.startswith("TRL") and r.ok), None)
+    cols = ["config", "steps", "RL s", f"time to {target} (s)", "vs k=0", "generated samples/s",
+            "vs TRL", "trained samples/s", "vs TRL", "trainer idle", "acc start → end",
+            "load 1m before/after"]  # fmt: skip
+    head = "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|\n"
+    out = []
+    for r in results:
+        ttt = fmt(r.time_to_target, ".0f", f"not reached in {seconds:.0f}")
+        vs_sync = (f"{r.time_to_target / sync.time_to_target:.2f}x"
+                   if sync and sync.time_to_target and r.time_to_target else "-")  # fmt: skip
+        vs_gen = (f"{r.generated_per_s / trl.generated_per_s:.2f}x"
+                  if trl and trl.generated_per_s and r.generated_per_s else "-")  # fmt: skip
+        vs_tr = (f"{r.trained_per_s / trl.trained_per_s:.2f}x"
+                 if trl and trl.trained_per_s and r.trained_per_s else "-")  # fmt: skip
+        out.append(
+            f"| {r.name} | {fmt(r.steps, 'd')} | {fmt(r.rl_seconds, '.0f')} | {ttt} | {vs_sync} "
+            f"| {fmt(r.generated_per_s, '.0f')} | {vs_gen} | {fmt(r.trained_per_s, '.0f')} "
+            f"| {vs_tr} | {fmt(r.idle_fraction, '.0%')} "
+            f"| {fmt(r.acc_start, '.3f')} → {fmt(r.acc_end, '.3f')} "
+            f"| {r.load[0]:.1f} / {r.load[1]:.1f} |"
+        )
+    notes = [f"- {r.name}: {n}" for r in results for n in r.notes]
+    return head + "\n".join(out) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def provenance(started: str, args: argparse.Namespace) -> str:
+    """When, on what load, and which demo settings (they are still being tuned)."""
+    import hashlib
+
+    files = [ROOT / "configs" / "demo.toml", ROOT / "services" / "stack" / "demo.py"]
+    digests = ", ".join(
+        f"{f.relative_to(ROOT)} sha256 {hashlib.sha256(f.read_bytes()).hexdigest()[:12]}"
+        for f in files
+    )
+    sft = args.run_dir / "model-sft" / "flywheel-manifest.json"
+    sft_sha = json.loads(sft.read_text()).get("sha256", "?")[:12] if sft.is_file() else "?"
+    return (
+        f"Started {started}; {os.cpu_count()} CPUs; RL cap {args.seconds:.0f}s per run; "
+        f"{digests}; SFT model sha256 {sft_sha}.\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-e2e")
+    p.add_argument("--seconds", type=float, default=300.0, help="cap on each run's RL time")
+    p.add_argument("--target", type=float, default=0.9, help="held-out accuracy to time")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--no-stop-at-target", dest="stop_at_target", action="store_false",
+                   help="run every configuration for the full --seconds")  # fmt: skip
+    p.add_argument("--no-trl", dest="trl", action="store_false", help="skip the TRL baseline")
+    p.add_argument("--quick", action="store_true", help="smoke run: k=1 and TRL, 30 s each")
+    p.add_argument("--fresh-sft", action="store_true",
+                   help="rebuild the SFT warm start even if DIR/model-sft exists")  # fmt: skip
+    p.add_argument("--out", type=Path, help="write the markdown table here")
+    args = p.parse_args(argv)
+    args.run_dir = args.run_dir.resolve()
+    if args.quick:
+        args.seconds, args.staleness = 30.0, [1]
+    have_sft = (args.run_dir / "model-sft" / "flywheel-manifest.json").is_file()
+    have_sft = have_sft and not args.fresh_sft
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    results = []
+    for i, k in enumerate(args.staleness):
+        results.append(run_flywheel(args, k, keep=have_sft or i > 0))
+        print(f"e2e: {results[-1]}", flush=True)
+    if args.trl:
+        results.append(run_trl(args))
+        print(f"e2e: {results[-1]}", flush=True)
+    md = provenance(started, args) + "\n" + table(results, args.target, args.seconds)
+    print("\n" + md)
+    if args.out is not None:
+        cmd = " ".join([".venv/bin/python", "bench/e2e.py", *(argv or sys.argv[1:])])
+        args.out.write_text(f"<!-- generated by: {cmd} -->\n\n{md}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""TRL's `GRPOTrainer` on Flywheel's demo task: the baseline of `bench/e2e.py`.
+
+    .venv/bin/python bench/trl_grpo.py --model runs/bench-e2e/model-sft \
+        --seconds 300 --target-accuracy 0.9 --metrics-out /tmp/trl.jsonl
+
+Same model directory (the demo's SFT warm start), same prompts
+(`arithmetic.problem(0, i)`), same reward (exact match of the answer line,
+`arithmetic.score`), same held-out evaluation (`exact_match_accuracy` on
+`problem(1_000_003, i)`, i < eval_size, every `eval_every` steps) and the same
+hyper-parameters, read at run time from the demo's run file
+(`configs/demo.toml`): prompts per step, samples per prompt, temperature,
+max_new_tokens, lr, PPO clip, grad clip. Mapping onto `GRPOConfig` (TRL 1.x):
+
+- one optimizer step per generation round: per_device_train_batch_size =
+  prompts × samples, gradient_accumulation_steps = 1, num_iterations = 1
+  (Flywheel's trainer also takes one step per batch);
+- loss_type = "dapo" is TRL's name for Flywheel's default aggregation
+  `token-mean` (sum of token losses / active tokens of the batch);
+  scale_rewards = "group" is GRPO's (r - mean) / std; beta = 0 (no KL, as
+  the demo); constant lr, no warm-up, AdamW defaults, fp32 and no
+  gradient checkpointing (TRL defaults to bf16 and checkpointing), as the demo.
+
+Not the same, by construction: TRL has no zero-variance filtering (such
+groups get zero advantage and add only to the token count) and it is
+synchronous: generation and training alternate in one process. It runs on
+CPU with one torch thread (on 2 contended cores one thread is faster for
+this model, see bench/results_trainer.md).
+
+Output: one JSON row per evaluation (step, elapsed, eval_accuracy, samples,
+eval_s) to --metrics-out, and a summary JSON as the last stdout line.
+`elapsed` is wall time since training began, evaluations included (as the
+Flywheel trainer's `elapsed`); samples/s excludes the evaluation time, which
+only flatters TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+
+
+def demo_hparams(config: Path) -> dict[str, Any]:
+    """The demo's GRPO hyper-parameters, with the services' defaults where the file is silent."""
+    from services.trainer.service_settings import TrainerSettings
+
+    doc = tomllib.loads(config.read_text())
+    buf, tr = doc.get("buffer", {}), doc.get("trainer", {})
+    optim, loss = tr.get("optim", {}), tr.get("loss", {})
+    fields = TrainerSettings.model_fields
+    return {
+        "prompts_per_step": int(buf["groups_per_step"]),
+        "samples_per_prompt": int(buf["samples_per_prompt"]),
+        "temperature": float(buf.get("temperature", 1.0)),
+        "max_new_tokens": int(buf["max_new_tokens"]),
+        "lr": float(optim["lr"]),
+        "eps_low": float(loss.get("eps_low", 0.2)),
+        "eps_high": float(loss.get("eps_high", loss.get("eps_low", 0.2))),
+        "grad_clip": float(optim.get("grad_clip", 1.0)),
+        "eval_every": int(tr.get("eval_every", 5)),
+        "eval_size": int(tr.get("eval_size", 200)),
+        "eval_seed": int(tr.get("eval_seed", fields["eval_seed"].default)),
+        "eval_max_new_tokens": int(
+            tr.get("eval_max_new_tokens", fields["eval_max_new_tokens"].default)
+        ),
+        "digits": int(buf.get("digits", 2)),
+    }
+
+
+def reward_exact_match(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """TRL reward function: dataset column `answer` arrives as a keyword argument."""
+    from services.common.arithmetic import score
+
+    return [score(c, a) for c, a in zip(completions, answer, strict=True)]
+
+
+def make_callback(hp: dict[str, Any], seconds: float, target: float | None, out: Path | None):
+    """A TrainerCallback that evaluates every `eval_every` steps and stops on time or target."""
+    from transformers import TrainerCallback
+
+    from services.common.arithmetic import problem
+    from services.trainer.evaluate import exact_match_accuracy
+
+    held_out = [problem(hp["eval_seed"], i, hp["digits"]) for i in range(hp["eval_size"])]
+    per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
+
+    class Bench(TrainerCallback):
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.eval_s = 0.0
+            self.rows: list[dict[str, Any]] = []
+            self.reached: float | None = None
+
+        def evaluate(self, step: int, model: Any, tok: Any) -> float:
+            t = time.perf_counter()
+            acc = exact_match_accuracy(
+                model, tok, held_out, max_new_tokens=hp["eval_max_new_tokens"]
+            ).accuracy
+            self.eval_s += time.perf_counter() - t
+            row = {"step": step, "elapsed": time.perf_counter() - self.t0, "eval_accuracy": acc,
+                   "samples": step * per_step, "eval_s": self.eval_s}  # fmt: skip
+            self.rows.append(row)
+            if out is not None:
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(f"trl_grpo: step {step} acc {acc:.3f} elapsed {row['elapsed']:.1f}s",
+                  flush=True)  # fmt: skip
+            if target is not None and acc >= target and self.reached is None:
+                self.reached = row["elapsed"]
+            return acc
+
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
+            self.t0 = time.perf_counter()
+            self.evaluate(0, model, processing_class)
+            self.t0 = time.perf_counter()  # RL time starts after the step-0 evaluation
+
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+            step = state.global_step
+            if step % hp["eval_every"] == 0:
+                self.evaluate(step, model, processing_class)
+                if self.reached is not None:
+                    control.should_training_stop = True
+            if time.perf_counter() - self.t0 >= seconds:
+                control.should_training_stop = True
+
+    return Bench()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the SFT model directory (DIR/model-sft)")
+    p.add_argument("-c", "--config", default=str(DEFAULT_CONFIG), help="the demo's run file")
+    p.add_argument("--seconds", type=float, default=300.0, help="cap on RL wall time")
+    p.add_argument("--target-accuracy", type=float, help="stop once held-out accuracy ≥ this")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--metrics-out", type=Path, help="append one JSON row per evaluation")
+    p.add_argument("--lr", type=float, help="override the demo's lr (diagnostics only)")
+    p.add_argument("--output-dir", default="/tmp/flywheel-trl-grpo", help="TRL's output_dir")
+    args = p.parse_args(argv)
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from services.common.arithmetic import problem
+
+    torch.set_num_threads(args.threads)
+    hp = demo_hparams(Path(args.config))
+    if args.lr is not None:
+        hp["lr"] = args.lr
+    per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    # Enough distinct prompts that the cap, not the dataset, ends training.
+    prompts = [problem(0, i, hp["digits"]) for i in range(hp["prompts_per_step"] * 2000)]
+    rows = [{"prompt": q.prompt, "answer": q.answer} for q in prompts]
+    cfg = GRPOConfig(
+        output_dir=args.output_dir,
+        use_cpu=True,
+        per_device_train_batch_size=per_step,  # completions per device step
+        gradient_accumulation_steps=1,
+        num_generations=hp["samples_per_prompt"],
+        num_iterations=1,
+        max_completion_length=hp["max_new_tokens"],
+        temperature=hp["temperature"],
+        top_p=1.0,
+        top_k=0,
+        learning_rate=hp["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=hp["grad_clip"],
+        epsilon=hp["eps_low"],
+        epsilon_high=hp["eps_high"],
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=100_000,  # the callback stops on time or target
+        logging_steps=hp["eval_every"],
+        save_strategy="no",
+        report_to="none",
+        gradient_checkpointing=False,  # TRL defaults to True; Flywheel's demo does not recompute
+        bf16=False,
+        fp16=False,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+    bench = make_callback(hp, args.seconds, args.target_accuracy, args.metrics_out)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward_exact_match, args=cfg,
+        train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[bench],
+    )  # fmt: skip
+    trainer.train()
+    steps = trainer.state.global_step
+    if bench.rows[-1]["step"] != steps:  # stopped between evaluations: evaluate the end too
+        bench.evaluate(steps, trainer.model, tok)
+    wall = bench.rows[-1]["elapsed"]
+    samples = steps * per_step
+    summary = {
+        "steps": steps, "samples": samples, "rl_seconds": wall, "eval_seconds": bench.eval_s,
+        "samples_per_s": samples / max(wall - bench.eval_s, 1e-9),
+        "samples_per_s_incl_eval": samples / max(wall, 1e-9),
+        "time_to_target": bench.reached, "accuracy_start": bench.rows[0]["eval_accuracy"],
+        "accuracy_end": bench.rows[-1]["eval_accuracy"], "threads": args.threads,
+        "hparams": hp,
+    }  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
