@@ -128,7 +128,8 @@ def test_every_service_container_loads_its_settings(
             continue
         assert s.metrics_host == "0.0.0.0", (workload, section)
         assert s.metrics_port == ports["metrics"] == 9100, (workload, section)
-        assert s.nats.user == "secret-user" and s.nats.password == "secret-password"
+        assert s.nats.user == "secret-user" and s.nats.password is not None
+        assert s.nats.password.get_secret_value() == "secret-password"
         assert s.nats.url == "nats://nats:4222"
         if section == "rollout":
             # sync reaches the engine at the URL the worker heartbeats: the pod IP.
