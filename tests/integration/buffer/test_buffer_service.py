@@ -107,6 +107,9 @@ class Stack:
         self.subjects = Subjects(RUN)
         self.version = 0  # what the "engines" serve
         self.trained: list[int] = []
+        # The trainer stand-in holds at half the run until the buffer has been
+        # killed and restarted, so the kill always lands mid-run.
+        self.resume = asyncio.Event()
 
     async def rollout(self, stop: asyncio.Event) -> None:
         sub = await self.js.pull_subscribe_bind("rollout", stream_name(RUN, "TASKS"))
@@ -125,6 +128,9 @@ class Stack:
     async def trainer(self, stop: asyncio.Event) -> None:
         sub = await self.js.pull_subscribe_bind("trainer", stream_name(RUN, "BATCHES"))
         while not stop.is_set() and len(self.trained) < STEPS:
+            if len(self.trained) == STEPS // 2 and not self.resume.is_set():
+                await asyncio.sleep(0.05)
+                continue
             try:
                 msgs = await sub.fetch(1, timeout=0.2)
             except (TimeoutError, nats.errors.TimeoutError):
@@ -179,17 +185,21 @@ async def _scenario(tmp_path: Path, url: str, k: int) -> None:
         proc.wait()
         killed_at = len(stack.trained)
         proc = start_buffer(config, log)
+        while "resumed at step" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        stack.resume.set()
         while len(stack.trained) < STEPS:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             assert proc.poll() is None, log.read_text()[-3000:]
             await asyncio.sleep(0.05)
-        assert "resumed at step" in log.read_text()
     finally:
         stop.set()
         await asyncio.gather(*workers)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
-    assert 0 < killed_at < STEPS
+    assert killed_at == STEPS // 2
 
     # Accounting from the streams themselves.
     batches = [decode(b, TrainBatch) for b in await read_all(js, stream_name(RUN, "BATCHES"))]
