@@ -118,7 +118,11 @@ def plot(metrics: Path, out: Path) -> Path | None:
     for ax, x in zip(axes, ("step", "elapsed"), strict=True):
         r = [row for row in rows if "reward_mean" in row]
         a = [row for row in rows if "eval_accuracy" in row]
-        ax.plot([row[x] for row in r], [row["reward_mean"] for row in r], label="train reward")
+        ax.plot(
+            [row[x] for row in r],
+            [row["reward_mean"] for row in r],
+            label="train reward (groups the filter kept)",
+        )
         ax.plot([row[x] for row in a], [row["eval_accuracy"] for row in a], "o-",
                 label="held-out accuracy")  # fmt: skip
         ax.set_xlabel("optimizer step" if x == "step" else "seconds of RL")
