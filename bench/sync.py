@@ -14,8 +14,10 @@ chunks, reports the copy in its heartbeat).
 - nats: upload the chunks (trainer) → publish → download + verify + rename
   (worker) → heartbeat → engine load → WeightsReady. Also reported: the
   transport alone, bytes / (upload + download seconds).
-- baseline, measured in the same run: a raw copy (`shutil.copyfile`) of the
-  same files to a fresh directory on the same filesystem.
+- baselines, measured in the same run: a raw copy (`shutil.copyfile`) of the
+  same files to a fresh directory on the same filesystem; and plain
+  JetStream publish and ordered-consumer read of the same bytes in the same
+  piece sizes (what nats-server and nats-py can do here at all).
 
 Targets (issue 6): disk publish→ready ≤ 1.5× the raw copy; NATS transport
 ≥ 500 MB/s on loopback. Medians of `--reps` versions per size.
@@ -80,6 +82,38 @@ def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
             argv, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
             stdout=f, stderr=subprocess.STDOUT,
         )  # fmt: skip
+
+
+async def raw_jetstream_s(js, src: Path, max_payload: int, window: int = 16) -> tuple[float, float]:
+    """Seconds to publish the same bytes as plain JetStream messages, and to read them back.
+
+    The ceiling the NATS transport is measured against: the same files in
+    pieces of the transport's chunk size, `window` publishes in flight (as
+    `upload`), read back by an ordered push consumer (as `download`) that
+    only counts the bytes: no codec, no files written, no hashing.
+    """
+    from services.common.weights import read_manifest
+    from services.common.weights_nats import _read_pieces, plan_chunks, purge
+
+    pieces = plan_chunks(read_manifest(src), max_payload)
+    version = 10**9 + time.monotonic_ns() % 10**6  # a scratch subject in the same stream
+    subject = Subjects(RUN).weightdata(version)
+    t = time.perf_counter()
+    pending: set[asyncio.Future] = set()
+    for _, data in _read_pieces(src, pieces):
+        pending.add(asyncio.ensure_future(js.publish(subject, data)))
+        if len(pending) >= window:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.gather(*pending)
+    pub_s = time.perf_counter() - t
+    t = time.perf_counter()
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    for _ in pieces:
+        await sub.next_msg(timeout=30)
+    sub_s = time.perf_counter() - t
+    await sub.unsubscribe()
+    await purge(js, RUN, version)
+    return pub_s, sub_s
 
 
 def raw_copy_s(src: Path, dst_root: Path) -> float:
@@ -166,7 +200,8 @@ async def run_size(b: Bench, name: str, reps: int, tmp: Path, log_dir: Path) -> 
         await asyncio.to_thread(wait_http, f"{url}/health", engine)
         b.beat(engine_id, url, b.version, local, None)
         await asyncio.sleep(1.0)  # sync registers the engine
-        out: dict[str, list[float]] = {k: [] for k in ("copy", "disk", "up", "down", "nats")}
+        keys = ("copy", "disk", "up", "down", "nats", "js_pub", "js_sub")
+        out: dict[str, list[float]] = {k: [] for k in keys}
         size = 0
         for transport in ("disk", "nats"):
             for _ in range(reps):
@@ -195,6 +230,10 @@ async def run_size(b: Bench, name: str, reps: int, tmp: Path, log_dir: Path) -> 
                     b.beat(engine_id, url, v - 1, local, v)
                 done = await b.wait_ready(v)
                 out[transport].append(done - t0)
+                if transport == "nats":  # after the timed path, so it does not add to it
+                    pub_s, sub_s = await raw_jetstream_s(b.js, target, b.max_payload)
+                    out["js_pub"].append(pub_s)
+                    out["js_sub"].append(sub_s)
                 b.beat(engine_id, url, v, local, v if transport == "nats" else None)
                 shutil.rmtree(target)
         med = {k: statistics.median(x) for k, x in out.items()}
@@ -244,17 +283,30 @@ async def main(args: argparse.Namespace) -> None:
             await nc.close()
     shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print("| model | params | bytes | raw copy | disk p→r | disk/copy | NATS up | NATS down |"
-          " NATS transport | NATS p→r | NATS/copy |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | params | bytes | raw copy | disk p→r | disk/copy | NATS p→r | NATS/copy |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         mb = r["bytes"] / 1e6
         print(
             f"| {r['name']} | {r['params'] / 1e6:.1f}M | {mb:.1f} MB | {r['copy'] * 1e3:.0f} ms "
             f"| {r['disk'] * 1e3:.0f} ms | {r['disk'] / r['copy']:.2f}× "
-            f"| {mb / r['up']:.0f} MB/s | {mb / r['down']:.0f} MB/s "
-            f"| {mb / (r['up'] + r['down']):.0f} MB/s | {r['nats'] * 1e3:.0f} ms "
-            f"| {r['nats'] / r['copy']:.2f}× |"
+            f"| {r['nats'] * 1e3:.0f} ms | {r['nats'] / r['copy']:.2f}× |"
+        )
+    print()
+    print("NATS transport against plain JetStream publish / ordered-consumer read of the same")
+    print("bytes in the same run (the ceiling; no codec, no files, no hashing):")
+    print()
+    print("| model | upload | raw publish | up/raw | download | raw read | down/raw "
+          "| up + down in series | raw in series |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mb = r["bytes"] / 1e6
+        print(
+            f"| {r['name']} | {mb / r['up']:.0f} MB/s | {mb / r['js_pub']:.0f} MB/s "
+            f"| {r['js_pub'] / r['up']:.2f}× | {mb / r['down']:.0f} MB/s "
+            f"| {mb / r['js_sub']:.0f} MB/s | {r['js_sub'] / r['down']:.2f}× "
+            f"| {mb / (r['up'] + r['down']):.0f} MB/s "
+            f"| {mb / (r['js_pub'] + r['js_sub']):.0f} MB/s |"
         )
 
 

@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,11 +201,15 @@ def read_manifest(path: str | Path) -> Manifest:
         ) from e
 
 
-def verify_weights_dir(path: str | Path) -> Manifest:
+def verify_weights_dir(path: str | Path, hashed: Mapping[str, str] | None = None) -> Manifest:
     """Check every file against the manifest; return it, or raise a WeightsError naming the file.
 
     Extra files not in the manifest are ignored (an engine may add caches).
+    `hashed` maps file names to sha256 digests the caller computed over the
+    very bytes it wrote (the NATS receiver hashes chunks as they arrive);
+    those files are not read again, which saves a full pass over the weights.
     """
+    hashed = hashed or {}
     root = Path(path)
     if not root.is_dir():
         raise WeightsError(f"weights directory not found: {root}", path=root)
@@ -223,7 +227,8 @@ def verify_weights_dir(path: str | Path) -> Manifest:
                 path=root,
                 file=entry.name,
             )
-        if file_sha256(p) != entry.sha256:
+        digest = hashed.get(entry.name) or file_sha256(p)
+        if digest != entry.sha256:
             raise WeightsMismatchError(
                 f"{root}: {entry.name} sha256 differs from the manifest", path=root, file=entry.name
             )

@@ -9,16 +9,18 @@ directory, which the engine then loads from disk like any other version.
 Mechanism, chosen by measurement on this machine (2 shared cores, loopback,
 1 MiB max_payload, file storage): nats-py's object store `get` reads at
 ~40 MB/s; a pull consumer without acks, fetching 16–64 messages at a time,
-reads at ~500–800 MB/s; publishing with ~16 JetStream publishes in flight
-writes at ~250 MB/s (one at a time: ~100 MB/s, since each waits for its ack).
+reads at ~600–800 MB/s, an ordered push consumer at ~0.8–1.1 GB/s;
+publishing with 16 JetStream publishes in flight writes at ~600 MB/s
+(one at a time: ~100 MB/s, since each waits for its ack).
 So: plain WeightsChunk messages (a typed MessagePack message, so the data
 is self-describing and validated), a bounded window of in-flight publishes,
-and an ephemeral pull consumer with `AckPolicy.NONE` on the version's subject.
+and an ordered push consumer (ephemeral, no acks) on the version's subject.
 
 Integrity: the manifest travels first; the receiver writes each chunk at its
-offset, and once it holds every index, `verify_weights_dir` re-hashes the
-files against the manifest and the manifest's digest must equal the
-published sha256. The temporary directory is renamed into place only then,
+offset and hashes each file as its bytes arrive in order; once it holds
+every index, `verify_weights_dir` checks the files against the manifest
+(re-reading only a file whose chunks came out of order), and the manifest's
+digest must equal the published sha256. The temporary directory is renamed into place only then,
 so an engine never sees a partial version. Nothing is fsynced: a receiver
 that restarts discards its local copies and downloads again.
 
@@ -28,11 +30,14 @@ This module imports no torch; the NATS client only inside functions.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -172,6 +177,54 @@ def _safe_join(root: Path, name: str) -> Path:
     return path
 
 
+class _Receiver:
+    """Writes chunks at their offsets into `root`, hashing each file as its bytes arrive.
+
+    Chunks normally arrive in index order (an ordered consumer delivers in
+    stream order, and `upload` publishes in order), so each file's sha256 is
+    computed on the way in and `verify_weights_dir` need not read the files
+    again. A file whose chunks came out of order is simply left to be
+    re-read. Runs on one worker thread: `os.pwrite` and `hashlib` release
+    the GIL for large buffers, so the event loop keeps receiving meanwhile.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fds: dict[str, int] = {}
+        self.hashers: dict[str, hashlib._Hash] = {}
+        self.next_offset: dict[str, int] = {}
+        self.out_of_order: set[str] = set()
+
+    def write(self, file: str, offset: int, data: bytes) -> None:
+        fd = self.fds.get(file)
+        if fd is None:
+            path = _safe_join(self.root, file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = self.fds[file] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.hashers[file] = hashlib.sha256()
+            self.next_offset[file] = 0
+        os.pwrite(fd, data, offset)
+        if offset == self.next_offset[file] and file not in self.out_of_order:
+            self.hashers[file].update(data)
+            self.next_offset[file] = offset + len(data)
+        else:
+            self.out_of_order.add(file)
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of each file whose every byte, from 0 to its size, was hashed in order."""
+        return {
+            name: h.hexdigest()
+            for name, h in self.hashers.items()
+            if name not in self.out_of_order
+            and self.next_offset[name] == os.fstat(self.fds[name]).st_size
+        }
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 async def download(
     js: JetStreamContext,
     run: str,
@@ -180,16 +233,16 @@ async def download(
     target: Path,
     *,
     idle_timeout_s: float = 10.0,
-    batch: int = 32,
+    window: int = 8,
 ) -> Transfer:
     """Receive version `version` into `target` (atomically), verified against `sha256`.
 
     Raises WeightsTransferError if no chunk arrives for `idle_timeout_s`, or if
     the files do not match the manifest or the manifest does not match
-    `sha256`. An existing `target` is left alone and returned as is.
+    `sha256`. An existing `target` is left alone and returned as is. At most
+    `window` chunks wait for the writer thread (bounded memory).
     """
     from nats.errors import TimeoutError as NatsTimeout
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     from services.common.weights import WeightsError
 
@@ -199,30 +252,31 @@ async def download(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.part-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    cfg = ConsumerConfig(
-        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, inactive_threshold=30.0
-    )
-    sub = await js.pull_subscribe(
-        Subjects(run).weightdata(version), durable=None,
-        stream=stream_name(run, "WEIGHTDATA"), config=cfg,
+    # An ordered push consumer: the server streams without waiting for
+    # fetch round trips (measured ~1 GB/s here against ~700 MB/s pulling).
+    sub = await js.subscribe(
+        Subjects(run).weightdata(version), stream=stream_name(run, "WEIGHTDATA"),
+        ordered_consumer=True,
     )  # fmt: skip
-    handles: dict[str, int] = {}
+    receiver = _Receiver(tmp)
+    loop = asyncio.get_running_loop()
+    writes: deque[asyncio.Future[None]] = deque()
     seen: set[int] = set()
     others = 0  # chunks of another publication of this version (other digest)
     count: int | None = None
     total = 0
     try:
-        while count is None or len(seen) < count:
-            try:
-                msgs = await sub.fetch(batch, timeout=idle_timeout_s)
-            except (TimeoutError, NatsTimeout) as e:
-                raise WeightsTransferError(
-                    f"v{version}: no chunk for {idle_timeout_s}s "
-                    f"({len(seen)}/{count if count is not None else '?'} received, "
-                    f"{others} of another publication ignored)",
-                    version=version,
-                ) from e
-            for m in msgs:
+        with ThreadPoolExecutor(1, thread_name_prefix="weights-rx") as writer:
+            while count is None or len(seen) < count:
+                try:
+                    m = await sub.next_msg(timeout=idle_timeout_s)
+                except (TimeoutError, NatsTimeout) as e:
+                    raise WeightsTransferError(
+                        f"v{version}: no chunk for {idle_timeout_s}s "
+                        f"({len(seen)}/{count if count is not None else '?'} received, "
+                        f"{others} of another publication ignored)",
+                        version=version,
+                    ) from e
                 c = decode(m.data, WeightsChunk)
                 if c.version != version or c.sha256 != sha256:
                     others += 1  # an older publication of the same version (a trainer re-run)
@@ -231,18 +285,17 @@ async def download(
                     count = c.count
                 if c.index in seen:
                     continue
-                fd = handles.get(c.file)
-                if fd is None:
-                    path = _safe_join(tmp, c.file)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    fd = handles[c.file] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-                os.pwrite(fd, c.data, c.offset)
                 seen.add(c.index)
                 total += len(c.data)
-        for fd in handles.values():
-            os.close(fd)
-        handles.clear()
-        manifest = await asyncio.to_thread(verify_weights_dir, tmp)
+                job = loop.run_in_executor(writer, receiver.write, c.file, c.offset, c.data)
+                writes.append(job)
+                while len(writes) > window or (writes and writes[0].done()):
+                    await writes.popleft()
+            while writes:
+                await writes.popleft()
+        digests = receiver.digests()
+        receiver.close()
+        manifest = await asyncio.to_thread(verify_weights_dir, tmp, digests)
         if manifest.sha256 != sha256:
             raise WeightsTransferError(
                 f"v{version}: manifest digest {manifest.sha256} != published {sha256}",
@@ -256,8 +309,9 @@ async def download(
         raise WeightsTransferError(f"v{version}: bad chunks or files: {e}",
                                    version=version) from e  # fmt: skip
     finally:
-        for fd in handles.values():
-            os.close(fd)
+        for f in writes:
+            f.cancel()
+        receiver.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         await sub.unsubscribe()
