@@ -350,7 +350,7 @@ class MessageLoop(Generic[M]):
         # Labelled children resolved once: .labels() costs a lock and a dict
         # lookup, measurable at tens of thousands of messages per second.
         self._handled = self.metrics.handled.labels(**self._labels)
-        self._transient = TRANSIENT + _nats_transient_errors()
+        self._transient = TRANSIENT + nats_transient_errors()
         self._latency = self.metrics.latency.labels(**self._labels)
         self._children: dict[tuple[int, str], Counter] = {}  # (metric id, reason) → child
         self._beats = _Heartbeats(self.heartbeat_s, self.service) if self.heartbeat_s > 0 else None
@@ -671,10 +671,11 @@ def transient_errors() -> tuple[type[BaseException], ...]:
     For loops outside the message loop (a dispatcher, a heartbeat) that must
     retry such a publish later rather than die with it.
     """
-    return TRANSIENT + _nats_transient_errors()
+    return TRANSIENT + nats_transient_errors()
 
 
-def _nats_transient_errors() -> tuple[type[BaseException], ...]:
+def nats_transient_errors() -> tuple[type[BaseException], ...]:
+    """nats-py's errors of a connection or a JetStream that is down or coming back."""
     from nats import errors
     from nats.js import errors as js_errors
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from proto.streams import consumers_for, streams_for
+from proto.codec import decode
+from proto.streams import consumers_for, stream_name, streams_for
 from services.common.nats_conn import (
     NatsConnectError,
     StreamConfigError,
@@ -136,3 +137,35 @@ def test_connect_with_token(run_async):
         assert run_async(ok())
         with pytest.raises(NatsConnectError, match="refused the credentials"):
             run_async(connect(NatsSettings(url=server.url, token="nope", connect_attempts=5), "t"))
+
+
+def test_publish_rides_out_a_server_restart(tmp_path, run_async):
+    """A publish issued while nats-server is down is stored once it is back, not raised."""
+    import threading
+
+    from proto.examples import EXAMPLES
+    from proto.messages import WeightsReady
+    from proto.subjects import Subjects
+    from services.common.publish import publish
+
+    ready = EXAMPLES["WeightsReady"]
+    assert isinstance(ready, WeightsReady)
+    subject = Subjects(ready.run).weights_ready
+
+    async def body() -> None:
+        with NatsServer(store_dir=tmp_path / "store") as server:
+            nc = await connect(NatsSettings(url=server.url, connect_attempts=1), "pub")
+            js = nc.jetstream()
+            await ensure_streams(js, streams_for(ready.run))
+            server.stop()
+            back = threading.Timer(1.5, server.start)  # the server returns while we publish
+            back.start()
+            try:
+                assert await publish(js, subject, ready, nc.max_payload) == 1
+            finally:
+                back.join()
+            got = await js.get_last_msg(stream_name(ready.run, "WEIGHTS"), subject)
+            assert decode(got.data, WeightsReady) == ready
+            await nc.close()
+
+    run_async(body())
