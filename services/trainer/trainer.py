@@ -300,13 +300,22 @@ class Trainer:
         )
         return sd if self.info.is_main else None  # type: ignore[return-value]
 
-    def save_weights(self, out_dir: str | Path, *, overwrite: bool = False) -> Manifest | None:
+    def save_weights(
+        self,
+        out_dir: str | Path,
+        *,
+        overwrite: bool = False,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> Manifest | None:
         """Write an HF directory (config, safetensors, generation config, tokenizer) atomically.
 
         Every rank must call it (the gather is a collective); rank 0 writes
         and returns the manifest, the others return None after it is done.
+        `state_dict`: a full state dict copied out earlier (a checkpoint
+        `Snapshot`), written instead of the live parameters, so that one
+        process can write step N's weights while it trains step N+1.
         """
-        sd = self.full_state_dict()
+        sd = state_dict if state_dict is not None else self.full_state_dict()
         manifest = None
         if self.info.is_main:
             assert sd is not None

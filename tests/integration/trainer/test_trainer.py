@@ -107,3 +107,39 @@ def test_resume_equals_never_stopping(tiny_model_dir, tmp_path):
     ref = straight.model.state_dict()
     for name, tensor in resumed.model.state_dict().items():
         torch.testing.assert_close(tensor, ref[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_snapshot_written_later_equals_a_checkpoint_written_then(tiny_model_dir, tmp_path):
+    """A snapshot taken after step k, written after more steps, resumes exactly like step k.
+
+    The trainer service writes step N's checkpoint and weights from a
+    snapshot while it trains step N+1; what lands on disk must be step N.
+    """
+    from safetensors.torch import load_file
+
+    from services.trainer.checkpoint import snapshot
+
+    n, k = 4, 2
+    batches = [random_batch(seed=20 + i) for i in range(n)]
+    straight = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    want = [straight.train_step(b) for b in batches]
+
+    live = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    for b in batches[:k]:
+        live.train_step(b)
+    live.weight_version = k
+    snap = snapshot(live)
+    at_k = {name: t.clone() for name, t in live.model.state_dict().items()}
+    live.train_step(batches[k])  # the parameters and Adam moments move on
+    save_checkpoint(live, tmp_path / "ckpt", {"seq": 7}, snap)
+    live.save_weights(tmp_path / "weights", state_dict=snap.weights)
+
+    saved = load_file(tmp_path / "weights" / "model.safetensors")
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, at_k[name], atol=0, rtol=0, msg=name)
+    resumed = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    assert load_checkpoint(resumed, latest_checkpoint(tmp_path / "ckpt")) == {"seq": 7}
+    assert (resumed.step, resumed.weight_version) == (k, k)
+    got = [resumed.train_step(b) for b in batches[k:]]
+    for g, w in zip(got, want[k:], strict=True):
+        assert g["lr"] == w["lr"] and abs(g["loss"] - w["loss"]) < 1e-6
