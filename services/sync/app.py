@@ -2,11 +2,16 @@
 
 Inputs: engine heartbeats (core subscription on `engines.*`; the registry
 is rebuilt within one heartbeat interval after a restart) and
-`WeightsPublished` (durable consumer). A reconcile loop, every `tick_s`,
-asks the pure registry what is due — updates to start, a version to
-announce — and does it: each engine update runs as its own task (pause →
-update_weights_from_disk → continue, or just update and let running
-requests finish), so a slow or dead engine never holds up the others.
+`WeightsPublished` (durable consumer). A reconcile loop asks the pure
+registry what is due — updates to start, a version to announce — and does
+it, at once when something happened (a version published, an update
+finished, a heartbeat) and at least every `tick_s` (liveness). Waking on
+events rather than only on the tick matters: each version passes through
+the loop twice (start the updates, then announce), and with a 0.2 s tick
+that alone added ~0.2 s to every publish→ready, a third of a demo step.
+Each engine update runs as its own task (pause → update_weights_from_disk →
+continue, or just update and let running requests finish), so a slow or
+dead engine never holds up the others.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class SyncService:
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.over_nats = False  # a version came over NATS: purge old chunks from the stream
+        self.wake = asyncio.Event()  # something happened: reconcile now, not at the next tick
 
     async def restore(self) -> None:
         """The newest published and announced versions, from the WEIGHTS stream."""
@@ -143,6 +149,7 @@ class SyncService:
             hb.engine_id, hb.url, hb.weight_version, time.time(),
             weights_dir=hb.local_weights_dir, downloaded=hb.downloaded_version,
         )  # fmt: skip
+        self.wake.set()
 
     async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
         path = local_path(msg.uri, self.s.weights_root)
@@ -154,8 +161,15 @@ class SyncService:
             self.sizes[msg.version] = msg.size_bytes
             self.metrics.published.set(msg.version)
             log.info("sync: version %d published at %s", msg.version, path or msg.uri)
+            self.wake.set()
 
     async def update(self, e: Engine, p: Published) -> None:
+        try:
+            await self._update(e, p)
+        finally:
+            self.wake.set()  # the version may now be ready everywhere
+
+    async def _update(self, e: Engine, p: Published) -> None:
         started = time.monotonic()
         try:
             async with EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2) as c:
@@ -253,11 +267,12 @@ class SyncService:
 
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            self.wake.clear()
             await self.reconcile()
-            try:
-                await asyncio.wait_for(stop.wait(), self.s.tick_s)
-            except TimeoutError:
-                pass
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.wake.wait())]
+            await asyncio.wait(waits, timeout=self.s.tick_s, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=self.s.update_timeout_s)
 

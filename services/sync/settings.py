@@ -36,4 +36,6 @@ class SyncSettings(ServiceSettings):
     keep_last: int = Field(
         3, ge=1, description="Weight versions kept on disk; older ones are deleted."
     )
-    tick_s: float = Field(0.2, gt=0, description="How often the registry is reconciled.")
+    tick_s: float = Field(
+        0.2, gt=0, description="Reconcile at least this often (events also wake it at once)."
+    )
