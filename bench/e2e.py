@@ -74,7 +74,13 @@ class RunResult:
     acc_end: float | None = None
     load: tuple[float, float] = (0.0, 0.0)  # 1-min load average before, after
     wall_s: float = 0.0
+    rep: int = 1  # which repetition (--repeats)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def s_per_step(self) -> float | None:
+        """Wall seconds per optimizer step: the pipeline's speed, apart from RL's luck."""
+        return self.rl_seconds / self.steps if self.rl_seconds and self.steps else None
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -197,12 +203,59 @@ def fmt(x: float | None, spec: str, none: str = "-") -> str:
 
 
 def table(results: list[RunResult], target: float, seconds: float) -> str:
-    sync = next((r for r in results if r.name == "flywheel k=0" and r.ok), None)
-    trl = next((r for r in results if r.name.startswith("TRL") and r.ok), None)
+    """Every run, each compared with k=0 and TRL of its own repetition."""
+    out = []
+    notes = []
+    for rep in sorted({r.rep for r in results}):
+        mine = [r for r in results if r.rep == rep]
+        rows, rep_notes = _rows(mine, target, seconds)
+        out += rows
+        notes += rep_notes
     cols = ["config", "steps", "RL s", f"time to {target} (s)", "vs k=0", "generated samples/s",
             "vs TRL", "trained samples/s", "vs TRL", "trainer idle", "acc start → end",
             "load 1m before/after"]  # fmt: skip
     head = "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|\n"
+    return head + "\n".join(out) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _ratio(m: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
+    return f"{m[key] / base[key]:.2f}x" if base and base[key] and m[key] else "-"
+
+
+def summary(results: list[RunResult], target: float) -> str:
+    """Medians over the repetitions: time to target is noisy (RL's luck), s/step is not."""
+    names = list(dict.fromkeys(r.name for r in results))
+    med = {
+        n: {
+            "ttt": _median([r.time_to_target for r in results if r.name == n]),
+            "reached": sum(r.time_to_target is not None for r in results if r.name == n),
+            "runs": sum(1 for r in results if r.name == n),
+            "sps": _median([r.s_per_step for r in results if r.name == n]),
+            "gen": _median([r.generated_per_s for r in results if r.name == n]),
+        }
+        for n in names
+    }
+    sync, trl = med.get("flywheel k=0"), med.get("TRL GRPOTrainer")
+    cols = ["config", f"median time to {target} (s)", "reached", "vs k=0", "median s/step",
+            "vs k=0", "median generated samples/s", "vs TRL"]  # fmt: skip
+    lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    for n, m in med.items():
+        lines.append(
+            f"| {n} | {fmt(m['ttt'], '.0f')} | {m['reached']}/{m['runs']} "
+            f"| {_ratio(m, sync, 'ttt')} | {fmt(m['sps'], '.3f')} | {_ratio(m, sync, 'sps')} "
+            f"| {fmt(m['gen'], '.0f')} | {_ratio(m, trl, 'gen')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _rows(results: list[RunResult], target: float, seconds: float) -> tuple[list[str], list[str]]:
+    sync = next((r for r in results if r.name == "flywheel k=0" and r.ok), None)
+    trl = next((r for r in results if r.name.startswith("TRL") and r.ok), None)
     out = []
     for r in results:
         ttt = fmt(r.time_to_target, ".0f", f"not reached in {seconds:.0f}")
@@ -213,14 +266,15 @@ def table(results: list[RunResult], target: float, seconds: float) -> str:
         vs_tr = (f"{r.trained_per_s / trl.trained_per_s:.2f}x"
                  if trl and trl.trained_per_s and r.trained_per_s else "-")  # fmt: skip
         out.append(
-            f"| {r.name} | {fmt(r.steps, 'd')} | {fmt(r.rl_seconds, '.0f')} | {ttt} | {vs_sync} "
+            f"| {r.name} (run {r.rep}) | {fmt(r.steps, 'd')} | {fmt(r.rl_seconds, '.0f')} "
+            f"| {ttt} | {vs_sync} "
             f"| {fmt(r.generated_per_s, '.0f')} | {vs_gen} | {fmt(r.trained_per_s, '.0f')} "
             f"| {vs_tr} | {fmt(r.idle_fraction, '.0%')} "
             f"| {fmt(r.acc_start, '.3f')} → {fmt(r.acc_end, '.3f')} "
             f"| {r.load[0]:.1f} / {r.load[1]:.1f} |"
         )
-    notes = [f"- {r.name}: {n}" for r in results for n in r.notes]
-    return head + "\n".join(out) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    notes = [f"- {r.name} (run {r.rep}): {n}" for r in results for n in r.notes]
+    return out, notes
 
 
 def provenance(started: str, args: argparse.Namespace) -> str:
@@ -252,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: k=1 and TRL, 30 s each")
     p.add_argument("--fresh-sft", action="store_true",
                    help="rebuild the SFT warm start even if DIR/model-sft exists")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each configuration (interleaved); medians reported")  # fmt: skip
     p.add_argument("--out", type=Path, help="write the markdown table here")
     args = p.parse_args(argv)
     args.run_dir = args.run_dir.resolve()
@@ -260,14 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     have_sft = (args.run_dir / "model-sft" / "flywheel-manifest.json").is_file()
     have_sft = have_sft and not args.fresh_sft
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    results = []
-    for i, k in enumerate(args.staleness):
-        results.append(run_flywheel(args, k, keep=have_sft or i > 0))
-        print(f"e2e: {results[-1]}", flush=True)
-    if args.trl:
-        results.append(run_trl(args))
-        print(f"e2e: {results[-1]}", flush=True)
+    results: list[RunResult] = []
+    for rep in range(1, args.repeats + 1):
+        for k in args.staleness:
+            results.append(run_flywheel(args, k, keep=have_sft or bool(results)))
+            results[-1].rep = rep
+            print(f"e2e: {results[-1]}", flush=True)
+        if args.trl:
+            results.append(run_trl(args))
+            results[-1].rep = rep
+            print(f"e2e: {results[-1]}", flush=True)
     md = provenance(started, args) + "\n" + table(results, args.target, args.seconds)
+    if args.repeats > 1:
+        md += "\nMedians over the repetitions:\n\n" + summary(results, args.target)
     print("\n" + md)
     if args.out is not None:
         cmd = " ".join([".venv/bin/python", "bench/e2e.py", *(argv or sys.argv[1:])])
