@@ -9,8 +9,10 @@ trainer (writes the weights directory, publishes WeightsPublished) and, for
 the NATS transport, the rollout worker beside the engine (downloads the
 chunks, reports the copy in its heartbeat).
 
-- disk: publish a `file://` version → WeightsReady. The engine verifies the
-  sha256 manifest and loads the safetensors (the same bytes once, read).
+- disk: publish a `file://` version → WeightsReady. The engine checks the
+  manifest and loads the safetensors: once with its default
+  `weights_check = "sha256"` (every file re-hashed), once with "sizes"
+  (names and sizes; a second engine process).
 - nats: upload the chunks (trainer) → publish → download + verify + rename
   (worker) → heartbeat → engine load → WeightsReady. Also reported: the
   transport alone, bytes / (upload + download seconds).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -178,70 +181,94 @@ def _enc(msg) -> bytes:
     return encode(msg)
 
 
-async def run_size(b: Bench, name: str, reps: int, tmp: Path, log_dir: Path) -> dict:
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+LIVENESS_S = 2.0  # sync drops an engine this long after its last heartbeat
+
+
+@contextlib.asynccontextmanager
+async def engine_for(b: Bench, model: Path, name: str, check: str, tmp: Path, log_dir: Path):
+    """A CPU engine with `weights_check = check`, registered with sync; gone again after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine_id = f"engine-{name}-{check}"
+    engine = spawn([sys.executable, "-m", "services.rollout.engine", "--model", str(model),
+                    "--port", str(port), "--weight-version", str(b.version)],
+                   {"FLYWHEEL_ENGINE_NUM_THREADS": "4", "FLYWHEEL_ENGINE_WEIGHTS_CHECK": check},
+                   log_dir / f"{engine_id}.log")  # fmt: skip
+    local = tmp / "local" / engine_id
+    try:
+        await asyncio.to_thread(wait_http, f"{url}/health", engine)
+        b.beat(engine_id, url, b.version, local, None)
+        await asyncio.sleep(1.0)  # sync registers the engine
+        yield engine_id, url, local
+    finally:
+        engine.terminate()
+        engine.wait(15)
+        b.hb = None
+        await asyncio.sleep(LIVENESS_S + 0.5)  # sync forgets it before the next one
+
+
+async def one_version(
+    b: Bench, transport: str, model: Path, tmp: Path, engine: tuple[str, str, Path],
+    out: dict[str, list[float]],
+) -> int:  # fmt: skip
+    """Publish one version by `transport` and time it to WeightsReady; returns its bytes."""
     from services.common.weights import read_manifest, write_weights_dir
     from services.common.weights_nats import download, upload
+
+    engine_id, url, local = engine
+    b.version += 1
+    v = b.version
+    target = tmp / "weights" / RUN / f"v{v:06d}"
+
+    def save(d: Path, src: Path = model) -> None:
+        for p in src.iterdir():
+            if p.is_file() and p.name != "flywheel-manifest.json":
+                shutil.copyfile(p, d / p.name)
+
+    m = await asyncio.to_thread(write_weights_dir, target, save)
+    out["copy"].append(await asyncio.to_thread(raw_copy_s, target, tmp / "copies"))
+    t0 = time.perf_counter()
+    if transport == "nats":
+        up = await upload(b.js, RUN, v, target, max_payload=b.max_payload)
+        await b.announce(v, weights_nats_uri(RUN, v), read_manifest(target))
+        t1 = time.perf_counter()
+        await download(b.js, RUN, v, m.sha256, local / f"v{v:06d}")
+        out["up"].append(up.seconds)
+        out["down"].append(time.perf_counter() - t1)
+        b.beat(engine_id, url, v - 1, local, v)
+    else:
+        await b.announce(v, target.resolve().as_uri(), m)
+    done = await b.wait_ready(v)
+    out[transport].append(done - t0)
+    if transport == "nats":  # after the timed path, so it does not add to it
+        pub_s, sub_s = await raw_jetstream_s(b.js, target, b.max_payload)
+        out["js_pub"].append(pub_s)
+        out["js_sub"].append(sub_s)
+    b.beat(engine_id, url, v, local, v if transport == "nats" else None)
+    shutil.rmtree(target)
+    return m.total_bytes
+
+
+async def run_size(b: Bench, name: str, reps: int, tmp: Path, log_dir: Path) -> dict:
+    from services.common.tiny_model import TinyModelSpec, write_tiny_model
 
     hidden, layers = SIZES[name]
     heads = max(4, hidden // 64)
     spec = TinyModelSpec(hidden_size=hidden, num_layers=layers, num_heads=heads,
                          num_kv_heads=heads, intermediate_size=4 * hidden)  # fmt: skip
     model = await asyncio.to_thread(write_tiny_model, tmp / f"model-{name}", spec)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    engine = spawn([sys.executable, "-m", "services.rollout.engine", "--model", str(model),
-                    "--port", str(port), "--weight-version", str(b.version)],
-                   {"FLYWHEEL_ENGINE_NUM_THREADS": "4"},
-                   log_dir / f"engine-{name}.log")  # fmt: skip
-    engine_id = f"engine-{name}"
-    local = tmp / "local" / engine_id
-    try:
-        await asyncio.to_thread(wait_http, f"{url}/health", engine)
-        b.beat(engine_id, url, b.version, local, None)
-        await asyncio.sleep(1.0)  # sync registers the engine
-        keys = ("copy", "disk", "up", "down", "nats", "js_pub", "js_sub")
-        out: dict[str, list[float]] = {k: [] for k in keys}
-        size = 0
-        for transport in ("disk", "nats"):
-            for _ in range(reps):
-                b.version += 1
-                v = b.version
-                target = tmp / "weights" / RUN / f"v{v:06d}"
-
-                def save(d: Path, src: Path = model) -> None:
-                    for p in src.iterdir():
-                        if p.is_file() and p.name != "flywheel-manifest.json":
-                            shutil.copyfile(p, d / p.name)
-
-                m = await asyncio.to_thread(write_weights_dir, target, save)
-                size = m.total_bytes
-                out["copy"].append(await asyncio.to_thread(raw_copy_s, target, tmp / "copies"))
-                t0 = time.perf_counter()
-                if transport == "disk":
-                    await b.announce(v, target.resolve().as_uri(), m)
-                else:
-                    up = await upload(b.js, RUN, v, target, max_payload=b.max_payload)
-                    await b.announce(v, weights_nats_uri(RUN, v), read_manifest(target))
-                    t1 = time.perf_counter()
-                    await download(b.js, RUN, v, m.sha256, local / f"v{v:06d}")
-                    out["up"].append(up.seconds)
-                    out["down"].append(time.perf_counter() - t1)
-                    b.beat(engine_id, url, v - 1, local, v)
-                done = await b.wait_ready(v)
-                out[transport].append(done - t0)
-                if transport == "nats":  # after the timed path, so it does not add to it
-                    pub_s, sub_s = await raw_jetstream_s(b.js, target, b.max_payload)
-                    out["js_pub"].append(pub_s)
-                    out["js_sub"].append(sub_s)
-                b.beat(engine_id, url, v, local, v if transport == "nats" else None)
-                shutil.rmtree(target)
-        med = {k: statistics.median(x) for k, x in out.items()}
-        return {"name": name, "params": spec_params(hidden, layers), "bytes": size, **med}
-    finally:
-        engine.terminate()
-        engine.wait(15)
-        b.hb = None
+    keys = ("copy", "disk", "disk_sizes", "up", "down", "nats", "js_pub", "js_sub")
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    size = 0
+    # The engine's default check (sha256 of every file) for both transports, then
+    # one that checks names and sizes only, for the shared directory.
+    for check, transports in (("sha256", ("disk", "nats")), ("sizes", ("disk_sizes",))):
+        async with engine_for(b, model, name, check, tmp, log_dir) as engine:
+            for transport in transports:
+                for _ in range(reps):
+                    size = await one_version(b, transport, model, tmp, engine, out)
+    med = {k: statistics.median(x) for k, x in out.items()}
+    return {"name": name, "params": spec_params(hidden, layers), "bytes": size, **med}
 
 
 def spec_params(hidden: int, layers: int) -> int:
@@ -258,7 +285,9 @@ async def main(args: argparse.Namespace) -> None:
     log_dir = tmp / "logs"
     log_dir.mkdir()
     config = tmp / "run.toml"
-    config.write_text(f'run = "{RUN}"\n[sync]\ntick_s = 0.01\nliveness_s = 30\nkeep_last = 1\n')
+    config.write_text(
+        f'run = "{RUN}"\n[sync]\ntick_s = 0.01\nliveness_s = {LIVENESS_S}\nkeep_last = 1\n'
+    )
     rows = []
     with NatsServer(store_dir=tmp / "nats") as server:
         nc = await nats.connect(server.url)
@@ -283,13 +312,15 @@ async def main(args: argparse.Namespace) -> None:
             await nc.close()
     shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print("| model | params | bytes | raw copy | disk p→r | disk/copy | NATS p→r | NATS/copy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | params | bytes | raw copy | disk p→r | disk/copy | disk p→r, sizes check "
+          "| /copy | NATS p→r | NATS/copy |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mb = r["bytes"] / 1e6
         print(
             f"| {r['name']} | {r['params'] / 1e6:.1f}M | {mb:.1f} MB | {r['copy'] * 1e3:.0f} ms "
             f"| {r['disk'] * 1e3:.0f} ms | {r['disk'] / r['copy']:.2f}× "
+            f"| {r['disk_sizes'] * 1e3:.0f} ms | {r['disk_sizes'] / r['copy']:.2f}× "
             f"| {r['nats'] * 1e3:.0f} ms | {r['nats'] / r['copy']:.2f}× |"
         )
     print()
@@ -312,6 +343,7 @@ async def main(args: argparse.Namespace) -> None:
 
 def fmt(r: dict) -> str:
     return (f"{r['name']}: {r['bytes'] / 1e6:.1f} MB copy {r['copy']:.3f}s disk {r['disk']:.3f}s "
+            f"disk/sizes {r['disk_sizes']:.3f}s "
             f"nats up {r['up']:.3f}s down {r['down']:.3f}s p→r {r['nats']:.3f}s")  # fmt: skip
 
 

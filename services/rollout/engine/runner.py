@@ -48,11 +48,13 @@ def eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def verify_directory(path: Path) -> None:
-    """Refuse a missing directory, and check its sha256 manifest when it has one.
+def verify_directory(path: Path, check: str = "sha256") -> None:
+    """Refuse a missing directory, and check it against its manifest when it has one.
 
-    The manifest format belongs to `services.common.weights` (written by the
-    trainer); this only calls its `verify_weights_dir`.
+    `check` is the engine's `weights_check`: "sha256" re-hashes every file,
+    "sizes" checks names and sizes only. The manifest format belongs to
+    `services.common.weights` (written by the trainer); this only calls its
+    `verify_weights_dir`.
     """
     if not path.is_dir():
         raise WeightsLoadError(path, "not a directory")
@@ -60,7 +62,7 @@ def verify_directory(path: Path) -> None:
         from services.common.weights import WeightsError, verify_weights_dir
 
         try:
-            verify_weights_dir(path)
+            verify_weights_dir(path, sizes_only=check == "sizes")
         except WeightsError as e:
             raise WeightsLoadError(path, f"manifest check failed: {e}") from e
 
@@ -73,13 +75,16 @@ def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class ModelRunner:
     """Owns the model; runs batched prefill and decode steps (scheduler thread only)."""
 
-    def __init__(self, model_dir: str | Path, num_threads: int = 0) -> None:
+    def __init__(
+        self, model_dir: str | Path, num_threads: int = 0, weights_check: str = "sha256"
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.model_dir = Path(model_dir)
+        self.weights_check = weights_check  # what load_weights checks (EngineSettings)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.eval()
         config = self.model.config
@@ -144,7 +149,7 @@ class ModelRunner:
         from safetensors.torch import load_file
 
         p = Path(path)
-        verify_directory(p)
+        verify_directory(p, self.weights_check)
         files = sorted(p.glob("*.safetensors"))
         if not files:
             raise WeightsLoadError(p, "no *.safetensors files")

@@ -374,7 +374,9 @@ def create_state(settings: EngineSettings) -> EngineState:
     if settings.model is None:
         raise RequestError("no model directory given (--model or [engine] model)")
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
-    runner = ModelRunner(settings.model, num_threads=settings.num_threads)
+    runner = ModelRunner(
+        settings.model, num_threads=settings.num_threads, weights_check=settings.weights_check
+    )
 
     def decode(ids: list[int], skip: bool) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=skip))
