@@ -344,6 +344,11 @@ class MessageLoop(Generic[M]):
         self.concurrency = concurrency
         self.fetch_timeout_s = fetch_timeout_s
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else consumer.ack_wait_s / 3
+        if 1.5 * self.heartbeat_s >= consumer.ack_wait_s:  # beats come up to 1.5 × apart
+            raise ValueError(
+                f"heartbeat_s {self.heartbeat_s} must be under 2/3 of the consumer's "
+                f"ack_wait_s {consumer.ack_wait_s}, or a long handler's message is redelivered"
+            )
         self.handler_timeout_s = handler_timeout_s
         self.retry = retry
         self._labels = {"service": service, "subject": consumer.filter_subject}

@@ -98,3 +98,30 @@ def test_close_cancels_the_timer(run_async) -> None:
         assert d.beats == []
 
     run_async(body())
+
+
+def test_a_heartbeat_too_slow_for_the_ack_wait_is_refused() -> None:
+    """Beats come 1–1.5 × heartbeat_s apart: 1.5 × must stay under the consumer's ack_wait."""
+    import dataclasses
+
+    import pytest
+    from prometheus_client import CollectorRegistry
+
+    from proto.messages import SampleGroup
+    from proto.streams import consumers_for
+    from services.common.msgloop import MessageLoop
+
+    spec = dataclasses.replace(consumers_for("r")["buffer"], ack_wait_s=3.0)
+
+    def make(heartbeat_s: float) -> MessageLoop[SampleGroup]:
+        async def handle(_m: SampleGroup, _d: Delivery) -> None:
+            return None
+
+        return MessageLoop(
+            None, spec, SampleGroup, handle, run="r", service="buffer",  # type: ignore[arg-type]
+            registry=CollectorRegistry(), max_payload=1 << 20, heartbeat_s=heartbeat_s,
+        )  # fmt: skip
+
+    assert make(1.9).heartbeat_s == 1.9
+    with pytest.raises(ValueError, match=r"heartbeat_s 2\.0"):
+        make(2.0)
