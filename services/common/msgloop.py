@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -355,7 +356,7 @@ class MessageLoop(Generic[M]):
         # Labelled children resolved once: .labels() costs a lock and a dict
         # lookup, measurable at tens of thousands of messages per second.
         self._handled = self.metrics.handled.labels(**self._labels)
-        self._transient = TRANSIENT + nats_transient_errors()
+        self._transient = transient_errors()
         self._latency = self.metrics.latency.labels(**self._labels)
         self._children: dict[tuple[int, str], Counter] = {}  # (metric id, reason) → child
         self._beats = _Heartbeats(self.heartbeat_s, self.service) if self.heartbeat_s > 0 else None
@@ -670,17 +671,18 @@ class _Heartbeats:
             self._timer = None
 
 
+@functools.cache
 def transient_errors() -> tuple[type[BaseException], ...]:
     """`TRANSIENT` plus nats-py's connection errors: what a publish during a NATS outage raises.
 
-    For loops outside the message loop (a dispatcher, a heartbeat) that must
-    retry such a publish later rather than die with it.
+    For the message loop's verdicts, `publish`'s retries, and loops outside
+    the message loop (a dispatcher, a heartbeat) that must retry such a
+    publish later rather than die with it.
     """
-    return TRANSIENT + nats_transient_errors()
+    return TRANSIENT + _nats_transient_errors()
 
 
-def nats_transient_errors() -> tuple[type[BaseException], ...]:
-    """nats-py's errors of a connection or a JetStream that is down or coming back."""
+def _nats_transient_errors() -> tuple[type[BaseException], ...]:
     from nats import errors
     from nats.js import errors as js_errors
 

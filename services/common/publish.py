@@ -16,7 +16,6 @@ publish that was in fact stored harmless.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -37,15 +36,10 @@ RETRY_S = 30.0
 """How long a publish keeps retrying a server that is down or coming back."""
 
 
-@functools.cache
-def _transient() -> tuple[type[BaseException], ...]:
-    from services.common.msgloop import TRANSIENT, nats_transient_errors
-
-    return TRANSIENT + nats_transient_errors()
-
-
 async def _publish(js: JetStreamContext, subject: str, data: bytes, mid: str | None) -> None:
-    transient = _transient()
+    from services.common.msgloop import transient_errors
+
+    transient = transient_errors()
     deadline = time.monotonic() + RETRY_S
     delay = 0.05
     while True:

@@ -20,8 +20,8 @@ Integrity: the manifest travels first; the receiver writes each chunk at its
 offset and hashes each file as its bytes arrive in order; once it holds
 every index, `verify_weights_dir` checks the files against the manifest
 (re-reading only a file whose chunks came out of order), and the manifest's
-digest must equal the published sha256. The temporary directory is renamed into place only then,
-so an engine never sees a partial version. Nothing is fsynced: a receiver
+digest must equal the published sha256. The temporary directory is renamed
+into place only then, so an engine never sees a partial version. Nothing is fsynced: a receiver
 that restarts discards its local copies and downloads again.
 
 This module imports no torch; the NATS client only inside functions.
@@ -38,7 +38,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -177,6 +177,15 @@ def _safe_join(root: Path, name: str) -> Path:
     return path
 
 
+@dataclass
+class _File:
+    """One file being received: its descriptor, and the sha256 of bytes [0, hashed)."""
+
+    fd: int
+    hasher: hashlib._Hash | None = field(default_factory=hashlib.sha256)  # None: out of order
+    hashed: int = 0
+
+
 class _Receiver:
     """Writes chunks at their offsets into `root`, hashing each file as its bytes arrive.
 
@@ -190,39 +199,33 @@ class _Receiver:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.fds: dict[str, int] = {}
-        self.hashers: dict[str, hashlib._Hash] = {}
-        self.next_offset: dict[str, int] = {}
-        self.out_of_order: set[str] = set()
+        self.files: dict[str, _File] = {}
 
-    def write(self, file: str, offset: int, data: bytes) -> None:
-        fd = self.fds.get(file)
-        if fd is None:
-            path = _safe_join(self.root, file)
+    def write(self, name: str, offset: int, data: bytes) -> None:
+        f = self.files.get(name)
+        if f is None:
+            path = _safe_join(self.root, name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = self.fds[file] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            self.hashers[file] = hashlib.sha256()
-            self.next_offset[file] = 0
-        os.pwrite(fd, data, offset)
-        if offset == self.next_offset[file] and file not in self.out_of_order:
-            self.hashers[file].update(data)
-            self.next_offset[file] = offset + len(data)
+            f = self.files[name] = _File(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        os.pwrite(f.fd, data, offset)
+        if f.hasher is not None and offset == f.hashed:
+            f.hasher.update(data)
+            f.hashed += len(data)
         else:
-            self.out_of_order.add(file)
+            f.hasher = None  # out of order: verify_weights_dir reads this file again
 
     def digests(self) -> dict[str, str]:
         """sha256 of each file whose every byte, from 0 to its size, was hashed in order."""
         return {
-            name: h.hexdigest()
-            for name, h in self.hashers.items()
-            if name not in self.out_of_order
-            and self.next_offset[name] == os.fstat(self.fds[name]).st_size
+            name: f.hasher.hexdigest()
+            for name, f in self.files.items()
+            if f.hasher is not None and f.hashed == os.fstat(f.fd).st_size
         }
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        for f in self.files.values():
+            os.close(f.fd)
+        self.files.clear()
 
 
 async def download(

@@ -442,11 +442,10 @@ class TrainerService:
 
         The trainer computes step N+1 while step N's weights and checkpoint
         are written, announced and evaluated (one step of overlap: the next
-        step waits for the previous finish before it starts its own). Under
+        step's finish starts only once the previous one is done). Under
         FSDP2 the saving is a collective done inside the step; only the
         announcing overlaps.
         """
-        overlap = self.trainer.info.world_size == 1
         while not self.ctx.stop.is_set():
             if self.s.max_steps is not None and self.trainer.step >= self.s.max_steps:
                 log.info("trainer: reached max_steps=%d", self.s.max_steps)
@@ -458,7 +457,7 @@ class TrainerService:
             batch, seq = got
             waited = time.perf_counter() - t
             data = encode(batch, max_payload=None)
-            r, snap = await asyncio.to_thread(self._step, data, batch, seq, overlap)
+            r, snap = await asyncio.to_thread(self._step, data, batch, seq)
             await self._settle()  # the previous step's finish ran alongside this compute
             self.waited += waited
             self.busy += time.perf_counter() - t - waited
@@ -493,12 +492,10 @@ class TrainerService:
             r.publish_s, f" acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else "",
         )  # fmt: skip
 
-    def _step(
-        self, data: bytes, batch: WireBatch, seq: int, overlap: bool
-    ) -> tuple[StepResult, Snapshot | None]:
+    def _step(self, data: bytes, batch: WireBatch, seq: int) -> tuple[StepResult, Snapshot | None]:
         """Train (every rank); when due, snapshot for `_finish` to write, or save in step."""
         broadcast_bytes(data, self.trainer.info)
-        if not overlap:
+        if self.trainer.info.world_size > 1:  # saving is a collective: in step, every rank
             return train_one(self.trainer, self.s, batch, seq), None
         r = compute_one(self.trainer, batch)
         return r, snapshot(self.trainer) if publish_due(self.trainer, self.s) else None
