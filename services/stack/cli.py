@@ -48,6 +48,7 @@ async def up(
 ) -> int:
     """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
     (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
+    from services.common import local_run
     from services.common.nats_server import NatsServer
     from services.stack.plan import plan
     from services.stack.status import render_line, scrape, summarise
@@ -60,6 +61,8 @@ async def up(
     if s.embedded_nats:
         nats = NatsServer(port=s.nats_port, store_dir=run_dir / "nats").start()
         url = nats.url
+        # `flywheel status -c` and workers added by hand find this NATS here
+        local_run.record(run_dir, url, s.model.resolve())
         print(f"flywheel up: embedded nats-server at {url} (store {run_dir / 'nats'})")
     specs = plan(s, config.resolve(), url, free_port)
     sup = Supervisor(
@@ -104,11 +107,28 @@ async def up(
     finally:
         await sup.stop_all()
         if nats is not None:
+            local_run.forget(run_dir)
             nats.close()
     return 1 if sup.failed else 0
+
+
+def preflight(s: StackSettings) -> int:
+    """Check the task spec's files and packages before anything starts (2: a bad spec)."""
+    from services.common.errors import EXIT_CONFIG, ConfigError
+
+    if not {"buffer", "trainer", "rollout"} & set(s.services):
+        return 0
+    try:
+        s.task_set().check(data=True)
+    except ConfigError as e:
+        print(f"flywheel up: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
 
 
 def up_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = settings_or_exit("up", StackSettings, args.config, args.print_config)
+    if code := preflight(settings):
+        return code
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -116,7 +116,7 @@ class _Child:
     @classmethod
     async def start(cls) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.rollout.envs.sandbox",
+            sys.executable, "-m", "services.common.tasks.sandbox",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         return cls(proc)
