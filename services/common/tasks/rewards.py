@@ -73,15 +73,17 @@ def extract(text: str, how: str, marker: str = "####") -> str | None:
 
 
 def to_number(s: str) -> Fraction | float | None:
-    """Parse "1,234", "-3.5", "7/2", "\\frac{7}{2}" into an exact Fraction (or float)."""
+    """Parse "1,234", "7/2", "\\frac{7}{2}" into an exact Fraction, "-3.5" into a float
+    (decimals are compared with a tolerance, integers and fractions exactly)."""
     s = normalise_text(s).replace(",", "")
     frac = re.fullmatch(r"\\d?frac\{(-?\d+)\}\{(\d+)\}", s)
     if frac:
         s = f"{frac.group(1)}/{frac.group(2)}"
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        pass
+    if re.fullmatch(r"-?\d+(/\d+)?", s):
+        try:
+            return Fraction(s)
+        except ZeroDivisionError:
+            return None
     try:
         return float(s)
     except ValueError:
@@ -119,8 +121,9 @@ def numeric_match(completion: str, answer: str | None, *, extract_: str = "last_
                   marker: str = "####", rel_tol: float = 1e-6) -> float:  # fmt: skip
     """1 if the extracted number equals the reference number."""
     got = extract(completion, extract_, marker)
-    if got is not None and extract_ != "last_number":
-        got = last_number(got) if to_number(got) is None else got
+    if got is not None and to_number(got) is None:  # "#### 42 apples": its first number
+        first = _NUMBER.search(got)
+        got = first.group() if first else None
     return 1.0 if numbers_equal(got, answer, rel_tol) else 0.0
 
 

@@ -294,11 +294,11 @@ class TaskSpec(_Strict):
     @field_validator("reward", mode="before")
     @classmethod
     def _shorthand(cls, v: Any) -> Any:
-        """'math' -> [{fn = 'math'}]; one table -> a list of one."""
-        if isinstance(v, str):
-            return [{"fn": v}]
-        if isinstance(v, dict):
-            return [v]
+        """'math' -> [{fn = 'math'}]; one table -> a list of one; ["a", "b"] -> two parts."""
+        if isinstance(v, str | dict):
+            v = [v]
+        if isinstance(v, list | tuple):
+            return [{"fn": p} if isinstance(p, str) else p for p in v]
         return v
 
     @field_validator("prompt_template")
