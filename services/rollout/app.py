@@ -12,7 +12,7 @@ from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
 from services.common.tasks.sandbox import Reward, VerifierPool
-from services.common.tasks.scoring import Scorer
+from services.common.tasks.scoring import Scorer, warmup
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
@@ -55,11 +55,10 @@ async def body(ctx: ServiceContext) -> None:
             timeout_s=s.generate_timeout_s,
             api_key=s.engine_api_key.get_secret_value() if s.engine_api_key else None,
         ) as c,
-        VerifierPool(size=2, timeout_s=s.verifier_timeout_s) as pool,
+        # warm-up: the rewards import in every sandbox child first, or exit 2 now
+        VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
     ):
-        scorer = Scorer(tasks, pool)
-        await scorer.check()  # custom rewards import in the sandbox too, or exit 2 now
-        worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(scorer))
+        worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
         worker.fetcher = WeightsFetcher(
             ctx.js, ctx.nc, s.run, s.weights_dir / s.run / s.engine_id, poll_s=s.weights_poll_s,
             keep=s.weights_keep, idle_timeout_s=s.weights_idle_timeout_s,

@@ -17,7 +17,7 @@ from proto.messages import TrainBatch
 from services.common.errors import ConfigError
 from services.common.tasks.evaluate import EvalReport, evaluate, load_model
 from services.common.tasks.sandbox import VerifierPool
-from services.common.tasks.scoring import Scorer
+from services.common.tasks.scoring import Scorer, warmup
 from services.trainer.service_settings import TrainerSettings
 
 
@@ -37,7 +37,7 @@ class HeldOut:
 
     async def __aenter__(self) -> HeldOut:
         if self.enabled:
-            self.pool = VerifierPool(size=2)
+            self.pool = VerifierPool(size=2, warmup=warmup(self.tasks))
             await self.pool.start()
         return self
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from services.common.tasks.prompts import encode, format_row
 from services.common.tasks.sandbox import VerifierPool
-from services.common.tasks.scoring import Scorer, correct
+from services.common.tasks.scoring import Scorer, correct, warmup
 from services.common.tasks.taskset import LoadedTask, TaskSet
 
 
@@ -178,7 +178,7 @@ def evaluate_dir(model_dir: str | Path, tasks: TaskSet, loaded: dict[str, Loaded
     loaded = loaded if loaded is not None else tasks.load(eval_size=size)
 
     async def run() -> EvalReport:
-        async with VerifierPool(size=2, timeout_s=timeout_s) as pool:
+        async with VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks)) as pool:
             return await evaluate(model, tokenizer, loaded, Scorer(tasks, pool), size=size)
 
     return asyncio.run(run())

@@ -242,15 +242,24 @@ def score(parts: list[dict[str, Any]], completion: str, answer: str | None,
     return {"reward": total, "parts": values}
 
 
-def check_imports(parts: list[dict[str, Any]]) -> float:
-    """Run in a sandbox child at start-up: every custom part imports there too."""
+def warm(parts: list[dict[str, Any]], ctx: dict[str, Any]) -> float:
+    """Run in every new sandbox child before it serves: import what the parts need
+    (custom functions, math-verify) and build a reasoning-gym dataset, so a
+    completion's time limit is spent scoring it, not importing."""
     from services.common.tasks.sandbox import resolve
 
     for part in parts:
-        if ":" in str(part["fn"]):
-            resolve(part["fn"])
+        fn = str(part["fn"])
+        if ":" in fn:
+            resolve(fn)
+        elif fn == "math":
+            math_answer("1", "1", fallback=part["fallback"])
+        elif fn == "reasoning_gym" and "source" in ctx:
+            src = ctx["source"]
+            reasoning_gym_score("", dataset=src["dataset"], config=src["config"],
+                                seed=src["seed"], size=src["size"], row=0)  # fmt: skip
     return 1.0
 
 
 SCORE = "services.common.tasks.rewards:score"
-CHECK = "services.common.tasks.rewards:check_imports"
+WARM = "services.common.tasks.rewards:warm"

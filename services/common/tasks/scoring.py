@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.errors import ConfigError, PermanentError
+from services.common.errors import PermanentError
 from services.common.tasks import rewards
 from services.common.tasks.sandbox import Reward, VerifierPool
 from services.common.tasks.spec import ReasoningGymSource, TaskSpec
@@ -60,12 +60,17 @@ class Scorer:
             ctx["source"] = source.model_dump(mode="json")
         return await self.pool.call(rewards.SCORE, self._parts[name], completion, answer, ctx)
 
-    async def check(self) -> None:
-        """At start-up: every task's custom reward functions import in a sandbox child."""
-        for name, parts in self._parts.items():
-            r = await self.pool.call(rewards.CHECK, parts)
-            if r.error is not None:
-                raise ConfigError(f"{self.tasks.keys[name]} reward: {r.error}")
+
+
+def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
+    """The pool's warm-up calls for these tasks (both sources of each: training and eval)."""
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    for spec in tasks.specs.values():
+        for source in {id(s): s for s in (spec.source, spec.eval.source) if s}.values():
+            ctx = ({"source": source.model_dump(mode="json")}
+                   if isinstance(source, ReasoningGymSource) else {})  # fmt: skip
+            calls.append((rewards.WARM, (reward_payload(spec), ctx)))
+    return calls
 
 
 def correct(spec: TaskSpec, r: Reward) -> bool:
