@@ -140,6 +140,7 @@ class RolloutWorker:
         self.subjects = Subjects(s.run)
         self.metrics = RolloutMetrics(ctx.registry)
         self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
+        self.warned_errors: set[str] = set()  # verifier errors already logged once
 
     # tokenization
     def prompt_ids(self, task: PromptTask) -> list[int]:
@@ -192,7 +193,12 @@ class RolloutWorker:
         r = await self.scorer.score(task, text, response_tokens)
         if r.error is not None:
             self.metrics.verifier_errors.inc()
-            log.warning("rollout: task %s: verifier failed: %s", task.task_id, r.error)
+            # One warning per distinct error; repeats are counted, not logged (a broken
+            # reward fails every sample: the buffer stops the run on that, not the console).
+            level = logging.DEBUG if r.error in self.warned_errors else logging.WARNING
+            self.warned_errors.add(r.error)
+            log.log(level, "rollout: task %s: verifier failed: %s (repeats: counted in "
+                    "flywheel_rollout_verifier_errors_total)", task.task_id, r.error)  # fmt: skip
         return r
 
     async def on_task(self, task: PromptTask, d: Delivery) -> None:

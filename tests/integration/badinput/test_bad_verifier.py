@@ -60,6 +60,7 @@ def test_hanging_and_raising_verifiers_score_zero_and_are_counted() -> None:
             for reward in (f"{MODULE}:hangs", f"{MODULE}:raises", "exact_match"):
                 worker = RolloutWorker.__new__(RolloutWorker)  # only the scoring step
                 worker.metrics = metrics
+                worker.warned_errors = set()
                 worker.scorer = TaskScorer(Scorer(tasks(reward), pool))
                 t0 = time.monotonic()
                 results.append(await worker.score(task, "3", 1))
