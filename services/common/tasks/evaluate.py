@@ -171,14 +171,39 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
-def evaluate_dir(model_dir: str | Path, tasks: TaskSet, loaded: dict[str, LoadedTask] | None = None,
-                 *, size: int | None = None, timeout_s: float = 5.0) -> EvalReport:  # fmt: skip
-    """`evaluate` a model directory with a verifier pool of its own (CLI, demo, bench)."""
+class Evaluator:
+    """`evaluate` from synchronous code (the CLI, the demo, a TRL callback): an event
+    loop and a verifier pool of its own, kept across evaluations.
+
+        with Evaluator(tasks) as ev:
+            report = ev(model, tokenizer)
+    """
+
+    def __init__(self, tasks: TaskSet, loaded: dict[str, LoadedTask] | None = None, *,
+                 size: int | None = None, timeout_s: float = 5.0) -> None:  # fmt: skip
+        self.tasks, self.size = tasks, size
+        self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
+        self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
+        self.loop = asyncio.new_event_loop()
+
+    def __enter__(self) -> Evaluator:
+        self.loop.run_until_complete(self.pool.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.run_until_complete(self.pool.close())
+        self.loop.close()
+
+    def __call__(self, model: Any, tokenizer: Any) -> EvalReport:
+        scorer = Scorer(self.tasks, self.pool)
+        return self.loop.run_until_complete(
+            evaluate(model, tokenizer, self.loaded, scorer, size=self.size)
+        )
+
+
+def evaluate_dir(model_dir: str | Path, tasks: TaskSet, *, size: int | None = None,
+                 timeout_s: float = 5.0) -> EvalReport:  # fmt: skip
+    """`evaluate` a model directory once (`flywheel eval`, the demo)."""
     model, tokenizer = load_model(model_dir)
-    loaded = loaded if loaded is not None else tasks.load(eval_size=size)
-
-    async def run() -> EvalReport:
-        async with VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks)) as pool:
-            return await evaluate(model, tokenizer, loaded, Scorer(tasks, pool), size=size)
-
-    return asyncio.run(run())
+    with Evaluator(tasks, size=size, timeout_s=timeout_s) as ev:
+        return ev(model, tokenizer)
