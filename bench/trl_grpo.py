@@ -85,8 +85,9 @@ def make_reward(tasks: Any) -> Any:
     def reward(completions: list[str], answer: list[str], task: list[str], row: list[int],
                completion_ids: list[list[int]] | None = None, **_: Any) -> list[float]:  # fmt: skip
         n = [len(c) for c in completion_ids] if completion_ids else [0] * len(completions)
+        rows = zip(completions, answer, task, row, n, strict=True)
         return [score(parts[t], c, a, {"row": r, "response_tokens": k})["reward"]
-                for c, a, t, r, k in zip(completions, answer, task, row, n, strict=True)]  # fmt: skip
+                for c, a, t, r, k in rows]  # fmt: skip
 
     return reward
 

@@ -40,8 +40,11 @@ def record(run_dir: Path, nats_url: str, model: Path | None) -> Path:
     """Written by `flywheel up` once its NATS is up (removed when it stops)."""
     path = run_dir / RECORD
     tmp = path.with_name(f".{RECORD}.tmp")
-    tmp.write_text(json.dumps({"nats_url": nats_url, "pid": os.getpid(),
-                               "model": str(model) if model else None}))  # fmt: skip
+    tmp.write_text(
+        json.dumps(
+            {"nats_url": nats_url, "pid": os.getpid(), "model": str(model) if model else None}
+        )
+    )
     tmp.replace(path)
     return path
 
@@ -95,7 +98,11 @@ def attach(config: str | Path, section: str) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"nats": {**doc.get("nats", {}), "url": run.nats_url}}
     section_table = doc.get(section, {}) if isinstance(doc.get(section), dict) else {}
-    if (section == "rollout" and "model" not in section_table and run.model
-            and not os.environ.get("FLYWHEEL_ROLLOUT_MODEL")):  # fmt: skip
+    if (
+        section == "rollout"
+        and "model" not in section_table
+        and run.model
+        and not os.environ.get("FLYWHEEL_ROLLOUT_MODEL")
+    ):
         out["model"] = run.model  # the tokenizer of the run's model, as `up` gives its workers
     return out

@@ -214,7 +214,7 @@ class Supervisor:
                 await asyncio.wait_for(stop.wait(), 0.5)
 
     def _cause(self, p: Proc) -> str:
-        """The service's last words: its `flywheel <service>: …` lines (the error it exited with)."""
+        """The service's last words: its `flywheel <service>: …` lines (its exit error)."""
         lines = list(p.tail)
         start = next((i for i in range(len(lines) - 1, -1, -1)
                       if lines[i].startswith("flywheel ")), None)  # fmt: skip

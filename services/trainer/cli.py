@@ -64,8 +64,12 @@ def init_model_main(argv: list[str]) -> int:
     ap.add_argument("-c", "--config", type=Path, help="Run file whose [task] the model is for.")
     ap.add_argument("--out", type=Path, help="Output directory (default: [stack] model).")
     ap.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (with -c).")
-    ap.add_argument("--sft-steps", type=int, default=300,
-                    help="Warm-start steps on the task's training rows (with -c; 0: none).")  # fmt: skip
+    ap.add_argument(
+        "--sft-steps",
+        type=int,
+        default=300,
+        help="Warm-start steps on the task's training rows (with -c; 0: none).",
+    )
     ap.add_argument("--hidden", type=int, default=d.hidden_size)
     ap.add_argument("--layers", type=int, default=d.num_layers)
     ap.add_argument("--heads", type=int, default=d.num_heads)

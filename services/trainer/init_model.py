@@ -51,9 +51,15 @@ def write_sft_file(loaded: dict[str, LoadedTask], path: Path, limit: int) -> int
 
 
 def init_for_task(
-    config: Path, out: Path | None, *, vocab_size: int, sft_steps: int, spec: Any, force: bool,
+    config: Path,
+    out: Path | None,
+    *,
+    vocab_size: int,
+    sft_steps: int,
+    spec: Any,
+    force: bool,
     log: Any = print,
-) -> Path:  # fmt: skip
+) -> Path:
     """Build the task's tiny model at `out` (default: the run file's [stack] model)."""
     from services.common.errors import ConfigError
     from services.common.settings import ServiceSettings, load_settings, read_run_file
@@ -64,9 +70,10 @@ def init_for_task(
     s = load_settings(ServiceSettings, config)
     stack = read_run_file(config).get("stack", {})
     model = stack.get("model") if isinstance(stack, dict) else None
-    if out is None and not model:
-        raise ConfigError(f"{config} has no [stack] model: give --out DIR")
-    out = out or Path(model)
+    if out is None:
+        if not model:
+            raise ConfigError(f"{config} has no [stack] model: give --out DIR")
+        out = Path(model)
     if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{out} is not empty (use --force to replace it)")
     loaded = s.task_set().load()
@@ -82,12 +89,21 @@ def init_for_task(
     data = work / "sft.jsonl"
     n = write_sft_file(loaded, data, limit=sft_steps * 32)
     log(f"flywheel init-model: {sft_steps} SFT steps on {n} training rows (warm start)")
-    run_sft(SftSettings(
-        model_dir=work, train_file=data, output_dir=out, overwrite=True, steps=sft_steps,
-        batch_size=32, max_seq_len=spec.max_position_embeddings, log_every=100,
-        progress=False, optim=OptimConfig(lr=2e-3, warmup_steps=20, schedule="cosine",
-                                          min_lr_ratio=0.1),
-        model=ModelConfig(cpu_threads=1),
-    ), log=lambda m: log(f"flywheel init-model: sft {m}"))  # fmt: skip
+    run_sft(
+        SftSettings(
+            model_dir=work,
+            train_file=data,
+            output_dir=out,
+            overwrite=True,
+            steps=sft_steps,
+            batch_size=32,
+            max_seq_len=spec.max_position_embeddings,
+            log_every=100,
+            progress=False,
+            optim=OptimConfig(lr=2e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.1),
+            model=ModelConfig(cpu_threads=1),
+        ),
+        log=lambda m: log(f"flywheel init-model: sft {m}"),
+    )
     shutil.rmtree(work)
     return out

@@ -24,8 +24,12 @@ import pytest
 from services.common.tiny_model import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def run_toml(tmp: Path, model: Path, reward: str, run: str) -> Path:
@@ -66,14 +70,25 @@ tick_s = 0.1
 
 
 def flywheel(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> Any:
-    return subprocess.run([sys.executable, "-m", "services", *args], cwd=REPO, env=env or ENV,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "services", *args],
+        cwd=REPO,
+        env=env or ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services", *args], cwd=REPO, env=env or ENV,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "services", *args],
+        cwd=REPO,
+        env=env or ENV,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def wait_line(log: Path, pattern: str, timeout_s: float, proc: subprocess.Popen) -> float:
@@ -130,10 +145,14 @@ def test_status_and_an_added_worker_find_the_running_run(tmp_path: Path) -> None
         assert s["run"] == "attach" and "engine-0" in s["engines"]
         # The README's recipe, as written: an engine, and a worker told only its engine.
         port = free_port()
-        extra.append(start(["engine", "--model", str(model), "--port", str(port)],
-                           tmp_path / "engine.log"))  # fmt: skip
-        env = {**ENV, "FLYWHEEL_ROLLOUT_ENGINE_URL": f"http://127.0.0.1:{port}",
-               "FLYWHEEL_ROLLOUT_ENGINE_ID": "engine-extra"}  # fmt: skip
+        extra.append(
+            start(["engine", "--model", str(model), "--port", str(port)], tmp_path / "engine.log")
+        )
+        env = {
+            **ENV,
+            "FLYWHEEL_ROLLOUT_ENGINE_URL": f"http://127.0.0.1:{port}",
+            "FLYWHEEL_ROLLOUT_ENGINE_ID": "engine-extra",
+        }
         extra.append(start(["rollout", "-c", str(config)], tmp_path / "worker.log", env))
         deadline = time.monotonic() + 120
         while True:  # sync brought the new engine to the run's weights; its worker works

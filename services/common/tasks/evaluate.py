@@ -67,8 +67,10 @@ class EvalReport:
 
     def metrics(self) -> dict[str, float]:
         """The metrics.jsonl fields: eval_accuracy (pass@1), eval_pass_at_k, per task."""
-        out: dict[str, float] = {"eval_accuracy": self.pass_at_1,
-                                 "eval_mean_reward": self._mean("mean_reward") or 0.0}  # fmt: skip
+        out: dict[str, float] = {
+            "eval_accuracy": self.pass_at_1,
+            "eval_mean_reward": self._mean("mean_reward") or 0.0,
+        }
         if self.pass_at_k is not None:
             out["eval_pass_at_k"] = self.pass_at_k
         if len(self.tasks) > 1:
@@ -79,9 +81,17 @@ class EvalReport:
         return out
 
 
-def generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_tokens: int,
-             k: int = 1, temperature: float = 1.0, batch_size: int = 64,
-             seed: int = 0) -> list[list[tuple[str, int]]]:  # fmt: skip
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    k: int = 1,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> list[list[tuple[str, int]]]:
     """k completions per prompt as (text, generated tokens up to and with EOS); k = 1: greedy."""
     import torch
 
@@ -97,15 +107,20 @@ def generate(model: Any, tokenizer: Any, prompts: list[list[int]], *, max_new_to
             chunk = prompts[i : i + batch_size]
             width = max(len(p) for p in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk],
-                                device=device)  # fmt: skip
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device
+            )
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
             with torch.no_grad():
                 gen = model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                    pad_token_id=pad, eos_token_id=eos, num_return_sequences=k,
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad,
+                    eos_token_id=eos,
+                    num_return_sequences=k,
                     **(sampling if k > 1 else {"do_sample": False}),
-                )  # fmt: skip
+                )
             new = gen[:, width:].tolist()  # [B·k, new]
             for j in range(len(chunk)):
                 out.append([_cut(tokenizer, new[j * k + s], eos) for s in range(k)])
@@ -119,8 +134,15 @@ def _cut(tokenizer: Any, ids: list[int], eos: int | None) -> tuple[str, int]:
     return tokenizer.decode(ids[:n], skip_special_tokens=True), n
 
 
-async def evaluate_task(model: Any, tokenizer: Any, task: LoadedTask, scorer: Scorer, *,
-                        size: int | None = None, seed: int = 0) -> TaskEval:  # fmt: skip
+async def evaluate_task(
+    model: Any,
+    tokenizer: Any,
+    task: LoadedTask,
+    scorer: Scorer,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+) -> TaskEval:
     """Greedy pass@1 (and pass@k when eval.k > 1) of one task's held-out rows."""
     spec, e = task.spec, task.spec.eval
     rows = task.held_out[: size or e.size]
@@ -128,40 +150,67 @@ async def evaluate_task(model: Any, tokenizer: Any, task: LoadedTask, scorer: Sc
     ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
 
     async def score_all(completions: list[list[tuple[str, int]]]) -> list[list[Any]]:
-        return await asyncio.gather(*(
-            asyncio.gather(*(scorer.score(task.name, idx, text, row.answer, n, held_out=True)
-                             for text, n in comps))
-            for (idx, row), comps in zip(rows, completions, strict=True)
-        ))  # fmt: skip
+        return await asyncio.gather(
+            *(
+                asyncio.gather(
+                    *(
+                        scorer.score(task.name, idx, text, row.answer, n, held_out=True)
+                        for text, n in comps
+                    )
+                )
+                for (idx, row), comps in zip(rows, completions, strict=True)
+            )
+        )
 
-    greedy = await asyncio.to_thread(generate, model, tokenizer, ids,
-                                     max_new_tokens=e.max_new_tokens, seed=seed)  # fmt: skip
+    greedy = await asyncio.to_thread(
+        generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
+    )
     scored = [rs[0] for rs in await score_all(greedy)]
     n = max(len(rows), 1)
     result = TaskEval(
         total=len(rows),
         pass_at_1=sum(correct(spec, r) for r in scored) / n,
         mean_reward=sum(r.reward for r in scored) / n,
-        examples=tuple((p or str(m), g[0][0], r.answer)
-                       for (p, m), g, (_, r) in list(zip(formatted, greedy, rows))[:5]),  # fmt: skip
+        examples=tuple(
+            (p or str(m), g[0][0], r.answer)
+            for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
+        ),
     )
     if e.k == 1:
         return result
-    sampled = await asyncio.to_thread(generate, model, tokenizer, ids, k=e.k,
-                                      temperature=e.temperature, seed=seed,
-                                      max_new_tokens=e.max_new_tokens)  # fmt: skip
+    sampled = await asyncio.to_thread(
+        generate,
+        model,
+        tokenizer,
+        ids,
+        k=e.k,
+        temperature=e.temperature,
+        seed=seed,
+        max_new_tokens=e.max_new_tokens,
+    )
     solved = [any(correct(spec, r) for r in rs) for rs in await score_all(sampled)]
-    return TaskEval(result.total, result.pass_at_1, result.mean_reward, e.k,
-                    sum(solved) / n, result.examples)  # fmt: skip
+    return TaskEval(
+        result.total, result.pass_at_1, result.mean_reward, e.k, sum(solved) / n, result.examples
+    )
 
 
-async def evaluate(model: Any, tokenizer: Any, loaded: dict[str, LoadedTask], scorer: Scorer,
-                   *, size: int | None = None, seed: int = 0) -> EvalReport:  # fmt: skip
+async def evaluate(
+    model: Any,
+    tokenizer: Any,
+    loaded: dict[str, LoadedTask],
+    scorer: Scorer,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+) -> EvalReport:
     """Every task with a held-out split, evaluated (tasks without one are left out)."""
-    return EvalReport({
-        name: await evaluate_task(model, tokenizer, t, scorer, size=size, seed=seed)
-        for name, t in loaded.items() if t.held_out
-    })  # fmt: skip
+    return EvalReport(
+        {
+            name: await evaluate_task(model, tokenizer, t, scorer, size=size, seed=seed)
+            for name, t in loaded.items()
+            if t.held_out
+        }
+    )
 
 
 def load_model(model_dir: str | Path) -> tuple[Any, Any]:
@@ -179,8 +228,14 @@ class Evaluator:
             report = ev(model, tokenizer)
     """
 
-    def __init__(self, tasks: TaskSet, loaded: dict[str, LoadedTask] | None = None, *,
-                 size: int | None = None, timeout_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tasks: TaskSet,
+        loaded: dict[str, LoadedTask] | None = None,
+        *,
+        size: int | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.tasks, self.size = tasks, size
         self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
         self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
@@ -201,8 +256,9 @@ class Evaluator:
         )
 
 
-def evaluate_dir(model_dir: str | Path, tasks: TaskSet, *, size: int | None = None,
-                 timeout_s: float = 5.0) -> EvalReport:  # fmt: skip
+def evaluate_dir(
+    model_dir: str | Path, tasks: TaskSet, *, size: int | None = None, timeout_s: float = 5.0
+) -> EvalReport:
     """`evaluate` a model directory once (`flywheel eval`, the demo)."""
     model, tokenizer = load_model(model_dir)
     with Evaluator(tasks, size=size, timeout_s=timeout_s) as ev:

@@ -25,13 +25,16 @@ def format_row(spec: TaskSpec, row: Row) -> tuple[str | None, Messages | None]:
         return None, msgs
     text = spec.prompt_template.format(prompt=row.prompt or "")
     if spec.system_prompt:
-        return None, ({"role": "system", "content": spec.system_prompt},
-                      {"role": "user", "content": text})  # fmt: skip
+        return None, (
+            {"role": "system", "content": spec.system_prompt},
+            {"role": "user", "content": text},
+        )
     return text, None
 
 
-def encode(tokenizer: Any, prompt: str | None, messages: Messages | None,
-           chat_template: bool = True) -> list[int]:  # fmt: skip
+def encode(
+    tokenizer: Any, prompt: str | None, messages: Messages | None, chat_template: bool = True
+) -> list[int]:
     """Token ids of a prompt: chat messages through the template, plain text as it is
     unless `chat_template` asks to wrap it as one user turn (and the tokenizer has one)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))

@@ -100,9 +100,15 @@ def numbers_equal(a: str | None, b: str | None, rel_tol: float = 1e-6) -> bool:
 
 
 # ── the rewards ──────────────────────────────────────────────────────────────
-def exact_match(completion: str, answer: str | None, *, extract_: str = "first_line",
-                marker: str = "####", normalize: bool = True,
-                case_sensitive: bool = True) -> float:  # fmt: skip
+def exact_match(
+    completion: str,
+    answer: str | None,
+    *,
+    extract_: str = "first_line",
+    marker: str = "####",
+    normalize: bool = True,
+    case_sensitive: bool = True,
+) -> float:
     """1 if the extracted answer equals the reference."""
     got = extract(completion, extract_, marker)
     if got is None or answer is None:
@@ -117,8 +123,14 @@ def exact_match(completion: str, answer: str | None, *, extract_: str = "first_l
     return 1.0 if got == ref else 0.0
 
 
-def numeric_match(completion: str, answer: str | None, *, extract_: str = "last_number",
-                  marker: str = "####", rel_tol: float = 1e-6) -> float:  # fmt: skip
+def numeric_match(
+    completion: str,
+    answer: str | None,
+    *,
+    extract_: str = "last_number",
+    marker: str = "####",
+    rel_tol: float = 1e-6,
+) -> float:
     """1 if the extracted number equals the reference number."""
     got = extract(completion, extract_, marker)
     if got is not None and to_number(got) is None:  # "#### 42 apples": its first number
@@ -187,8 +199,9 @@ def soft_overlong(response_tokens: int, *, max_tokens: int, buffer_tokens: int) 
     return (start - response_tokens) / buffer_tokens
 
 
-def reasoning_gym_score(completion: str, *, dataset: str, config: dict[str, Any], seed: int,
-                        size: int, row: int) -> float:  # fmt: skip
+def reasoning_gym_score(
+    completion: str, *, dataset: str, config: dict[str, Any], seed: int, size: int, row: int
+) -> float:
     """The generator's own score_answer on row `row` of the (cached) dataset."""
     from services.common.tasks.sources import reasoning_gym_dataset
 
@@ -197,39 +210,59 @@ def reasoning_gym_score(completion: str, *, dataset: str, config: dict[str, Any]
 
 
 # ── the weighted sum (what the sandbox runs) ─────────────────────────────────
-def part_value(part: dict[str, Any], completion: str, answer: str | None,
-               ctx: dict[str, Any]) -> tuple[float, dict[str, float]]:  # fmt: skip
+def part_value(
+    part: dict[str, Any], completion: str, answer: str | None, ctx: dict[str, Any]
+) -> tuple[float, dict[str, float]]:
     """One part's value (and sub-parts a custom function returned)."""
     fn = part["fn"]
     if fn == "exact_match":
-        return exact_match(completion, answer, extract_=part["extract"], marker=part["marker"],
-                           normalize=part["normalize"],
-                           case_sensitive=part["case_sensitive"]), {}  # fmt: skip
+        return exact_match(
+            completion,
+            answer,
+            extract_=part["extract"],
+            marker=part["marker"],
+            normalize=part["normalize"],
+            case_sensitive=part["case_sensitive"],
+        ), {}
     if fn == "numeric":
-        return numeric_match(completion, answer, extract_=part["extract"], marker=part["marker"],
-                             rel_tol=part["rel_tol"]), {}  # fmt: skip
+        return numeric_match(
+            completion,
+            answer,
+            extract_=part["extract"],
+            marker=part["marker"],
+            rel_tol=part["rel_tol"],
+        ), {}
     if fn == "math":
         return math_answer(completion, answer, fallback=part["fallback"]), {}
     if fn == "gsm8k":
         return gsm8k_answer(completion, answer, strict=part["strict"]), {}
     if fn == "format":
-        return format_reward(completion, pattern=part["pattern"],
-                             full_match=part["full_match"]), {}  # fmt: skip
+        return format_reward(completion, pattern=part["pattern"], full_match=part["full_match"]), {}
     if fn == "soft_overlong":
-        return soft_overlong(int(ctx["response_tokens"]), max_tokens=part["max_tokens"],
-                             buffer_tokens=part["buffer_tokens"]), {}  # fmt: skip
+        return soft_overlong(
+            int(ctx["response_tokens"]),
+            max_tokens=part["max_tokens"],
+            buffer_tokens=part["buffer_tokens"],
+        ), {}
     if fn == "reasoning_gym":
         src = ctx["source"]
-        return reasoning_gym_score(completion, dataset=src["dataset"], config=src["config"],
-                                   seed=src["seed"], size=src["size"], row=int(ctx["row"])), {}  # fmt: skip
+        return reasoning_gym_score(
+            completion,
+            dataset=src["dataset"],
+            config=src["config"],
+            seed=src["seed"],
+            size=src["size"],
+            row=int(ctx["row"]),
+        ), {}
     from services.common.tasks.sandbox import resolve, to_reward
 
     r = to_reward(resolve(fn)(completion, answer, **part.get("kwargs", {})))
     return r.reward, r.parts
 
 
-def score(parts: list[dict[str, Any]], completion: str, answer: str | None,
-          ctx: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def score(
+    parts: list[dict[str, Any]], completion: str, answer: str | None, ctx: dict[str, Any]
+) -> dict[str, Any]:
     """Σ weight·value over `parts`; every part's value in "parts" (sub-parts as name.sub)."""
     total = 0.0
     values: dict[str, float] = {}
@@ -256,8 +289,14 @@ def warm(parts: list[dict[str, Any]], ctx: dict[str, Any]) -> float:
             math_answer("1", "1", fallback=part["fallback"])
         elif fn == "reasoning_gym" and "source" in ctx:
             src = ctx["source"]
-            reasoning_gym_score("", dataset=src["dataset"], config=src["config"],
-                                seed=src["seed"], size=src["size"], row=0)  # fmt: skip
+            reasoning_gym_score(
+                "",
+                dataset=src["dataset"],
+                config=src["config"],
+                seed=src["seed"],
+                size=src["size"],
+                row=0,
+            )
     return 1.0
 
 

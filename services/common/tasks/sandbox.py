@@ -116,9 +116,12 @@ class _Child:
     @classmethod
     async def start(cls) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.common.tasks.sandbox",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "services.common.tasks.sandbox",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         return cls(proc)
 
     async def roundtrip(self, path: str, args: tuple[Any, ...]) -> Any:
@@ -153,9 +156,11 @@ class VerifierPool:
     WARMUP_TIMEOUT_S = 120.0
 
     def __init__(
-        self, size: int = 2, timeout_s: float = 5.0,
+        self,
+        size: int = 2,
+        timeout_s: float = 5.0,
         warmup: Sequence[tuple[str, tuple[Any, ...]]] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         if size < 1 or timeout_s <= 0:
             raise ConfigError("verifier pool needs size >= 1 and timeout_s > 0")
         self.size = size

@@ -50,8 +50,16 @@ class Scorer:
     def chat_template(self, name: str) -> bool:
         return self.spec(name).chat_template
 
-    async def score(self, name: str, row: int, completion: str, answer: str | None,
-                    response_tokens: int, *, held_out: bool = False) -> Reward:  # fmt: skip
+    async def score(
+        self,
+        name: str,
+        row: int,
+        completion: str,
+        answer: str | None,
+        response_tokens: int,
+        *,
+        held_out: bool = False,
+    ) -> Reward:
         """Score one completion of row `row` (of the eval source if `held_out`)."""
         spec = self.spec(name)
         source = spec.eval.source if held_out and spec.eval.source is not None else spec.source
@@ -61,14 +69,16 @@ class Scorer:
         return await self.pool.call(rewards.SCORE, self._parts[name], completion, answer, ctx)
 
 
-
 def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
     """The pool's warm-up calls for these tasks (both sources of each: training and eval)."""
     calls: list[tuple[str, tuple[Any, ...]]] = []
     for spec in tasks.specs.values():
         for source in {id(s): s for s in (spec.source, spec.eval.source) if s}.values():
-            ctx = ({"source": source.model_dump(mode="json")}
-                   if isinstance(source, ReasoningGymSource) else {})  # fmt: skip
+            ctx = (
+                {"source": source.model_dump(mode="json")}
+                if isinstance(source, ReasoningGymSource)
+                else {}
+            )
             calls.append((rewards.WARM, (reward_payload(spec), ctx)))
     return calls
 

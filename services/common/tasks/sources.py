@@ -115,8 +115,9 @@ def to_row(rec: Any, f: Any) -> Row | str:
     if isinstance(msgs, list) and msgs:
         if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
             return f"'{f.messages_field}' must be a list of {{role, content}}"
-        messages = tuple({"role": str(m.get("role", "user")), "content": m["content"]}
-                         for m in msgs)  # fmt: skip
+        messages = tuple(
+            {"role": str(m.get("role", "user")), "content": m["content"]} for m in msgs
+        )
         return Row(messages=messages, answer=answer, solution=solution)
     prompt = rec.get(f.prompt_field)
     if not isinstance(prompt, str) or not prompt:
@@ -174,17 +175,19 @@ def load_rows(spec: SourceSpec, key: str = "[task] source") -> Rows:
     if isinstance(spec, HfSource):
         return MappedRows(_hf_dataset(spec, key), spec, str(spec.path))
     if isinstance(spec, ReasoningGymSource):
-        data = reasoning_gym_dataset(spec.dataset, json.dumps(spec.config, sort_keys=True),
-                                     spec.seed, spec.size)  # fmt: skip
+        data = reasoning_gym_dataset(
+            spec.dataset, json.dumps(spec.config, sort_keys=True), spec.seed, spec.size
+        )
         return MappedRows(data, _RG_FIELDS, f"reasoning_gym:{spec.dataset}")
     assert isinstance(spec, FunctionSource)
     fn = import_function(spec.fn, f"{key}.fn")
     try:
         records = list(fn(**spec.kwargs))
-    except Exception as e:  # noqa: BLE001 (the user's function: report what it raised, by key)
+    except Exception as e:
         raise ConfigError(f"{key}.fn: {spec.fn} raised {type(e).__name__}: {e}") from e
-    return rows_from_records(((f"{spec.fn}[{i}]", r) for i, r in enumerate(records)),
-                             spec, key, spec.fn)  # fmt: skip
+    return rows_from_records(
+        ((f"{spec.fn}[{i}]", r) for i, r in enumerate(records)), spec, key, spec.fn
+    )
 
 
 @dataclass(frozen=True)
@@ -214,8 +217,13 @@ def _hf_dataset(spec: HfSource, key: str) -> Any:
     p = spec.path
     if not p.exists():
         raise ConfigError(f"{key}.path: not found: {p}")
-    formats = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json",
-               ".csv": "csv"}  # fmt: skip
+    formats = {
+        ".parquet": "parquet",
+        ".arrow": "arrow",
+        ".json": "json",
+        ".jsonl": "json",
+        ".csv": "csv",
+    }
     try:
         if p.is_dir():
             data = ds.load_from_disk(str(p))
@@ -265,8 +273,10 @@ def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
             import_function(part.fn, f"{key} reward[{i}].fn")
         elif isinstance(part, MathAnswer) and not part.fallback:
             if importlib.util.find_spec("math_verify") is None:
-                raise ConfigError(f"{key} reward[{i}]: needs math-verify: pip install "
-                                  "'flywheel[math]' (or set fallback = true)")  # fmt: skip
+                raise ConfigError(
+                    f"{key} reward[{i}]: needs math-verify: pip install "
+                    "'flywheel[math]' (or set fallback = true)"
+                )
     sources = [(f"{key} source", spec.source)]
     if spec.eval.source is not None:
         sources.append((f"{key} eval.source", spec.eval.source))

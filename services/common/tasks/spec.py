@@ -20,8 +20,15 @@ import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
-from pydantic import model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 _FN_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
@@ -58,7 +65,10 @@ class JsonlSource(_Fields):
 
 
 class HfSource(_Fields):
-    """A local Hugging Face `datasets` directory or Parquet/Arrow/JSON/CSV file (extra: datasets)."""
+    """A local Hugging Face `datasets` directory or a Parquet/Arrow/JSON/CSV file.
+
+    Needs the `datasets` package (extra: datasets).
+    """
 
     type: Literal["hf"]
     path: Path = Field(
@@ -206,8 +216,15 @@ class CustomReward(_Part):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
 
 
-BUILTIN_REWARDS = ("exact_match", "numeric", "math", "gsm8k", "format", "soft_overlong",
-                   "reasoning_gym")  # fmt: skip
+BUILTIN_REWARDS = (
+    "exact_match",
+    "numeric",
+    "math",
+    "gsm8k",
+    "format",
+    "soft_overlong",
+    "reasoning_gym",
+)
 
 
 def _reward_tag(v: Any) -> str:
@@ -241,10 +258,12 @@ class EvalSpec(_Strict):
         None, description="A separate held-out source (e.g. a test JSONL), same fields as source."
     )
     holdout: float = Field(
-        0.0, ge=0.0, le=0.9,
+        0.0,
+        ge=0.0,
+        le=0.9,
         description="Instead: this fraction of the training source, chosen by a seeded hash, "
         "is held back from training and evaluated on.",
-    )  # fmt: skip
+    )
     seed: int = Field(0, description="Seed of the holdout choice.")
     size: int = Field(200, ge=1, description="Evaluate at most this many held-out rows.")
     k: int = Field(1, ge=1, le=64, description="pass@k: samples per prompt (1: greedy only).")
@@ -289,7 +308,7 @@ class TaskSpec(_Strict):
     weight: float | None = Field(
         None, gt=0, description="Mixtures: share of this task's prompts (default: its size)."
     )
-    eval: EvalSpec = Field(default_factory=EvalSpec)  # type: ignore[arg-type]
+    eval: EvalSpec = Field(default_factory=EvalSpec)
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -319,8 +338,8 @@ class TaskSpec(_Strict):
             defaults = {"arithmetic": "exact_match", "reasoning_gym": "reasoning_gym"}
             if kind not in defaults:
                 raise ValueError(
-                    f"reward: required for source type {kind!r} (e.g. reward = \"math\", "
-                    "\"exact_match\", \"gsm8k\" or \"pkg.module:function\")"
+                    f'reward: required for source type {kind!r} (e.g. reward = "math", '
+                    '"exact_match", "gsm8k" or "pkg.module:function")'
                 )
             object.__setattr__(self, "reward", (_default_part(defaults[kind]),))
         for i, part in enumerate(self.reward):

@@ -64,8 +64,10 @@ def load_task(name: str, spec: TaskSpec, key: str, eval_size: int | None = None)
         train = np.flatnonzero(~mask).tolist()
         held = [(int(i), rows.row(int(i))) for i in np.flatnonzero(mask)[:size]]
         if not train or not held:
-            raise ConfigError(f"{key} eval.holdout: {e.holdout} of {len(rows)} rows leaves "
-                              f"{len(train)} to train and {len(held)} to evaluate")  # fmt: skip
+            raise ConfigError(
+                f"{key} eval.holdout: {e.holdout} of {len(rows)} rows leaves "
+                f"{len(train)} to train and {len(held)} to evaluate"
+            )
     return LoadedTask(name, spec, rows, train, held, e.source or spec.source)
 
 

@@ -42,8 +42,13 @@ class _Ctx:
 
 
 def test_worker_scores_a_jsonl_task_through_the_pool(tmp_path: Path) -> None:
-    rows = [{"question": f"Ana has {i} apples and buys 2 more. How many?",
-             "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(6)]  # fmt: skip
+    rows = [
+        {
+            "question": f"Ana has {i} apples and buys 2 more. How many?",
+            "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}",
+        }
+        for i in range(6)
+    ]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     texts = [r["question"] for r in rows] + [r["answer"] for r in rows]
@@ -51,25 +56,44 @@ def test_worker_scores_a_jsonl_task_through_the_pool(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "model", tokenizer=tok)
     config = tmp_path / "run.toml"
     config.write_text(
-        run_file(RUN, buffer={"samples_per_prompt": 3, "max_new_tokens": 8},
-                 rollout={"concurrency": 4, "heartbeat_s": 0.3}, engine={"num_threads": 1})
+        run_file(
+            RUN,
+            buffer={"samples_per_prompt": 3, "max_new_tokens": 8},
+            rollout={"concurrency": 4, "heartbeat_s": 0.3},
+            engine={"num_threads": 1},
+        )
         + f"""
 [task]
 source = {{ type = "jsonl", path = "{data}", prompt_field = "question", answer_marker = "####" }}
-reward = [{{ fn = "math" }}, {{ fn = "soft_overlong", max_tokens = 6, buffer_tokens = 4, weight = 0.5 }}]
+[[task.reward]]
+fn = "math"
+[[task.reward]]
+fn = "soft_overlong"
+max_tokens = 6
+buffer_tokens = 4
+weight = 0.5
 """
-    )  # fmt: skip
+    )
     with NatsServer(store_dir=tmp_path / "nats") as nats:
         st = LoopStack(tmp_path, RUN, nats.url, model, config)
         try:
             st.start(st.engine(0))
             st.start(st.rollout(0))
             sent = asyncio.run(publish_tasks(nats.url, config))
-            wait_for(lambda: len(read_stream(nats.url, stream_name(RUN, "SAMPLES"), S.samples))
-                     >= len(sent) - 1, 60, "a group per known task")  # fmt: skip
+            wait_for(
+                lambda: (
+                    len(read_stream(nats.url, stream_name(RUN, "SAMPLES"), S.samples))
+                    >= len(sent) - 1
+                ),
+                60,
+                "a group per known task",
+            )
             groups = messages(nats.url, RUN, "SAMPLES", S.samples, SampleGroup)
-            wait_for(lambda: read_stream(nats.url, stream_name(RUN, "DLQ"), S.dlq_all), 30,
-                     "the unknown task's dead letter")  # fmt: skip
+            wait_for(
+                lambda: read_stream(nats.url, stream_name(RUN, "DLQ"), S.dlq_all),
+                30,
+                "the unknown task's dead letter",
+            )
             dead = messages(nats.url, RUN, "DLQ", S.dlq_all, DeadLetter)
         finally:
             st.stop_all()

@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from services.common.arithmetic import problem
-from services.common.weights import verify_weights_dir
 from services.common.tasks.evaluate import evaluate_dir
 from services.common.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
 from services.common.tasks.taskset import TaskSet
+from services.common.weights import verify_weights_dir
 from services.trainer.model import load_tokenizer
 from services.trainer.sft_data import (
     SftDataError,
@@ -80,9 +80,10 @@ cpu_threads = 1
     # the one held-out evaluation (services/common/tasks/evaluate.py) on the same problems
     spec = TaskSpec(
         source=ArithmeticSource(type="arithmetic"),
-        eval=EvalSpec(source=ArithmeticSource(type="arithmetic", seed=1), size=400,
-                      max_new_tokens=8),
-    )  # fmt: skip
+        eval=EvalSpec(
+            source=ArithmeticSource(type="arithmetic", seed=1), size=400, max_new_tokens=8
+        ),
+    )
     tasks = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
     result = evaluate_dir(tmp_path / "out", tasks).tasks["arithmetic"]
     print(f"held-out pass@1: {result.pass_at_1:.3f} of {result.total}", result.examples)

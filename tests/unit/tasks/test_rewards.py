@@ -27,8 +27,12 @@ def test_exact_match_extractions() -> None:
     assert R.exact_match("4 6", "46") == 0.0
     assert R.exact_match("hello   world.", "hello world") == 1.0
     assert R.exact_match("46.", "46", normalize=False) == 0.0
-    assert R.exact_match("think\n<answer>Paris</answer>", "paris", extract_="answer_tag",
-                         case_sensitive=False) == 1.0  # fmt: skip
+    assert (
+        R.exact_match(
+            "think\n<answer>Paris</answer>", "paris", extract_="answer_tag", case_sensitive=False
+        )
+        == 1.0
+    )
     assert R.exact_match("no tag", "x", extract_="answer_tag") == 0.0
     assert R.exact_match("so \\boxed{x+1}", "x+1", extract_="boxed") == 1.0
     assert R.exact_match("steps\n#### 12", "12", extract_="marker") == 1.0
@@ -78,8 +82,10 @@ def test_gsm8k() -> None:
 def test_format_reward() -> None:
     assert R.format_reward("a <answer>1</answer>", pattern=r"<answer>.+?</answer>") == 1.0
     assert R.format_reward("a <answer></answer>", pattern=r"<answer>.+?</answer>") == 0.0
-    assert R.format_reward("<answer>1</answer> more", pattern=r"<answer>.+?</answer>",
-                           full_match=True) == 0.0  # fmt: skip
+    assert (
+        R.format_reward("<answer>1</answer> more", pattern=r"<answer>.+?</answer>", full_match=True)
+        == 0.0
+    )
     assert R.format_reward("x\n#### 5", pattern=r"#### -?\d+$") == 1.0
 
 
@@ -97,8 +103,13 @@ def test_reasoning_gym_scores_with_its_own_scorer() -> None:
 
 
 def test_weighted_sum_keeps_every_part() -> None:
-    parts = payload([{"fn": "gsm8k"}, {"fn": "format", "pattern": "####", "weight": 0.1},
-                     {"fn": "soft_overlong", "max_tokens": 10, "buffer_tokens": 5, "weight": 2}])  # fmt: skip
+    parts = payload(
+        [
+            {"fn": "gsm8k"},
+            {"fn": "format", "pattern": "####", "weight": 0.1},
+            {"fn": "soft_overlong", "max_tokens": 10, "buffer_tokens": 5, "weight": 2},
+        ]
+    )
     r = R.score(parts, "so\n#### 7", "7", {"response_tokens": 9, "row": 0})
     assert r["parts"] == {"gsm8k": 1.0, "format": 1.0, "soft_overlong": -0.8}
     assert r["reward"] == pytest.approx(1.0 + 0.1 - 1.6)

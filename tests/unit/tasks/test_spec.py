@@ -26,7 +26,9 @@ def error(tmp_path: Path, body: str, cls: type = ServiceSettings) -> str:
 
 
 def test_shorthands_and_defaults(tmp_path: Path) -> None:
-    s = settings(tmp_path, '[task]\nsource = { type = "jsonl", path = "d.jsonl" }\nreward = "math"\n')
+    s = settings(
+        tmp_path, '[task]\nsource = { type = "jsonl", path = "d.jsonl" }\nreward = "math"\n'
+    )
     assert s.task is not None and [p.fn for p in s.task.reward] == ["math"]
     assert s.task_set().names == ["jsonl"] and s.task_set().keys["jsonl"] == "[task]"
     # arithmetic and reasoning-gym bring their own reward
@@ -44,8 +46,10 @@ def test_shorthands_and_defaults(tmp_path: Path) -> None:
     ).task
     assert c is not None
     assert [(p.part_name, p.weight) for p in c.reward] == [
-        ("gsm8k", 1.0), ("fn", 0.5), ("fmt", 0.1)
-    ]  # fmt: skip
+        ("gsm8k", 1.0),
+        ("fn", 0.5),
+        ("fmt", 0.1),
+    ]
 
 
 def test_mixture_by_name(tmp_path: Path) -> None:
@@ -58,24 +62,35 @@ def test_mixture_by_name(tmp_path: Path) -> None:
     assert ts.names == ["add", "big"] and ts.keys["big"] == "[tasks.big]"
 
 
-@pytest.mark.parametrize(
-    ("body", "expected"),
-    [
-        ('[task]\nsource = { type = "jsonl" }\nreward = "math"\n', "[task] source.path: Field required"),
-        ('[task]\nsource = { type = "jsonl", path = "x" }\n', "[task] reward: required for source type 'jsonl'"),
-        ('[task]\nsource = { type = "csv", path = "x" }\n', "[task] source"),
-        ('[task]\nsource = { type = "jsonl", path = "x" }\nreward = "mathh"\n', "[task] reward[0]: fn must be one of"),
-        ('[task]\nsource = { type = "arithmetic" }\nreward = [{ fn = "math", fallbak = true }]\n', "[task] reward[0].fallbak: Extra inputs"),
-        ('[task]\nsource = { type = "arithmetic" }\nreward = "reasoning_gym"\n', "'reasoning_gym' needs source type 'reasoning_gym'"),
-        ('[task]\nsource = { type = "arithmetic" }\nreward = [{ fn = "format", pattern = "(" }]\n', "[task] reward[0].pattern: not a regular expression"),
-        ('[task]\nsource = { type = "arithmetic" }\nreward = [{ fn = "soft_overlong", max_tokens = 4, buffer_tokens = 8 }]\n', "buffer_tokens must be <= max_tokens"),
-        ('[task]\nsource = { type = "arithmetic" }\nprompt_template = "{question}"\n', "[task] prompt_template: must use {prompt}"),
-        ('[task]\nsource = { type = "arithmetic" }\nreward = ["exact_match", "exact_match"]\n', "part names must differ"),
-        ('[task]\nsource = { type = "arithmetic" }\n[task.eval]\nholdout = 0.1\nsource = { type = "arithmetic" }\n', "give source or holdout, not both"),
-        ('[task]\nsource = { type = "arithmetic" }\n[task.eval]\npart = "nope"\n', "eval.part: 'nope' is not a reward part"),
-        ('[tasks.a]\nsource = { type = "jsonl", path = "x", prompt_fild = "q" }\nreward = "math"\n', "[tasks.a] source.prompt_fild: Extra inputs"),
-    ],
-)  # fmt: skip
+ARITH = '[task]\nsource = { type = "arithmetic" }\n'
+JSONL = '[task]\nsource = { type = "jsonl", path = "x" }\n'
+BAD_SPECS = [
+    (
+        '[task]\nsource = { type = "jsonl" }\nreward = "math"\n',
+        "[task] source.path: Field required",
+    ),
+    (JSONL, "[task] reward: required for source type 'jsonl'"),
+    ('[task]\nsource = { type = "csv", path = "x" }\n', "[task] source"),
+    (JSONL + 'reward = "mathh"\n', "[task] reward[0]: fn must be one of"),
+    (ARITH + 'reward = [{ fn = "math", fallbak = true }]\n', "[task] reward[0].fallbak: Extra"),
+    (ARITH + 'reward = "reasoning_gym"\n', "'reasoning_gym' needs source type 'reasoning_gym'"),
+    (ARITH + 'reward = [{ fn = "format", pattern = "(" }]\n', "reward[0].pattern: not a regular"),
+    (
+        ARITH + 'reward = [{ fn = "soft_overlong", max_tokens = 4, buffer_tokens = 8 }]\n',
+        "buffer_tokens must be <= max_tokens",
+    ),
+    (ARITH + 'prompt_template = "{question}"\n', "[task] prompt_template: must use {prompt}"),
+    (ARITH + 'reward = ["exact_match", "exact_match"]\n', "part names must differ"),
+    (ARITH + '[task.eval]\nholdout = 0.1\nsource = { type = "arithmetic" }\n', "not both"),
+    (ARITH + '[task.eval]\npart = "nope"\n', "eval.part: 'nope' is not a reward part"),
+    (
+        '[tasks.a]\nsource = { type = "jsonl", path = "x", prompt_fild = "q" }\nreward = "math"\n',
+        "[tasks.a] source.prompt_fild: Extra inputs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "expected"), BAD_SPECS)
 def test_bad_spec_names_the_key(tmp_path: Path, body: str, expected: str) -> None:
     assert expected in error(tmp_path, body)
 
