@@ -217,8 +217,12 @@ def status_main(argv: list[str] | None = None) -> int:
 
     settings = settings_or_exit("status", StackSettings, args.config, False, attach=True)
     # The run's NATS is up or the command says so at once: no minute of retries.
+    import logging
+
     from services.common.errors import FlywheelError
 
+    # A one-shot reader: the connection's own notes (closing = "disconnected") are not news.
+    logging.getLogger("services.common.nats_conn").setLevel(logging.ERROR)
     nats = settings.nats.model_copy(update={"connect_attempts": 1})
     try:
         s = asyncio.run(gather_status(settings.model_copy(update={"nats": nats})))
