@@ -112,23 +112,43 @@ async def up(
     return 1 if sup.failed else 0
 
 
-def preflight(s: StackSettings) -> int:
-    """Check the task spec's files and packages before anything starts (2: a bad spec)."""
-    from services.common.errors import EXIT_CONFIG, ConfigError
+SETTINGS = {
+    "buffer": "services.buffer.settings:BufferSettings",
+    "rollout": "services.rollout.settings:RolloutSettings",
+    "trainer": "services.trainer.service_settings:TrainerSettings",
+    "sync": "services.sync.settings:SyncSettings",
+    "engine": "services.rollout.engine.settings:EngineSettings",
+}
 
-    if not {"buffer", "trainer", "rollout"} & set(s.services):
-        return 0
-    try:
-        s.task_set().check(data=True)
-    except ConfigError as e:
+
+def preflight(s: StackSettings, config: str) -> int:
+    """Every service's settings and the task's files and packages, checked before anything
+    starts: one report of what is wrong, not a service dying after the engines loaded."""
+    import importlib
+
+    from services.common.errors import EXIT_CONFIG, ConfigError
+    from services.common.settings import load_settings
+
+    errors = []
+    for kind in s.services:
+        module, _, name = SETTINGS[kind].partition(":")
+        try:
+            load_settings(getattr(importlib.import_module(module), name), config)
+        except ConfigError as e:
+            errors.append(str(e).removeprefix("invalid settings:\n").strip())
+    if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
+        try:
+            s.task_set().check(data=True)
+        except ConfigError as e:
+            errors.append(str(e))
+    for e in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
         print(f"flywheel up: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    return 0
+    return EXIT_CONFIG if errors else 0
 
 
 def up_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = settings_or_exit("up", StackSettings, args.config, args.print_config)
-    if code := preflight(settings):
+    if code := preflight(settings, args.config):
         return code
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))
