@@ -141,8 +141,8 @@ def preflight(s: StackSettings, config: str) -> int:
             s.task_set().check(data=True)
         except ConfigError as e:
             errors.append(str(e))
-    for e in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
-        print(f"flywheel up: {e}", file=sys.stderr)
+    for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
+        print(f"flywheel up: {line}", file=sys.stderr)
     return EXIT_CONFIG if errors else 0
 
 
