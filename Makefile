@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets]'
 	touch $(STAMP)
 
 # promtool/prometheus for tests/deploy (Debian packages; a no-op once present).

@@ -3,13 +3,15 @@
     .venv/bin/python bench/trl_grpo.py --model runs/bench-e2e/model-sft \
         --seconds 300 --target-accuracy 0.9 --metrics-out /tmp/trl.jsonl
 
-Same model directory (the demo's SFT warm start), same prompts
-(`arithmetic.problem(0, i)`), same reward (exact match of the answer line,
-`arithmetic.score`), same held-out evaluation (`exact_match_accuracy` on
-`problem(1_000_003, i)`, i < eval_size, every `eval_every` steps) and the same
-hyper-parameters, read at run time from the demo's run file
-(`configs/demo.toml`): prompts per step, samples per prompt, temperature,
-max_new_tokens, lr, PPO clip, grad clip. Mapping onto `GRPOConfig` (TRL 1.x):
+Same model directory (the demo's SFT warm start), same prompts (the run
+file's `[task]` training rows, formatted as the buffer formats them), same
+reward (the task's reward functions, `services.common.tasks.rewards.score`,
+called in process), the same held-out evaluation (the one evaluation
+function, `services.common.tasks.evaluate`, on `[task.eval]`, every
+`eval_every` steps) and the same hyper-parameters, read at run time from the
+demo's run file (`configs/demo.toml`): prompts per step, samples per prompt,
+temperature, max_new_tokens, lr, PPO clip, grad clip. Mapping onto
+`GRPOConfig` (TRL 1.x):
 
 - one optimizer step per generation round: per_device_train_batch_size =
   prompts × samples, gradient_accumulation_steps = 1, num_iterations = 1
@@ -50,12 +52,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 def demo_hparams(config: Path) -> dict[str, Any]:
     """The demo's GRPO hyper-parameters, with the services' defaults where the file is silent."""
-    from services.trainer.service_settings import TrainerSettings
-
     doc = tomllib.loads(config.read_text())
     buf, tr = doc.get("buffer", {}), doc.get("trainer", {})
     optim, loss = tr.get("optim", {}), tr.get("loss", {})
-    fields = TrainerSettings.model_fields
     return {
         "prompts_per_step": int(buf["groups_per_step"]),
         "samples_per_prompt": int(buf["samples_per_prompt"]),
@@ -66,31 +65,42 @@ def demo_hparams(config: Path) -> dict[str, Any]:
         "eps_high": float(loss.get("eps_high", loss.get("eps_low", 0.2))),
         "grad_clip": float(optim.get("grad_clip", 1.0)),
         "eval_every": int(tr.get("eval_every", 5)),
-        "eval_size": int(tr.get("eval_size", 200)),
-        "eval_seed": int(tr.get("eval_seed", fields["eval_seed"].default)),
-        "eval_max_new_tokens": int(
-            tr.get("eval_max_new_tokens", fields["eval_max_new_tokens"].default)
-        ),
-        "digits": int(buf.get("digits", 2)),
     }
 
 
-def reward_exact_match(completions: list[str], answer: list[str], **_: Any) -> list[float]:
-    """TRL reward function: dataset column `answer` arrives as a keyword argument."""
-    from services.common.arithmetic import score
+def load_tasks(config: Path) -> Any:
+    """The run file's task set (what the buffer, the workers and the trainer resolve)."""
+    from services.common.settings import ServiceSettings, load_settings
 
-    return [score(c, a) for c, a in zip(completions, answer, strict=True)]
+    return load_settings(ServiceSettings, config).task_set()
 
 
-def make_callback(hp: dict[str, Any], seconds: float, target: float | None, out: Path | None):
+def make_reward(tasks: Any) -> Any:
+    """A TRL reward function: the task's own reward (dataset columns arrive as keywords)."""
+    from services.common.tasks.rewards import score
+    from services.common.tasks.scoring import reward_payload
+
+    parts = {name: reward_payload(spec) for name, spec in tasks.specs.items()}
+
+    def reward(completions: list[str], answer: list[str], task: list[str], row: list[int],
+               completion_ids: list[list[int]] | None = None, **_: Any) -> list[float]:  # fmt: skip
+        n = [len(c) for c in completion_ids] if completion_ids else [0] * len(completions)
+        rows = zip(completions, answer, task, row, n, strict=True)
+        return [score(parts[t], c, a, {"row": r, "response_tokens": k})["reward"]
+                for c, a, t, r, k in rows]  # fmt: skip
+
+    return reward
+
+
+def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float | None,
+                  out: Path | None):  # fmt: skip
     """A TrainerCallback that evaluates every `eval_every` steps and stops on time or target."""
     from transformers import TrainerCallback
 
-    from services.common.arithmetic import problem
-    from services.trainer.evaluate import exact_match_accuracy
+    from services.common.tasks.evaluate import Evaluator
 
-    held_out = [problem(hp["eval_seed"], i, hp["digits"]) for i in range(hp["eval_size"])]
     per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
+    evaluator = Evaluator(tasks).__enter__()  # one pool for the whole run (Bench.close)
 
     class Bench(TrainerCallback):
         def __init__(self) -> None:
@@ -101,9 +111,7 @@ def make_callback(hp: dict[str, Any], seconds: float, target: float | None, out:
 
         def evaluate(self, step: int, model: Any, tok: Any) -> float:
             t = time.perf_counter()
-            acc = exact_match_accuracy(
-                model, tok, held_out, max_new_tokens=hp["eval_max_new_tokens"]
-            ).accuracy
+            acc = evaluator(model, tok).pass_at_1
             self.eval_s += time.perf_counter() - t
             row = {"step": step, "elapsed": time.perf_counter() - self.t0, "eval_accuracy": acc,
                    "samples": step * per_step, "eval_s": self.eval_s}  # fmt: skip
@@ -116,6 +124,9 @@ def make_callback(hp: dict[str, Any], seconds: float, target: float | None, out:
             if target is not None and acc >= target and self.reached is None:
                 self.reached = row["elapsed"]
             return acc
+
+        def close(self) -> None:
+            evaluator.__exit__(None, None, None)
 
         def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
             self.t0 = time.perf_counter()
@@ -132,6 +143,20 @@ def make_callback(hp: dict[str, Any], seconds: float, target: float | None, out:
                 control.should_training_stop = True
 
     return Bench()
+
+
+def training_rows(tasks: Any, n: int) -> list[dict[str, Any]]:
+    """The first `n` training rows of the task, formatted as the buffer sends them."""
+    from services.common.tasks.prompts import format_row
+
+    rows = []
+    for name, t in tasks.load().items():
+        for i in t.train[:n]:
+            row = t.rows.row(int(i))
+            prompt, messages = format_row(t.spec, row)
+            rows.append({"prompt": prompt if prompt is not None else list(messages or ()),
+                         "answer": row.answer, "task": name, "row": int(i)})  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from services.common.arithmetic import problem
-
     torch.set_num_threads(args.threads)
     hp = demo_hparams(Path(args.config))
     if args.lr is not None:
@@ -160,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    tasks = load_tasks(Path(args.config))
     # Enough distinct prompts that the cap, not the dataset, ends training.
-    prompts = [problem(0, i, hp["digits"]) for i in range(hp["prompts_per_step"] * 2000)]
-    rows = [{"prompt": q.prompt, "answer": q.answer} for q in prompts]
+    rows = training_rows(tasks, hp["prompts_per_step"] * 2000)
     cfg = GRPOConfig(
         output_dir=args.output_dir,
         use_cpu=True,
@@ -196,15 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )  # fmt: skip
-    bench = make_callback(hp, args.seconds, args.target_accuracy, args.metrics_out)
+    bench = make_callback(hp, tasks, args.seconds, args.target_accuracy, args.metrics_out)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward_exact_match, args=cfg,
+        model=model, reward_funcs=make_reward(tasks), args=cfg,
         train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[bench],
     )  # fmt: skip
     trainer.train()
     steps = trainer.state.global_step
     if bench.rows[-1]["step"] != steps:  # stopped between evaluations: evaluate the end too
         bench.evaluate(steps, trainer.model, tok)
+    bench.close()
     wall = bench.rows[-1]["elapsed"]
     samples = steps * per_step
     summary = {

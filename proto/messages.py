@@ -126,8 +126,8 @@ class PromptTask(Message):
     run: Id
     task_id: Id
     epoch: int = Field(ge=0)
-    index: int = Field(ge=0, description="Position of the prompt in the dataset order.")
-    env: Id = Field(description="Environment / verifier name, e.g. 'arithmetic'.")
+    index: int = Field(ge=0, description="Row of the task's source (the same in every service).")
+    env: Id = Field(description="The task's name in the run file's task spec, e.g. 'jsonl'.")
     prompt: str | None = Field(None, description="Prompt text (or chat-templated by the worker).")
     messages: tuple[dict[str, str], ...] | None = Field(None, description="Chat messages.")
     prompt_ids: PackedI32 | None = Field(None, description="Pre-tokenised prompt (<i4).")

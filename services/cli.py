@@ -16,10 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("services.stack.demo:demo_main", "SFT warm start, then async GRPO: watch it learn"),
     "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
     "status": ("services.stack.inspect:status_main", "a run's state, read from NATS"),
-    "eval": ("services.stack.inspect:eval_main", "held-out accuracy of a weights directory"),
+    "eval": ("services.stack.inspect:eval_main", "held-out pass@1 / pass@k of a run's weights"),
     "init-model": (
         "services.trainer.cli:init_model_main",
-        "write a tiny model directory (char tokenizer + small Qwen2)",
+        "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
     ),
     "sft": ("services.trainer.cli:sft_main", "supervised fine-tuning from JSONL"),
     "nats": ("services.common.nats_cli:main", "run an embedded nats-server with JetStream"),

@@ -52,28 +52,26 @@ from services.buffer.core import (
     Assembler,
     BufferState,
     Cursor,
+    FailureWatch,
     GroupFilter,
     Policy,
     Verdict,
     admission,
     advance,
     epoch_order,
+    group_failure,
     max_length,
     task_id,
     zero_variance,
 )
 from services.buffer.settings import BufferSettings
-from services.buffer.sources import (
-    ArithmeticSource,
-    JsonlSource,
-    ReasoningGymSource,
-    TaskSource,
-)
-from services.common.errors import ConfigError, FlywheelError, PermanentError
+from services.common.errors import ConfigError, FlywheelError, PermanentError, RunHalted
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery, transient_errors
+from services.common.msgloop import REASON_HEADER, Delivery, dead_letter, transient_errors
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
+from services.common.tasks.prompts import format_row
+from services.common.tasks.taskset import TrainOrder
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
@@ -233,15 +231,6 @@ class BufferMetrics:
 
 
 # ── wiring ───────────────────────────────────────────────────────────────────
-def make_source(s: BufferSettings) -> TaskSource:
-    if s.source == "arithmetic":
-        return ArithmeticSource(seed=s.seed, size=s.dataset_size, digits=s.digits, env=s.env)
-    if s.source == "jsonl":
-        assert s.dataset is not None  # checked by the settings
-        return JsonlSource.load(s.dataset, env=s.env)
-    return ReasoningGymSource.load(s.dataset_name, size=s.dataset_size, seed=s.seed)
-
-
 def import_filter(ref: str) -> GroupFilter:
     module, _, name = ref.partition(":")
     try:
@@ -269,7 +258,11 @@ class BufferService:
         self.s = settings
         self.kv = kv
         self.subjects = Subjects(settings.run)
-        self.source = make_source(settings)
+        self.tasks = settings.task_set()
+        self.loaded = self.tasks.load()  # ConfigError naming the key: exit 2 at start-up
+        self.order = TrainOrder.build(self.loaded)
+        self.watch = FailureWatch(settings.halt_after)
+        self.halted: RunHalted | None = None
         self.policy = Policy(settings.groups_per_step, settings.max_staleness, settings.oversample)
         self.asm = Assembler(self.policy, BufferState(), make_filters(settings))
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
@@ -343,6 +336,7 @@ class BufferService:
             self.metrics.groups.labels(verdict=str(verdict)).inc()
             if verdict == Verdict.DUPLICATE:
                 return
+            self._watch_group(group)
             if verdict == Verdict.ACCEPTED:
                 self.pending_seqs[group.group_id] = d.stream_seq
                 self.metrics.staleness.observe(target - group.weight_version)
@@ -356,6 +350,7 @@ class BufferService:
                 f"group {group.group_id} (version {group.weight_version}) dropped at step "
                 f"{target}: {verdict}",
                 reason=str(verdict),
+                expected=True,  # counted on the status line, not a warning per group
             )
 
     async def _publish_ready_batches(self) -> None:
@@ -413,27 +408,54 @@ class BufferService:
             self.asm.task_dead_lettered()
             self.asm.state.settled[gid] = (self.asm.state.next_step, f"task_{msg.reason}")
             await self.persist()
+        if msg.reason != "max_deliver":  # retries ran out: transient causes, not a bug
+            self._failed(msg.reason, msg.error)
         self.wake.set()
 
+    # fail fast
+    def _watch_group(self, group: SampleGroup) -> None:
+        error = group_failure(group)
+        if error is None:
+            self.watch.succeeded()
+        else:
+            self._failed("verifier_error", error)
+
+    def _failed(self, reason: str, error: str) -> None:
+        if self.watch.failed(reason, error) and self.halted is None:
+            self.halted = RunHalted(
+                f"stopping the run: {self.watch.streak} tasks in a row failed the same way, "
+                f"so every task will. The last: {self.watch.example}"
+            )
+            log.error("buffer: %s", self.halted)
+            self.ctx.stop.set()
+
     # dispatch
-    def _position(self, epoch: int, offset: int) -> int:
+    def _slot(self, epoch: int, offset: int) -> int:
         if epoch != self._order_epoch:
-            self._order = epoch_order(self.s.seed, epoch, len(self.source))
+            self._order = epoch_order(self.s.seed, epoch, len(self.order))
             self._order_epoch = epoch
         return self._order[offset]
 
     def make_task(self, epoch: int, offset: int) -> PromptTask:
-        index = self._position(epoch, offset)
-        spec = self.source[index]
+        """The task at `offset` of `epoch`: a row of one task, formatted by its spec.
+
+        `env` names the task (its key in the run file's task spec) and
+        `index` the row of that task's source: every service resolves the
+        reward and the formatting from them. ConfigError: a bad row.
+        """
+        name, row_index = self.order.item(epoch, self._slot(epoch, offset))
+        spec = self.loaded[name].spec
+        row = self.loaded[name].rows.row(row_index)
+        prompt, messages = format_row(spec, row)
         return PromptTask(
             run=self.s.run,
             task_id=task_id(self.s.run, epoch, offset),
             epoch=epoch,
-            index=index,
-            env=spec.env,
-            prompt=spec.prompt,
-            messages=spec.messages,
-            answer=spec.answer,
+            index=row_index,
+            env=name,
+            prompt=prompt,
+            messages=messages,
+            answer=row.answer,
             n=self.s.samples_per_prompt,
             sampling=SamplingParams(
                 temperature=self.s.temperature,
@@ -445,18 +467,35 @@ class BufferService:
             created_at=time.time(),
         )
 
+    async def _dispatch_one(self, epoch: int, offset: int) -> bool:
+        """Publish one task; a row that cannot become a task is dead-lettered (False)."""
+        try:
+            task = self.make_task(epoch, offset)
+        except (ConfigError, ValueError) as e:
+            tid = task_id(self.s.run, epoch, offset)
+            _, data = dead_letter(
+                run=self.s.run, reason="bad_row", error=f"{type(e).__name__}: {e}",
+                subject=self.subjects.tasks, payload=tid.encode(), service="buffer",
+                delivered=0, max_payload=self.ctx.max_payload, where=tid,
+            )  # fmt: skip
+            log.warning("buffer: row of task %s dead-lettered: %s", tid, e)
+            await self.ctx.js.publish(self.subjects.dlq("bad_row"), data, headers={
+                REASON_HEADER: "bad_row", "Nats-Msg-Id": f"dlq:buffer:{tid}"})  # fmt: skip
+            self._failed("bad_row", str(e))
+            return False
+        await publish(self.ctx.js, self.subjects.tasks, task, self.ctx.max_payload)
+        return True
+
     async def dispatch_once(self) -> int:
         async with self.lock:
             st = self.asm.state
             n = admission(st.ready_version, self.asm.filled, st.in_flight, self.policy)
             if n == 0:
                 return 0
-            cursor, taken = advance(st.cursor, len(self.source), n)
+            cursor, taken = advance(st.cursor, len(self.order), n)
             for epoch, offset in taken:
-                await publish(
-                    self.ctx.js, self.subjects.tasks, self.make_task(epoch, offset),
-                    self.ctx.max_payload,
-                )  # fmt: skip
+                if not await self._dispatch_one(epoch, offset):
+                    st.answered += 1  # its dead letter is its answer: no group comes
             st.cursor = cursor
             st.dispatched += n
             await self.persist()
@@ -465,7 +504,7 @@ class BufferService:
 
     async def dispatch_loop(self, stop: asyncio.Event) -> None:
         transient = transient_errors()
-        while not stop.is_set():
+        while not stop.is_set() and self.halted is None:
             self.wake.clear()
             try:
                 await self.dispatch_once()
@@ -511,3 +550,5 @@ async def body(ctx: ServiceContext) -> None:
     await asyncio.gather(
         groups.run(ctx.stop), ready.run(ctx.stop), dead.run(ctx.stop), svc.dispatch_loop(ctx.stop)
     )
+    if svc.halted is not None:
+        raise svc.halted

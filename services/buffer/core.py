@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -208,3 +209,49 @@ class Assembler:
         Safe once their messages were acked: acked messages are not redelivered.
         """
         self.state.settled = {k: v for k, v in self.state.settled.items() if v[0] >= step}
+
+
+# ── fail fast ─────────────────────────────────────────────────────────────────
+_VARYING = re.compile(r"'[^']*'|\"[^\"]*\"|\d+")
+
+
+def failure_signature(reason: str, error: str) -> str:
+    """What stays the same when the same bug hits every task: the reason and the
+    error's first line with quoted strings and numbers (ids, rows, counts) masked."""
+    first = error.strip().split("\n", 1)[0]
+    return f"{reason}: {_VARYING.sub('…', first)}"
+
+
+@dataclass
+class FailureWatch:
+    """Counts tasks failing the same way in a row; any answered task resets the count.
+
+    A bad row fails alone and costs one dead letter; a systematic error (a
+    reward that raises on everything, a tokenizer that refuses every
+    prompt, a task name the workers do not know) fails every task with the
+    same signature, and after `limit` in a row the run must stop.
+    """
+
+    limit: int
+    streak: int = 0
+    signature: str | None = None
+    example: str = ""
+
+    def succeeded(self) -> None:
+        self.streak, self.signature = 0, None
+
+    def failed(self, reason: str, error: str) -> bool:
+        """Record one failed task; True once `limit` in a row failed the same way."""
+        sig = failure_signature(reason, error)
+        if sig == self.signature:
+            self.streak += 1
+        else:
+            self.signature, self.streak = sig, 1
+        self.example = f"{reason}: {error.strip()}"
+        return 0 < self.limit <= self.streak
+
+
+def group_failure(group: SampleGroup) -> str | None:
+    """The verifier error shared by every sample of a group, or None if any scored."""
+    errors = [s.verifier_error for s in group.samples]
+    return errors[0] if errors and all(errors) else None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -13,24 +12,13 @@ from services.common.settings import ServiceSettings
 
 class BufferSettings(ServiceSettings):
     section: ClassVar[str] = "buffer"
+    needs_task: ClassVar[bool] = True
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_BUFFER_", env_nested_delimiter="__", extra="forbid"
     )
 
-    # what to generate
-    source: Literal["arithmetic", "jsonl", "reasoning_gym"] = Field(
-        "arithmetic", description="Task source: the built-in arithmetic task, a JSONL file, …"
-    )
-    dataset: Path | None = Field(None, description="JSONL file (source = 'jsonl').")
-    dataset_name: str = Field("", description="reasoning-gym dataset name.")
-    dataset_size: int = Field(
-        100_000, ge=1, description="Procedural sources: number of distinct prompts."
-    )
-    env: str = Field(
-        "arithmetic", description="Environment/verifier that scores the prompts' completions."
-    )
-    digits: int = Field(2, ge=1, le=9, description="Arithmetic: operand digits.")
-    seed: int = Field(0, description="Seed of the dataset and its per-epoch shuffle.")
+    # what to generate: the run file's [task] table (services/common/tasks/spec.py)
+    seed: int = Field(0, description="Seed of the per-epoch shuffle of the prompts.")
     samples_per_prompt: int = Field(8, ge=1, le=4096, description="Completions per prompt (n).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling.")
@@ -61,10 +49,29 @@ class BufferSettings(ServiceSettings):
         8, ge=1, description="Remember batched group ids this many steps back (dedupe)."
     )
 
-    @model_validator(mode="after")
-    def _source_needs(self) -> BufferSettings:
-        if self.source == "jsonl" and self.dataset is None:
-            raise ValueError("source 'jsonl' needs 'dataset' (a JSONL file)")
-        if self.source == "reasoning_gym" and not self.dataset_name:
-            raise ValueError("source 'reasoning_gym' needs 'dataset_name'")
-        return self
+    halt_after: int = Field(
+        16,
+        ge=0,
+        description="Stop the run when this many tasks in a row fail the same way (a "
+        "dead-lettered task, or a group whose every sample's reward raised): a systematic "
+        "error, not a bad row. 0: never.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_task(cls, data: Any) -> Any:
+        """The pre-[task] keys: say where they went instead of 'extra inputs'."""
+        moved = sorted(set(data) & LEGACY_KEYS) if isinstance(data, dict) else []
+        if moved:
+            raise ValueError(
+                f"{', '.join(moved)}: [buffer] no longer says what to train on; the run "
+                "file's [task] table does. E.g. for a JSONL file:\n"
+                "    [task]\n"
+                '    source = { type = "jsonl", path = "train.jsonl" }\n'
+                '    reward = "math"\n'
+                "  (README, 'Your own task'; every key: flywheel buffer --print-config)"
+            )
+        return data
+
+
+LEGACY_KEYS = {"source", "dataset", "dataset_name", "dataset_size", "env", "digits"}

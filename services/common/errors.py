@@ -17,11 +17,35 @@ class ConfigError(FlywheelError, ValueError):
 
     @classmethod
     def from_validation(cls, err: ValidationError, section: str) -> ConfigError:
-        lines = []
-        for e in err.errors():
-            field = ".".join(str(p) for p in e["loc"]) or "<root>"
-            lines.append(f"[{section}] {field}: {e['msg']}")
-        return cls("invalid settings:\n  " + "\n  ".join(lines))
+        return cls("invalid settings:\n  " + "\n  ".join(
+            error_line(e["loc"], e["msg"], section) for e in err.errors()
+        ))  # fmt: skip
+
+
+# Discriminator tags pydantic puts in an error's location (`task.source.jsonl.path`):
+# not keys of the run file, so left out of the key it names (`[task] source.path`).
+_TAGS = {"jsonl", "hf", "reasoning_gym", "function", "arithmetic", "exact_match", "numeric",
+         "math", "gsm8k", "format", "soft_overlong", "custom"}  # fmt: skip
+
+
+def error_line(loc: tuple[int | str, ...], msg: str, section: str) -> str:
+    """`[section] key.path: message`; the task spec's keys under `[task]` / `[tasks.<name>]`."""
+    msg = msg.removeprefix("Value error, ")
+    parts = list(loc)
+    if parts and parts[0] in ("task", "tasks"):
+        head = parts.pop(0)
+        section = f"{head}.{parts.pop(0)}" if head == "tasks" and parts else str(head)
+    key = ""
+    for i, p in enumerate(parts):
+        if isinstance(p, int):
+            key += f"[{p}]"
+        elif i > 0 and p in _TAGS and (isinstance(parts[i - 1], int) or parts[i - 1] == "source"):
+            continue
+        else:
+            key += f".{p}" if key else str(p)
+    if key:
+        return f"[{section}] {key}: {msg}"
+    return msg if msg.startswith("[") else f"[{section}] {msg}"
 
 
 class NatsServerError(FlywheelError, RuntimeError):
@@ -45,9 +69,25 @@ class PermanentError(FlywheelError, ValueError):
     """A message that can never be handled (e.g. a sample older than the staleness bound).
 
     The message loop dead-letters it to `flywheel.<run>.dlq.<reason>` and
-    terminates it; `reason` is a subject token (`[A-Za-z0-9_-]`).
+    terminates it; `reason` is a subject token (`[A-Za-z0-9_-]`). `expected`:
+    a drop by design (a filtered or stale group), counted but not logged as
+    a warning, so the console keeps warnings for what a user must act on.
     """
 
-    def __init__(self, message: str, *, reason: str = "rejected") -> None:
+    def __init__(self, message: str, *, reason: str = "rejected", expected: bool = False) -> None:
         self.reason = reason
+        self.expected = expected
         super().__init__(message)
+
+
+class RunHalted(FlywheelError, RuntimeError):
+    """The run must stop: the same error hits every task, so going on only burns data.
+
+    Raised by the buffer's fail-fast watch; the service exits with
+    `EXIT_HALTED`, which `flywheel up` takes as "stop the whole run" (never
+    "restart the service"), printing this message.
+    """
+
+
+EXIT_CONFIG = 2  # a setting is invalid: restarting cannot help
+EXIT_HALTED = 3  # RunHalted: restarting cannot help either

@@ -96,6 +96,7 @@ class Decision:
     delay_s: float = 0.0  # NAK: redeliver after this long
     reason: str = ""  # DEAD_LETTER: dlq subject suffix
     error: str = ""  # what went wrong, for the header/body and the log
+    expected: bool = False  # DEAD_LETTER by design (PermanentError.expected): log at DEBUG
 
 
 ACK = Decision(Action.ACK)
@@ -146,7 +147,9 @@ def decide(
     if isinstance(error, ProtocolError):
         return Decision(Action.DEAD_LETTER, reason=error.reason, error=text)
     if isinstance(error, PermanentError):
-        return Decision(Action.DEAD_LETTER, reason=error.reason, error=text)
+        return Decision(
+            Action.DEAD_LETTER, reason=error.reason, error=text, expected=error.expected
+        )
     if isinstance(error, (RetryableError, *transient)):
         if 0 < max_deliver <= delivered:
             return Decision(
@@ -539,6 +542,7 @@ class MessageLoop(Generic[M]):
             delivered=delivery.delivered,
             stream=meta.stream,
             seq=meta.sequence.stream,
+            expected=decision.expected,
         )
 
     async def _publish_dl(
@@ -551,6 +555,7 @@ class MessageLoop(Generic[M]):
         delivered: int,
         stream: str,
         seq: int,
+        expected: bool = False,
     ) -> None:
         where = f"stream {stream} seq {seq}"
         _, data = dead_letter(
@@ -564,9 +569,10 @@ class MessageLoop(Generic[M]):
             max_payload=self.max_payload,
             where=where,
         )
-        log.warning(
-            "%s: dead-lettering %s (%s) as %s: %s", self.service, subject, where, reason, error
-        )
+        log.log(
+            logging.DEBUG if expected else logging.WARNING,
+            "%s: dead-lettering %s (%s) as %s: %s", self.service, subject, where, reason, error,
+        )  # fmt: skip
         await self.js.publish(
             self.subjects.dlq(reason),
             data,

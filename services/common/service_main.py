@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from services.common.errors import ConfigError
+from services.common.errors import EXIT_CONFIG, EXIT_HALTED, ConfigError, RunHalted
 from services.common.settings import ServiceSettings, load_settings, render
 
 S = TypeVar("S", bound=ServiceSettings)
@@ -31,13 +31,24 @@ def parse_args(service: str, argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def settings_or_exit(command: str, cls: type[S], config: str | None, print_config: bool) -> S:
-    """The resolved settings; or exit 2 naming the bad field, or 0 after --print-config."""
+def settings_or_exit(
+    command: str, cls: type[S], config: str | None, print_config: bool, *, attach: bool = False
+) -> S:
+    """The resolved settings; or exit 2 naming the bad field, or 0 after --print-config.
+
+    `attach`: a command that joins a run `flywheel up` runs here takes that
+    run's NATS URL from its run directory (services/common/local_run.py).
+    """
     try:
-        settings = load_settings(cls, config)
+        overrides = {}
+        if attach and config and not print_config:
+            from services.common.local_run import attach as attach_run
+
+            overrides = attach_run(config, cls.section)
+        settings = load_settings(cls, config, **overrides)
     except ConfigError as e:
         print(f"flywheel {command}: {e}", file=sys.stderr)
-        raise SystemExit(2) from e
+        raise SystemExit(EXIT_CONFIG) from e
     if print_config:
         print(render(settings))
         raise SystemExit(0)
@@ -49,10 +60,14 @@ def service_main(
     settings_cls: type[ServiceSettings],
     body: Callable[[], Body],
     argv: list[str] | None = None,
+    *,
+    attach: bool = False,
 ) -> int:
     """Load settings, then run `body()` (a lazily imported service body) under run_service."""
     args = parse_args(service, argv)
-    settings = settings_or_exit(service, settings_cls, args.config, args.print_config)
+    settings = settings_or_exit(
+        service, settings_cls, args.config, args.print_config, attach=attach
+    )
     from services.common.lifecycle import run_service, setup_logging
 
     setup_logging(service, settings.log_level)
@@ -60,5 +75,8 @@ def service_main(
         asyncio.run(run_service(service, settings, body()))
     except ConfigError as e:
         print(f"flywheel {service}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except RunHalted as e:
+        print(f"flywheel {service}: {e}", file=sys.stderr)
+        return EXIT_HALTED
     return 0

@@ -15,12 +15,16 @@ from __future__ import annotations
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common.errors import ConfigError
+from services.common.tasks.spec import TaskSpec
+
+if TYPE_CHECKING:
+    from services.common.tasks.taskset import TaskSet
 
 # The run file's values for the settings class being built right now. A
 # context variable (not a class attribute) so concurrent loads cannot mix.
@@ -62,6 +66,7 @@ class ServiceSettings(BaseSettings):
     """Fields every service shares. Subclass per service and set `section`."""
 
     section: ClassVar[str] = ""
+    needs_task: ClassVar[bool] = False  # the service cannot run without a task spec
 
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -76,6 +81,27 @@ class ServiceSettings(BaseSettings):
         0, ge=0, le=65535, description="Port of /metrics and /healthz; 0 picks a free port."
     )
     log_level: str = Field("INFO", description="Python logging level.")
+    task: TaskSpec | None = Field(
+        None,
+        description="The run's task ([task] table: source, reward, prompt format, eval); "
+        "every service validates the same spec (services/common/tasks/spec.py).",
+    )
+    tasks: dict[str, TaskSpec] = Field(
+        default_factory=dict,
+        description="A mixture instead of [task]: [tasks.<name>] tables, mixed by weight.",
+    )
+
+    @model_validator(mode="after")
+    def _has_task(self) -> ServiceSettings:
+        if self.needs_task:
+            self.task_set()  # a ConfigError (a ValueError) names what is missing
+        return self
+
+    def task_set(self) -> TaskSet:
+        """The run's tasks by name; ConfigError when the run file names none (or both forms)."""
+        from services.common.tasks.taskset import TaskSet
+
+        return TaskSet.from_fields(self.task, self.tasks)
 
     @classmethod
     def settings_customise_sources(

@@ -1,4 +1,4 @@
-"""Wiring of the rollout worker: engine client, tokenizer, environments, loops."""
+"""Wiring of the rollout worker: engine client, tokenizer, the task's rewards, loops."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from proto.streams import consumers_for
 from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
-from services.rollout.envs import Environment, Problem, Reward, VerifierPool, make_env, score
+from services.common.tasks.sandbox import Reward, VerifierPool
+from services.common.tasks.scoring import Scorer, warmup
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
@@ -25,24 +26,28 @@ def load_tokenizer(model: Path | None) -> Any:
     return AutoTokenizer.from_pretrained(model, local_files_only=True)
 
 
-class EnvScorer:
-    """Environments by the name tasks carry, built once; verifiers run in the pool."""
+class TaskScorer:
+    """The worker's view of the run's tasks: how to render a task's prompt, how to score it.
 
-    def __init__(self, pool: VerifierPool) -> None:
-        self.pool = pool
-        self.envs: dict[str, Environment] = {}
+    Resolved by the task's name (PromptTask.env) from this worker's own
+    run file; a name it does not know is a PermanentError (`unknown_task`).
+    """
 
-    async def __call__(self, task: PromptTask, text: str) -> Reward:
-        env = self.envs.get(task.env)
-        if env is None:
-            env = self.envs[task.env] = make_env(task.env)
-        problem = Problem(prompt=task.prompt, messages=task.messages, answer=task.answer)
-        return await score(self.pool, env, problem, text)
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
+
+    def chat_template(self, task: PromptTask) -> bool:
+        return self.scorer.chat_template(task.env)
+
+    async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward:
+        return await self.scorer.score(task.env, task.index, text, task.answer, response_tokens)
 
 
 async def body(ctx: ServiceContext) -> None:
     s = ctx.settings
     assert isinstance(s, RolloutSettings)
+    tasks = s.task_set()
+    tasks.check(data=False)  # rewards and their packages; a worker needs no data
     tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
     async with (
         EngineClient(
@@ -50,9 +55,10 @@ async def body(ctx: ServiceContext) -> None:
             timeout_s=s.generate_timeout_s,
             api_key=s.engine_api_key.get_secret_value() if s.engine_api_key else None,
         ) as c,
-        VerifierPool(size=2, timeout_s=s.verifier_timeout_s) as pool,
+        # warm-up: the rewards import in every sandbox child first, or exit 2 now
+        VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
     ):
-        worker = RolloutWorker(ctx, s, c, tokenizer, EnvScorer(pool))
+        worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
         worker.fetcher = WeightsFetcher(
             ctx.js, ctx.nc, s.run, s.weights_dir / s.run / s.engine_id, poll_s=s.weights_poll_s,
             keep=s.weights_keep, idle_timeout_s=s.weights_idle_timeout_s,

@@ -13,4 +13,5 @@ def _body():  # imported lazily: the app pulls in NATS, aiohttp, transformers
 
 
 def main(argv: list[str] | None = None) -> int:
-    return service_main("rollout", RolloutSettings, _body, argv)
+    # attach: a worker added by hand to a local `flywheel up` run finds its NATS and model
+    return service_main("rollout", RolloutSettings, _body, argv, attach=True)

@@ -14,6 +14,7 @@ from services.common.settings import ServiceSettings
 
 class RolloutSettings(ServiceSettings):
     section: ClassVar[str] = "rollout"
+    needs_task: ClassVar[bool] = True
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_ROLLOUT_", env_nested_delimiter="__", extra="forbid"
     )
@@ -33,9 +34,6 @@ class RolloutSettings(ServiceSettings):
     )
     model: Path | None = Field(
         None, description="Model directory for the tokenizer (the engine's model)."
-    )
-    use_chat_template: bool = Field(
-        True, description="Wrap plain prompts as one user turn with the tokenizer's template."
     )
     concurrency: int = Field(
         8, ge=1, le=1024, description="Tasks generated at once (fills the engine's batch)."

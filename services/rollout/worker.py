@@ -23,8 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -45,7 +44,8 @@ from services.common.errors import PermanentError, RetryableError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery, transient_errors
 from services.common.publish import publish
-from services.rollout.envs import Reward
+from services.common.tasks.prompts import encode
+from services.common.tasks.sandbox import Reward
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 
@@ -62,8 +62,12 @@ def parse_version(v: str | int | None) -> int:
     return int(s) if s.isdigit() else 0
 
 
-Scorer = Callable[[PromptTask, str], Awaitable[Reward]]
-"""Scores one completion of a task (the environment's verifier, in the sandbox)."""
+class Scorer(Protocol):
+    """The task's prompt rendering and reward (its spec in the run file; rewards in the sandbox)."""
+
+    def chat_template(self, task: PromptTask) -> bool: ...
+
+    async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward: ...
 
 
 class RolloutMetrics:
@@ -136,21 +140,13 @@ class RolloutWorker:
         self.subjects = Subjects(s.run)
         self.metrics = RolloutMetrics(ctx.registry)
         self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
+        self.warned_errors: set[str] = set()  # verifier errors already logged once
 
     # tokenization
     def prompt_ids(self, task: PromptTask) -> list[int]:
         if task.prompt_ids is not None:
             return unpack_i32(task.prompt_ids).tolist()
-        if task.messages is not None:
-            messages = list(task.messages)
-        elif self.s.use_chat_template and getattr(self.tok, "chat_template", None):
-            messages = [{"role": "user", "content": task.prompt or ""}]
-        else:
-            return list(self.tok(task.prompt or "", add_special_tokens=False)["input_ids"])
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return encode(self.tok, task.prompt, task.messages, self.scorer.chat_template(task))
 
     def sampling_params(self, task: PromptTask, n: int) -> dict[str, Any]:
         sp = task.sampling
@@ -192,12 +188,17 @@ class RolloutWorker:
                 results[i] = again[0]
         raise RetryableError(f"task {task.task_id}: generation aborted {attempt + 1} times")
 
-    async def score(self, task: PromptTask, text: str) -> Reward:
+    async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward:
         """The sandbox turns a hang or an exception into reward 0 with an error; counted here."""
-        r = await self.scorer(task, text)
+        r = await self.scorer.score(task, text, response_tokens)
         if r.error is not None:
             self.metrics.verifier_errors.inc()
-            log.warning("rollout: task %s: verifier failed: %s", task.task_id, r.error)
+            # One warning per distinct error; repeats are counted, not logged (a broken
+            # reward fails every sample: the buffer stops the run on that, not the console).
+            level = logging.DEBUG if r.error in self.warned_errors else logging.WARNING
+            self.warned_errors.add(r.error)
+            log.log(level, "rollout: task %s: verifier failed: %s (repeats: counted in "
+                    "flywheel_rollout_verifier_errors_total)", task.task_id, r.error)  # fmt: skip
         return r
 
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
@@ -219,6 +220,8 @@ class RolloutWorker:
                 )
             try:
                 ids = self.prompt_ids(task)
+            except PermanentError:
+                raise  # a task this worker's run file does not have (unknown_task)
             except (TypeError, ValueError) as e:
                 raise PermanentError(f"cannot tokenize task {task.task_id}: {e}",
                                      reason="bad_task") from e  # fmt: skip
@@ -229,7 +232,7 @@ class RolloutWorker:
         group_id = f"{task.task_id}:a{task.attempt}"
         samples = []
         for i, r in enumerate(results):
-            score = await self.score(task, r.text)
+            score = await self.score(task, r.text, len(r.output_ids))
             version = parse_version(r.weight_version)
             samples.append(
                 Sample(

@@ -48,6 +48,7 @@ async def up(
 ) -> int:
     """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
     (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
+    from services.common import local_run
     from services.common.nats_server import NatsServer
     from services.stack.plan import plan
     from services.stack.status import render_line, scrape, summarise
@@ -60,6 +61,8 @@ async def up(
     if s.embedded_nats:
         nats = NatsServer(port=s.nats_port, store_dir=run_dir / "nats").start()
         url = nats.url
+        # `flywheel status -c` and workers added by hand find this NATS here
+        local_run.record(run_dir, url, s.model.resolve())
         print(f"flywheel up: embedded nats-server at {url} (store {run_dir / 'nats'})")
     specs = plan(s, config.resolve(), url, free_port)
     sup = Supervisor(
@@ -104,11 +107,48 @@ async def up(
     finally:
         await sup.stop_all()
         if nats is not None:
+            local_run.forget(run_dir)
             nats.close()
     return 1 if sup.failed else 0
+
+
+SETTINGS = {
+    "buffer": "services.buffer.settings:BufferSettings",
+    "rollout": "services.rollout.settings:RolloutSettings",
+    "trainer": "services.trainer.service_settings:TrainerSettings",
+    "sync": "services.sync.settings:SyncSettings",
+    "engine": "services.rollout.engine.settings:EngineSettings",
+}
+
+
+def preflight(s: StackSettings, config: str) -> int:
+    """Every service's settings and the task's files and packages, checked before anything
+    starts: one report of what is wrong, not a service dying after the engines loaded."""
+    import importlib
+
+    from services.common.errors import EXIT_CONFIG, ConfigError
+    from services.common.settings import load_settings
+
+    errors = []
+    for kind in s.services:
+        module, _, name = SETTINGS[kind].partition(":")
+        try:
+            load_settings(getattr(importlib.import_module(module), name), config)
+        except ConfigError as e:
+            errors.append(str(e).removeprefix("invalid settings:\n").strip())
+    if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
+        try:
+            s.task_set().check(data=True)
+        except ConfigError as e:
+            errors.append(str(e))
+    for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
+        print(f"flywheel up: {line}", file=sys.stderr)
+    return EXIT_CONFIG if errors else 0
 
 
 def up_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = settings_or_exit("up", StackSettings, args.config, args.print_config)
+    if code := preflight(settings, args.config):
+        return code
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -43,15 +43,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def held_out_accuracy(model_dir: Path, n: int, seed: int) -> float:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
+    """Greedy pass@1 on the run file's held-out split (the trainer's evaluation)."""
+    from services.common.tasks.evaluate import evaluate_dir
 
-    from services.common.arithmetic import problem
-    from services.trainer.evaluate import exact_match_accuracy
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return exact_match_accuracy(model, tok, [problem(seed, i) for i in range(n)]).accuracy
+    return evaluate_dir(model_dir, tasks, size=n).pass_at_1
 
 
 def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
@@ -149,7 +145,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     config = Path(args.config)
     base = load_settings(StackSettings, config)
     run_dir = Path(args.run_dir or base.run_dir).resolve()
-    eval_seed = 1_000_003
+    tasks = base.task_set()
     sft_model = run_dir / "model-sft"
     if not (args.keep and (sft_model / "flywheel-manifest.json").is_file()):
         if run_dir.exists():
@@ -163,7 +159,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         for sub in ("weights", "checkpoints", "nats", "logs", "metrics.jsonl", "status.log"):
             p = run_dir / sub
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    before = held_out_accuracy(sft_model, args.eval_size, eval_seed)
+    before = held_out_accuracy(tasks, sft_model, args.eval_size)
     print(f"flywheel demo: held-out accuracy after SFT: {before:.3f}", flush=True)
     rf = run_file(config, run_dir, sft_model, args.max_staleness)
     settings = load_settings(StackSettings, rf)
@@ -180,7 +176,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     if code != 0 or final is None:
         print("flywheel demo: the RL stage failed; see the logs above", file=sys.stderr)
         return code or 1
-    after = held_out_accuracy(final, args.eval_size, eval_seed)
+    after = held_out_accuracy(tasks, final, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
     steps = int(final.name[1:])
     summary = {"accuracy_before": before, "accuracy_after": after, "rl_seconds": rl_s,

@@ -20,36 +20,62 @@ from typing import Any
 
 def eval_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="flywheel eval", description="Held-out greedy accuracy of a weights directory."
+        prog="flywheel eval",
+        description="Held-out pass@1 (greedy) and pass@k of a model on a run's task.",
     )
-    p.add_argument("model", help="HF model directory (e.g. runs/demo/weights/demo/v000130)")
-    p.add_argument("--task", choices=["arithmetic"], default="arithmetic")
-    p.add_argument("-n", type=int, default=500, help="held-out problems")
-    p.add_argument("--seed", type=int, default=1_000_003, help="seed of the held-out problems")
-    p.add_argument("--digits", type=int, default=2)
+    p.add_argument("model", nargs="?", help="weights directory (same as --weights)")
+    p.add_argument("-c", "--config", help="run file: its [task] (default: the arithmetic task)")
+    p.add_argument("--weights", help="HF model directory (default: the run's newest weights, "
+                   "else [stack] model)")  # fmt: skip
+    p.add_argument("-n", type=int, help="held-out rows (default: [task] eval.size)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     args = p.parse_args(argv)
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        print(f"flywheel eval: {model_dir} is not a model directory (no config.json)",
-              file=sys.stderr)  # fmt: skip
+    from services.common.errors import ConfigError
+    from services.common.tasks.evaluate import evaluate_dir
+
+    try:
+        tasks, model_dir = eval_target(args.config, args.weights or args.model)
+        report = evaluate_dir(model_dir, tasks, size=args.n)
+    except ConfigError as e:
+        print(f"flywheel eval: {e}", file=sys.stderr)
         return 2
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from services.common.arithmetic import problem
-    from services.trainer.evaluate import exact_match_accuracy
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    problems = [problem(args.seed, i, args.digits) for i in range(args.n)]
-    r = exact_match_accuracy(model, tok, problems)
     if args.json:
-        print(json.dumps({"accuracy": r.accuracy, "correct": r.correct, "total": r.total}))
-    else:
-        print(f"{model_dir}: held-out greedy accuracy {r.accuracy:.3f} ({r.correct}/{r.total})")
-        for prompt, completion, answer in r.samples:
-            print(f"  {prompt}{completion!r}  (answer {answer})")
+        print(json.dumps({"model": str(model_dir), **report.metrics(), "accuracy":
+                          report.pass_at_1, "total": report.total}))  # fmt: skip
+        return 0
+    for name, t in report.tasks.items():
+        k = f", pass@{t.k} {t.pass_at_k:.3f}" if t.pass_at_k is not None else ""
+        print(f"{model_dir}: {name}: held-out pass@1 {t.pass_at_1:.3f}{k} "
+              f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})")  # fmt: skip
+        for prompt, completion, answer in t.examples:
+            print(f"  {prompt[-60:]!r} -> {completion[:80]!r}  (answer {answer!r})")
     return 0
+
+
+def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
+    """The tasks and the model directory `flywheel eval` evaluates (ConfigError if none)."""
+    from services.common.errors import ConfigError
+    from services.common.settings import load_settings
+    from services.common.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
+    from services.common.tasks.taskset import TaskSet
+    from services.stack.demo import latest_weights
+    from services.stack.settings import StackSettings
+
+    if config is None:
+        held_out = ArithmeticSource(type="arithmetic", seed=1_000_003)
+        spec = TaskSpec(source=ArithmeticSource(type="arithmetic"),
+                        eval=EvalSpec(source=held_out, size=500))  # fmt: skip
+        tasks, model_dir = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"}), None
+    else:
+        s = load_settings(StackSettings, config)
+        tasks = s.task_set()
+        model_dir = latest_weights(s.run_dir, s.run) or s.model
+    model_dir = Path(weights) if weights else model_dir
+    if model_dir is None:
+        raise ConfigError("no model: give a weights directory (or -c run.toml)")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{model_dir} is not a model directory (no config.json)")
+    return tasks, model_dir
 
 
 async def gather_status(settings: Any) -> dict[str, Any]:
@@ -189,7 +215,19 @@ def status_main(argv: list[str] | None = None) -> int:
     from services.common.service_main import settings_or_exit
     from services.stack.settings import StackSettings
 
-    settings = settings_or_exit("status", StackSettings, args.config, False)
-    s = asyncio.run(gather_status(settings))
+    settings = settings_or_exit("status", StackSettings, args.config, False, attach=True)
+    # The run's NATS is up or the command says so at once: no minute of retries.
+    import logging
+
+    from services.common.errors import FlywheelError
+
+    # A one-shot reader: the connection's own notes (closing = "disconnected") are not news.
+    logging.getLogger("services.common.nats_conn").setLevel(logging.ERROR)
+    nats = settings.nats.model_copy(update={"connect_attempts": 1})
+    try:
+        s = asyncio.run(gather_status(settings.model_copy(update={"nats": nats})))
+    except (OSError, TimeoutError, FlywheelError) as e:
+        print(f"flywheel status: cannot reach NATS at {nats.url}: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(s, indent=2) if args.json else render_status(s))
     return 0

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from services.common.errors import FlywheelError
+from services.common.errors import EXIT_CONFIG, EXIT_HALTED, FlywheelError
 from services.stack.plan import ProcSpec
 
 log = logging.getLogger(__name__)
 
 TAIL_LINES = 30
+FINAL = (EXIT_CONFIG, EXIT_HALTED)  # exit codes after which a restart cannot help
 
 
 class StackError(FlywheelError, RuntimeError):
@@ -190,6 +191,14 @@ class Supervisor:
                     continue
                 if p.pump is not None:
                     await p.pump
+                code = p.proc.returncode
+                if code in FINAL:
+                    # The service says restarting cannot help (a bad setting, a systematic
+                    # error): stop the run with its own words, not a restart loop.
+                    self.failed = f"{p.name} stopped the run:\n{self._cause(p)}"
+                    print(f"\nflywheel up: {self.failed}\n", file=sys.stderr, flush=True)
+                    stop.set()
+                    return
                 report = self._death_report(p, "died")
                 print(f"\nflywheel up: {report}\n", file=sys.stderr)
                 if self.on_failure == "restart" and p.restarts < self.max_restarts:
@@ -203,6 +212,14 @@ class Supervisor:
                     return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
+
+    def _cause(self, p: Proc) -> str:
+        """The service's last words: its `flywheel <service>: …` lines (its exit error)."""
+        lines = list(p.tail)
+        start = next((i for i in range(len(lines) - 1, -1, -1)
+                      if lines[i].startswith("flywheel ")), None)  # fmt: skip
+        cause = lines[start:] if start is not None else lines[-5:]
+        return "\n".join(f"  {line}" for line in cause) + f"\n  (log: {p.log_path})"
 
     async def stop_all(self) -> None:
         for p in reversed(self.procs):

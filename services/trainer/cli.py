@@ -50,15 +50,26 @@ def sft_main(argv: list[str]) -> int:
 
 
 def init_model_main(argv: list[str]) -> int:
-    """flywheel init-model DIR [--hidden N --layers N --heads N --kv-heads N --intermediate N]."""
+    """flywheel init-model [DIR] [-c run.toml] [--sft-steps N] [--hidden N --layers N ...]."""
     from services.common.tiny_model import TinyModelSpec, write_tiny_model
 
     d = TinyModelSpec()
     ap = argparse.ArgumentParser(
         prog="flywheel init-model",
-        description="Write a randomly initialised tiny Qwen2 model with a char tokenizer.",
+        description="Write a tiny Qwen2 model. With -c: a BPE tokenizer trained on the run "
+        "file's task and an SFT warm start on its training rows, at [stack] model. "
+        "Without: the demo's char-tokenizer model, untrained, at DIR.",
     )
-    ap.add_argument("dir", type=Path, help="Output directory.")
+    ap.add_argument("dir", type=Path, nargs="?", help="Output directory (same as --out).")
+    ap.add_argument("-c", "--config", type=Path, help="Run file whose [task] the model is for.")
+    ap.add_argument("--out", type=Path, help="Output directory (default: [stack] model).")
+    ap.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary (with -c).")
+    ap.add_argument(
+        "--sft-steps",
+        type=int,
+        default=300,
+        help="Warm-start steps on the task's training rows (with -c; 0: none).",
+    )
     ap.add_argument("--hidden", type=int, default=d.hidden_size)
     ap.add_argument("--layers", type=int, default=d.num_layers)
     ap.add_argument("--heads", type=int, default=d.num_heads)
@@ -71,9 +82,6 @@ def init_model_main(argv: list[str]) -> int:
     if args.hidden % args.heads:
         print("flywheel init-model: --hidden must be divisible by --heads", file=sys.stderr)
         return 2
-    if args.dir.exists() and any(args.dir.iterdir()) and not args.force:
-        print(f"flywheel init-model: {args.dir} is not empty (use --force)", file=sys.stderr)
-        return 2
     spec = TinyModelSpec(
         hidden_size=args.hidden,
         num_layers=args.layers,
@@ -83,6 +91,23 @@ def init_model_main(argv: list[str]) -> int:
         max_position_embeddings=args.max_positions,
         seed=args.seed,
     )
-    out = write_tiny_model(args.dir, spec)
-    print(out)
+    out_dir = args.out or args.dir
+    if args.config is not None:
+        from services.trainer.init_model import init_for_task
+
+        try:
+            out = init_for_task(args.config, out_dir, vocab_size=args.vocab_size,
+                                sft_steps=args.sft_steps, spec=spec, force=args.force)  # fmt: skip
+        except FlywheelError as e:
+            print(f"flywheel init-model: {e}", file=sys.stderr)
+            return 2
+        print(out)
+        return 0
+    if out_dir is None:
+        print("flywheel init-model: give DIR (or -c run.toml)", file=sys.stderr)
+        return 2
+    if out_dir.exists() and any(out_dir.iterdir()) and not args.force:
+        print(f"flywheel init-model: {out_dir} is not empty (use --force)", file=sys.stderr)
+        return 2
+    print(write_tiny_model(out_dir, spec))
     return 0

@@ -62,6 +62,7 @@ from services.trainer.checkpoint import (
     snapshot,
 )
 from services.trainer.distributed import DistInfo
+from services.trainer.heldout import HeldOut, eval_line, reward_parts
 from services.trainer.service_settings import TrainerSettings
 from services.trainer.trainer import Trainer
 from services.trainer.wire import batch_stats, to_core_batch
@@ -257,7 +258,8 @@ GAUGES = {
     "lr": "Learning rate of the last step.",
     "staleness_max": "Largest step − sample version in the last batch.",
     "response_tokens_mean": "Mean response length of the last batch.",
-    "eval_accuracy": "Held-out greedy exact-match accuracy (last evaluation).",
+    "eval_accuracy": "Held-out greedy pass@1 through the task's reward (last evaluation).",
+    "eval_pass_at_k": "Held-out sampled pass@k (eval.k > 1; last evaluation).",
 }
 
 
@@ -278,6 +280,10 @@ class TrainerMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r,
         )  # fmt: skip
         self.tokens = Counter("flywheel_trainer_tokens", "Tokens trained on.", registry=r)
+        self.reward_part = Gauge(
+            "flywheel_trainer_reward_part", "Mean of each reward part over the last batch.",
+            ["part"], registry=r,
+        )  # fmt: skip
         self.upload_bytes = Counter(
             "flywheel_trainer_weights_upload_bytes", "Weight bytes sent over NATS.", registry=r
         )
@@ -301,6 +307,7 @@ class TrainerService:
         self.busy = 0.0
         self.started = time.time()
         self.finishing: asyncio.Task[None] | None = None
+        self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
 
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
         """Announce a saved version; over NATS, its chunks are all stored first."""
@@ -343,11 +350,14 @@ class TrainerService:
 
     def record(self, batch: WireBatch, r: StepResult, waited: float) -> dict[str, Any]:
         stats = batch_stats(batch)
+        parts = reward_parts(batch)
         row: dict[str, Any] = {
             "step": r.step, "batch_id": batch.batch_id, "time": time.time(),
-            "elapsed": time.time() - self.started, **stats, **r.metrics, "wait_s": waited,
-            "compute_s": r.compute_s, "publish_s": r.publish_s,
+            "elapsed": time.time() - self.started, **stats, **parts, **r.metrics,
+            "wait_s": waited, "compute_s": r.compute_s, "publish_s": r.publish_s,
         }  # fmt: skip
+        for name, v in parts.items():
+            self.metrics.reward_part.labels(part=name.removeprefix("reward/")).set(v)
         for k, g in self.metrics.gauges.items():
             if k in row:
                 g.set(float(row[k]))
@@ -365,20 +375,13 @@ class TrainerService:
         row["idle_fraction"] = self.waited / max(self.waited + self.busy, 1e-9)
         return row
 
-    def evaluate(self, path: Path) -> float:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from services.common.arithmetic import problem
-        from services.trainer.evaluate import exact_match_accuracy
-
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        problems = [
-            problem(self.s.eval_seed, i, self.s.eval_digits) for i in range(self.s.eval_size)
-        ]
-        return exact_match_accuracy(
-            model, tok, problems, max_new_tokens=self.s.eval_max_new_tokens
-        ).accuracy
+    async def evaluate(self, path: Path, row: dict[str, Any]) -> None:
+        """The held-out evaluation of `path` into `row` and the gauges."""
+        report = await self.heldout.run(path)
+        row.update(report.metrics())
+        self.metrics.gauges["eval_accuracy"].set(report.pass_at_1)
+        if report.pass_at_k is not None:
+            self.metrics.gauges["eval_pass_at_k"].set(report.pass_at_k)
 
     def write_row(self, row: dict[str, Any]) -> None:
         if self.s.metrics_file is None:
@@ -420,17 +423,18 @@ class TrainerService:
         self.reconcile_rows()
         await self.reader.open()
         try:
-            await self._run()
+            async with self.heldout:
+                await self._run()
         finally:
             await self.reader.close()
 
     async def _run(self) -> None:
         await self.announce_pending()
         if self.s.eval_every and self.trainer.step == 0:
-            acc = await asyncio.to_thread(self.evaluate, self.s.model)
-            self.metrics.gauges["eval_accuracy"].set(acc)
-            self.write_row({"step": 0, "time": time.time(), "elapsed": 0.0, "eval_accuracy": acc})
-            log.info("trainer: held-out accuracy at start %.3f", acc)
+            row: dict[str, Any] = {"step": 0, "time": time.time(), "elapsed": 0.0}
+            await self.evaluate(self.s.model, row)
+            self.write_row(row)
+            log.info("trainer: held-out evaluation at start:%s", eval_line(row))
         self.ctx.readiness.ok("trainer")
         try:
             await self._loop()
@@ -483,13 +487,12 @@ class TrainerService:
         if r.published is not None:
             await self.announce(r.step, r.published, r.sha256, r.size_bytes)
             if self.s.eval_every and r.step % self.s.eval_every == 0:
-                row["eval_accuracy"] = await asyncio.to_thread(self.evaluate, r.published)
-                self.metrics.gauges["eval_accuracy"].set(row["eval_accuracy"])
+                await self.evaluate(r.published, row)
         self.write_row(row)
         log.info(
             "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs publish %.2fs%s",
             r.step, row.get("loss", float("nan")), row["reward_mean"], waited, r.compute_s,
-            r.publish_s, f" acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else "",
+            r.publish_s, eval_line(row),
         )  # fmt: skip
 
     def _step(self, data: bytes, batch: WireBatch, seq: int) -> tuple[StepResult, Snapshot | None]:

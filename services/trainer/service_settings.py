@@ -15,6 +15,7 @@ from services.trainer.core.config import LossConfig
 
 class TrainerSettings(ServiceSettings):
     section: ClassVar[str] = "trainer"
+    needs_task: ClassVar[bool] = True
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_TRAINER_", env_nested_delimiter="__", extra="forbid"
     )
@@ -41,12 +42,10 @@ class TrainerSettings(ServiceSettings):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     runtime: ModelConfig = Field(default_factory=ModelConfig)
     eval_every: int = Field(
-        0, ge=0, description="Held-out greedy accuracy every this many steps (0: never)."
-    )
-    eval_size: int = Field(200, ge=1, description="Held-out arithmetic problems per evaluation.")
-    eval_seed: int = Field(1_000_003, description="Seed of the held-out problems.")
-    eval_digits: int = Field(2, ge=1, le=9, description="Operand digits of held-out problems.")
-    eval_max_new_tokens: int = Field(8, ge=1, description="Greedy decode length in evaluation.")
+        0, ge=0,
+        description="Evaluate the task's held-out split ([task] eval: pass@1, pass@k) every "
+        "this many steps, and at step 0 (0: never).",
+    )  # fmt: skip
     metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
 
     def train_config(self) -> TrainConfig:

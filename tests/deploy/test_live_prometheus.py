@@ -66,9 +66,15 @@ on_failure = "stop"
 ready_timeout_s = 90
 status_interval_s = 1
 
+[task]
+source = {{ type = "arithmetic", digits = 1 }}
+
+[task.eval]
+source = {{ type = "arithmetic", digits = 1, seed = 1000003 }}
+size = 4
+max_new_tokens = 4
+
 [buffer]
-source = "arithmetic"
-digits = 1
 samples_per_prompt = 4
 groups_per_step = 2
 max_new_tokens = 4
@@ -88,8 +94,6 @@ max_running_requests = 16
 [trainer]
 publish_every = 1
 eval_every = 1
-eval_size = 4
-eval_max_new_tokens = 4
 
 [trainer.runtime]
 cpu_threads = 1

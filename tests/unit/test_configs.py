@@ -14,7 +14,8 @@ from services.stack.settings import StackSettings
 from services.sync.settings import SyncSettings
 from services.trainer.service_settings import TrainerSettings
 
-CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+ROOT = Path(__file__).parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("**/*.toml"))
 SETTINGS = [
     BufferSettings,
     RolloutSettings,
@@ -33,4 +34,13 @@ def test_config_loads(config: Path, cls: type) -> None:
 
 
 def test_configs_exist() -> None:
-    assert {p.name for p in CONFIGS} >= {"demo.toml", "gpu-example.toml"}
+    assert {p.name for p in CONFIGS} >= {"demo.toml", "gpu-example.toml", "jsonl-math.toml",
+                                        "reasoning-gym.toml"}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_config_names_a_task_whose_files_exist(config: Path, monkeypatch) -> None:
+    """Every shipped run file has a task; the examples' data ships with them."""
+    monkeypatch.chdir(ROOT)  # the examples' paths are from the repo root, as the README runs them
+    tasks = load_settings(BufferSettings, config).task_set()
+    tasks.check(data=config.parent.name == "examples")

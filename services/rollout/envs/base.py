@@ -63,14 +63,3 @@ class MultiTurnEnvironment(Environment, Protocol):
     def initial_state(self, problem: Problem) -> Any: ...
 
     def step(self, state: Any, turn_text: str) -> Turn: ...
-
-
-class SingleTurn:
-    """Base for single-turn environments: verifier args are (completion, answer)."""
-
-    multi_turn: ClassVar[bool] = False
-    name: str = ""
-    verifier: str = ""
-
-    def verifier_args(self, completion: str, problem: Problem) -> tuple[Any, ...]:
-        return (completion, problem.answer or "")

@@ -34,7 +34,14 @@ CASES = [
     (["-m", "services.buffer"], 'run = "a.b"\n', ["run"]),  # not one subject token
     (["-m", "services.buffer"], "[buffer\n", ["not valid TOML"]),
     (["-m", "services.cli", "up"], "[stack]\nengines = -1\n", ["[stack]", "engines"]),
-]
+    # the JSONL reproduction, uncorrected: `flywheel up` stops before starting anything
+    (["-m", "services.cli", "up"],
+     '[buffer]\nsource = "jsonl"\ndataset = "d.jsonl"\nenv = "jsonl"\n',
+     ["[buffer] dataset, env, source", "[task] missing"]),
+    (["-m", "services.cli", "up"], '[task]\nsource = { type = "jsonl", path = "nope.jsonl" }\n'
+     'reward = "math"\n', ["[task] source.path: not found"]),
+    (["-m", "services.rollout"], '[task]\nsource = { type = "jsonl" }\n', ["[task] source.path"]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,8 @@ def test_bad_messages_are_dead_lettered_and_the_service_goes_on(
     run_file = tmp_path / "run.toml"
     run_file.write_text(
         f'run = "{RUN}"\nmetrics_port = {port}\n[nats]\nurl = "{nats_server.url}"\n'
-        f"[buffer]\ngroups_per_step = 2\nsamples_per_prompt = 2\ndataset_size = 10\n"
+        '[task]\nsource = { type = "arithmetic", size = 10 }\n'
+        "[buffer]\ngroups_per_step = 2\nsamples_per_prompt = 2\n"
         f'[sync]\nweights_root = "{tmp_path / "weights"}"\n'
     )
     log = tmp_path / f"{case.service}.log"

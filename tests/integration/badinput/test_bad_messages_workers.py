@@ -110,6 +110,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopStack]:
     config.write_text(
         run_file(
             RUN,
+            task={"source": {"type": "arithmetic"}},
             rollout={"concurrency": 2, "heartbeat_s": 0.3, "weights_poll_s": 0.5},
             engine={"num_threads": 1},
             trainer={"publish_every": 1, "runtime": {"cpu_threads": 1}},

@@ -1,10 +1,10 @@
-"""A verifier that hangs or raises: the sample scores 0, carries the error, and is counted.
+"""A reward that hangs or raises: the sample scores 0, carries the error, and is counted.
 
-Real verifier sandbox processes (services/rollout/envs/sandbox.py), the
-arithmetic environment with a custom verifier by import path, and the
-rollout worker's own scoring step (`RolloutWorker.score`, which sets the
-sample's `verifier_error` from the result and counts
-`flywheel_rollout_verifier_errors_total`). A good verifier still scores
+Real verifier sandbox processes (services/common/tasks/sandbox.py), a task
+whose reward is a custom function by import path, and the rollout worker's
+own scoring step (`RolloutWorker.score`, which sets the sample's
+`verifier_error` from the result and counts
+`flywheel_rollout_verifier_errors_total`). A good reward still scores
 afterwards: the hung child was replaced.
 """
 
@@ -18,7 +18,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proto.messages import PromptTask, SamplingParams
-from services.rollout.envs import Problem, Reward, VerifierPool, make_env, score
+from services.common.tasks.sandbox import Reward, VerifierPool
+from services.common.tasks.scoring import Scorer
+from services.common.tasks.spec import TaskSpec
+from services.common.tasks.taskset import TaskSet
+from services.rollout.app import TaskScorer
 from services.rollout.worker import RolloutMetrics, RolloutWorker
 
 MODULE = "tests.integration.badinput.bad_verifiers"
@@ -43,25 +47,24 @@ def test_hanging_and_raising_verifiers_score_zero_and_are_counted() -> None:
         run="v", task_id="v:e0:i0", epoch=0, index=0, env="arithmetic", prompt="1+2=",
         answer="3", n=1, sampling=SamplingParams(), created_at=time.time(),
     )  # fmt: skip
-    problem = Problem(prompt=task.prompt, messages=None, answer=task.answer)
+
+    def tasks(reward: str) -> TaskSet:
+        spec = TaskSpec.model_validate({"source": {"type": "arithmetic"}, "reward": reward})
+        return TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
 
     async def body() -> tuple[list[Reward], float, float]:
         async with VerifierPool(size=1, timeout_s=1.0) as pool:
             ctx: Any = Ctx()
             metrics = RolloutMetrics(ctx.registry)
             results = []
-            for verifier in (f"{MODULE}:hangs", f"{MODULE}:raises", None):
-                env = make_env("arithmetic", verifier=verifier)
-
-                async def scorer(t: PromptTask, text: str, env: Any = env) -> Reward:
-                    return await score(pool, env, problem, text)
-
+            for reward in (f"{MODULE}:hangs", f"{MODULE}:raises", "exact_match"):
                 worker = RolloutWorker.__new__(RolloutWorker)  # only the scoring step
                 worker.metrics = metrics
-                worker.scorer = scorer
+                worker.warned_errors = set()
+                worker.scorer = TaskScorer(Scorer(tasks(reward), pool))
                 t0 = time.monotonic()
-                results.append(await worker.score(task, "3"))
-                if verifier is not None and verifier.endswith("hangs"):
+                results.append(await worker.score(task, "3", 1))
+                if reward.endswith("hangs"):
                     assert time.monotonic() - t0 < 10  # bounded by the pool's limit
             return results, errors_total(ctx.registry), float(sum(pool.errors.values()))
 

@@ -50,12 +50,13 @@ def run_file(tmp_path: Path, url: str, k: int) -> Path:
 run = "{RUN}"
 [nats]
 url = "{url}"
+[task]
+source = {{ type = "arithmetic", size = 50 }}
 [buffer]
 groups_per_step = {G}
 max_staleness = {k}
 oversample = 0.5
 samples_per_prompt = 2
-dataset_size = 50
 dispatch_interval_s = 0.05
 """
     )

@@ -22,7 +22,7 @@ class EchoEnv:
 
     name: str = "echo"
     multi_turn: ClassVar[bool] = True
-    verifier: str = "services.rollout.envs.verifiers:exact_match"
+    verifier: str = "services.common.tasks.rewards:exact_match"
     max_turns: int = 3
     stop: tuple[str, ...] = ()
 

@@ -29,7 +29,8 @@ S = Subjects(RUN)
 def loop_config(run: str, **trainer: object) -> str:
     return run_file(
         run,
-        buffer={"source": "arithmetic", "digits": 1, "samples_per_prompt": 4,
+        task={"source": {"type": "arithmetic", "digits": 1}},
+        buffer={"samples_per_prompt": 4,
                 "groups_per_step": 2, "max_new_tokens": 4, "max_staleness": STALENESS,
                 "oversample": 0.0, "filter_zero_variance": False},
         rollout={"concurrency": 4, "heartbeat_s": 0.3, "weights_poll_s": 0.5,

@@ -158,7 +158,8 @@ def test_permission_example_runs_the_buffer_and_denies_a_forged_batch(
         run_file.write_text(
             f'run = "{RUN}"\n[nats]\nurl = "{server.url}"\nuser = "buffer"\n'
             f'password = "change-me-buffer"\nconnect_attempts = 3\n'
-            "[buffer]\ngroups_per_step = 2\nsamples_per_prompt = 2\ndataset_size = 20\n"
+            '[task]\nsource = { type = "arithmetic", size = 20 }\n'
+            "[buffer]\ngroups_per_step = 2\nsamples_per_prompt = 2\n"
         )
         log = tmp_path / "buffer.log"
         proc = subprocess.Popen(

@@ -58,7 +58,7 @@ def test_a_killed_supervisor_leaves_no_orphans(tmp_path: Path) -> None:
 
 def test_a_dead_service_is_reported_and_restarted(tmp_path: Path) -> None:
     async def scenario() -> None:
-        crash = (sys.executable, "-c", "print('boom', flush=True); raise SystemExit(3)")
+        crash = (sys.executable, "-c", "print('boom', flush=True); raise SystemExit(1)")
         sup = Supervisor(
             [ProcSpec("crasher", "x", crash)], tmp_path / "logs", max_restarts=2, console=None
         )
@@ -67,9 +67,29 @@ def test_a_dead_service_is_reported_and_restarted(tmp_path: Path) -> None:
         await asyncio.wait_for(sup.watch(stop), 30)  # returns once restarts are used up
         p = sup.get("crasher")
         assert p.restarts == 2
-        assert sup.failed is not None and "crasher died (exit code 3)" in sup.failed
+        assert sup.failed is not None and "crasher died (exit code 1)" in sup.failed
         assert "boom" in sup.failed  # the tail of its log
         assert (tmp_path / "logs" / "crasher.log").read_text().count("boom") == 3
+        await sup.stop_all()
+
+    asyncio.run(scenario())
+
+
+def test_a_service_that_halts_the_run_is_not_restarted(tmp_path: Path) -> None:
+    """Exit 3 (RunHalted) or 2 (a bad setting): restarting cannot help; its words stop the run."""
+
+    async def scenario() -> None:
+        halt = (sys.executable, "-c",
+                "print('starting'); print('flywheel buffer: stopping the run: bug', flush=True);"
+                " raise SystemExit(3)")  # fmt: skip
+        sup = Supervisor([ProcSpec("buffer", "x", halt)], tmp_path / "logs", max_restarts=5,
+                         console=None)  # fmt: skip
+        await sup.start_all()
+        await asyncio.wait_for(sup.watch(asyncio.Event()), 30)
+        assert sup.get("buffer").restarts == 0
+        assert sup.failed is not None and "buffer stopped the run" in sup.failed
+        assert "flywheel buffer: stopping the run: bug" in sup.failed
+        assert "starting" not in sup.failed  # its last words, not its whole log
         await sup.stop_all()
 
     asyncio.run(scenario())

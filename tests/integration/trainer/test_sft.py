@@ -7,9 +7,11 @@ import sys
 import pytest
 
 from services.common.arithmetic import problem
+from services.common.tasks.evaluate import evaluate_dir
+from services.common.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
+from services.common.tasks.taskset import TaskSet
 from services.common.weights import verify_weights_dir
-from services.trainer.evaluate import exact_match_accuracy
-from services.trainer.model import load_model, load_tokenizer
+from services.trainer.model import load_tokenizer
 from services.trainer.sft_data import (
     SftDataError,
     arithmetic_records,
@@ -75,16 +77,20 @@ cpu_threads = 1
     assert "saved" in proc.stdout
 
     verify_weights_dir(tmp_path / "out")
-    tok = load_tokenizer(tmp_path / "out")
-    result = exact_match_accuracy(load_model(tmp_path / "out"), tok, held_out)
-    print(
-        f"held-out exact match: {result.accuracy:.3f} ({result.correct}/{result.total})",
-        result.samples,
+    # the one held-out evaluation (services/common/tasks/evaluate.py) on the same problems
+    spec = TaskSpec(
+        source=ArithmeticSource(type="arithmetic"),
+        eval=EvalSpec(
+            source=ArithmeticSource(type="arithmetic", seed=1), size=400, max_new_tokens=8
+        ),
     )
-    assert result.accuracy >= MIN_ACCURACY, result
+    tasks = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
+    result = evaluate_dir(tmp_path / "out", tasks).tasks["arithmetic"]
+    print(f"held-out pass@1: {result.pass_at_1:.3f} of {result.total}", result.examples)
+    assert result.total == 400 and result.pass_at_1 >= MIN_ACCURACY, result
     # the untrained model is at chance on the same problems
-    base = exact_match_accuracy(load_model(tiny_model_dir), tok, held_out[:100])
-    assert base.accuracy < 0.02
+    base = evaluate_dir(tiny_model_dir, tasks, size=100).tasks["arithmetic"]
+    assert base.total == 100 and base.pass_at_1 < 0.02
 
 
 def test_chat_records_train_only_assistant_turns(tiny_model_dir, tmp_path):

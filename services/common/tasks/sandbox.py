@@ -25,7 +25,7 @@ import math
 import struct
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -116,9 +116,12 @@ class _Child:
     @classmethod
     async def start(cls) -> _Child:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.rollout.envs.sandbox",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "services.common.tasks.sandbox",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         return cls(proc)
 
     async def roundtrip(self, path: str, args: tuple[Any, ...]) -> Any:
@@ -143,13 +146,26 @@ class VerifierPool:
 
     `errors` counts failures by kind ("timeout", "raised", "crashed");
     `calls` counts every call. Use `async with VerifierPool(...) as pool`.
+
+    `warmup`: calls every new child makes before it serves (import math-verify,
+    build a reasoning-gym dataset: seconds, which must not count against the
+    first real call's limit, or a slow import times out on every child it
+    replaces). A warm-up that fails at start is a ConfigError.
     """
 
-    def __init__(self, size: int = 2, timeout_s: float = 5.0) -> None:
+    WARMUP_TIMEOUT_S = 120.0
+
+    def __init__(
+        self,
+        size: int = 2,
+        timeout_s: float = 5.0,
+        warmup: Sequence[tuple[str, tuple[Any, ...]]] = (),
+    ) -> None:
         if size < 1 or timeout_s <= 0:
             raise ConfigError("verifier pool needs size >= 1 and timeout_s > 0")
         self.size = size
         self.timeout_s = timeout_s
+        self.warmup = tuple(warmup)
         self.errors: Counter[str] = Counter()
         self.calls = 0
         self._idle: asyncio.Queue[_Child] | None = None
@@ -164,12 +180,23 @@ class VerifierPool:
 
     async def start(self) -> None:
         self._idle = asyncio.Queue()
-        for _ in range(self.size):
-            self._idle.put_nowait(await self._spawn())
+        children = await asyncio.gather(*(self._spawn(strict=True) for _ in range(self.size)))
+        for child in children:
+            self._idle.put_nowait(child)
 
-    async def _spawn(self) -> _Child:
+    async def _spawn(self, strict: bool = False) -> _Child:
         child = await _Child.start()
         self._all.append(child)
+        for path, args in self.warmup:
+            try:
+                answer = await asyncio.wait_for(child.roundtrip(path, args), self.WARMUP_TIMEOUT_S)
+            except (TimeoutError, EOFError, OSError) as e:
+                answer = ["error", f"{type(e).__name__}: {e}"]
+            if answer[0] == "error":
+                if strict:
+                    await self.close()
+                    raise ConfigError(f"verifier warm-up {path} failed: {answer[1]}")
+                log.warning("verifier warm-up %s failed: %s", path, answer[1])
         return child
 
     async def _retire(self, child: _Child) -> _Child:

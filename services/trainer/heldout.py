@@ -1,0 +1,69 @@
+"""The trainer's `eval_every`: the task's held-out split, and the reward parts it logs.
+
+The rows are loaded once at start-up (a missing split is a ConfigError
+then, not at the first evaluation); each evaluation loads the published
+weights directory and runs the one evaluation function
+(services/common/tasks/evaluate.py) with a verifier pool of the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from proto.messages import TrainBatch
+from services.common.errors import ConfigError
+from services.common.tasks.evaluate import EvalReport, evaluate, load_model
+from services.common.tasks.sandbox import VerifierPool
+from services.common.tasks.scoring import Scorer, warmup
+from services.trainer.service_settings import TrainerSettings
+
+
+class HeldOut:
+    """Evaluation on the held-out split; use as `async with HeldOut(settings) as h`."""
+
+    def __init__(self, s: TrainerSettings) -> None:
+        self.enabled = bool(s.eval_every)
+        self.tasks = s.task_set()
+        self.loaded = self.tasks.load() if self.enabled else {}
+        if self.enabled and not any(t.held_out for t in self.loaded.values()):
+            raise ConfigError(
+                f"[task] eval: [trainer] eval_every = {s.eval_every} needs a held-out split: "
+                "set eval.holdout = 0.1 (a fraction of the source) or eval.source (a test file)"
+            )
+        self.pool: VerifierPool | None = None
+
+    async def __aenter__(self) -> HeldOut:
+        if self.enabled:
+            self.pool = VerifierPool(size=2, warmup=warmup(self.tasks))
+            await self.pool.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def run(self, path: Path) -> EvalReport:
+        assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
+        model, tok = await asyncio.to_thread(load_model, path)
+        return await evaluate(model, tok, self.loaded, Scorer(self.tasks, self.pool))
+
+
+def reward_parts(batch: TrainBatch) -> dict[str, float]:
+    """Mean of each reward part over the batch's samples that have it: `reward/<part>`."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for g in batch.groups:
+        for s in g.samples:
+            for name, v in s.reward_parts.items():
+                sums[name].append(v)
+    return {f"reward/{k}": sum(v) / len(v) for k, v in sorted(sums.items())}
+
+
+def eval_line(row: dict[str, Any]) -> str:
+    """' acc 0.620 pass@4 0.810' for the trainer's log line, '' without an evaluation."""
+    if "eval_accuracy" not in row:
+        return ""
+    k = f" pass@k {row['eval_pass_at_k']:.3f}" if "eval_pass_at_k" in row else ""
+    return f" acc {row['eval_accuracy']:.3f}{k}"

@@ -1,0 +1,184 @@
+"""Sources, the held-out split, the training order, prompt formatting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.common.tasks.prompts import encode, format_row, sft_messages
+from services.common.tasks.sources import Row, load_rows
+from services.common.tasks.spec import TaskSpec
+from services.common.tasks.taskset import TaskSet, TrainOrder, load_task
+
+
+def spec(**kw: Any) -> TaskSpec:
+    return TaskSpec.model_validate(kw)
+
+
+def write_jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def gsm_rows(n: int) -> list[dict[str, str]]:
+    return [
+        {"question": f"{i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(n)
+    ]
+
+
+def test_jsonl_fields_marker_messages_and_bad_rows(tmp_path: Path) -> None:
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            *gsm_rows(3),
+            {"messages": [{"role": "user", "content": "hi"}], "answer": 7},
+            "not json",  # one bad row: skipped, never the run
+        ],
+    )
+    s = spec(
+        source={
+            "type": "jsonl",
+            "path": str(data),
+            "prompt_field": "question",
+            "answer_marker": "####",
+        },
+        reward="gsm8k",
+    )
+    rows = load_rows(s.source)
+    assert len(rows) == 4
+    assert rows.row(1) == Row(prompt="1 + 1?", answer="2", solution="1 + 1 = 2\n#### 2")
+    assert rows.row(3).messages == ({"role": "user", "content": "hi"},)
+    assert rows.row(3).answer == "7"
+
+
+def test_wrong_field_names_fail_naming_the_key(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", gsm_rows(5))
+    s = spec(source={"type": "jsonl", "path": str(data)}, reward="math")
+    with pytest.raises(
+        ConfigError,
+        match=r"\[task\] source: 5 of 5 records.*fields seen: "
+        r"answer, question.*prompt_field",
+    ):
+        load_rows(s.source, "[task] source")
+    with pytest.raises(ConfigError, match=r"source.path: file not found"):
+        load_rows(
+            spec(source={"type": "jsonl", "path": str(tmp_path / "no")}, reward="math").source
+        )
+
+
+def test_function_source_and_its_errors(tmp_path: Path) -> None:
+    s = spec(
+        source={
+            "type": "function",
+            "fn": "tests.unit.tasks.fixtures:rows",
+            "kwargs": {"n": 4},
+            "prompt_field": "q",
+        },
+        reward="exact_match",
+    )
+    rows = load_rows(s.source)
+    assert len(rows) == 4 and rows.row(2) == Row(prompt="2*2", answer="4", solution="4")
+    bad = spec(
+        source={"type": "function", "fn": "tests.unit.tasks.fixtures:nope"}, reward="exact_match"
+    )
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_rows(bad.source)
+
+
+def test_hf_dataset_directory_and_parquet(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    d = datasets.Dataset.from_list(gsm_rows(6))
+    d.save_to_disk(str(tmp_path / "ds"))
+    d.to_parquet(str(tmp_path / "d.parquet"))
+    for path in (tmp_path / "ds", tmp_path / "d.parquet"):
+        s = spec(
+            source={
+                "type": "hf",
+                "path": str(path),
+                "prompt_field": "question",
+                "answer_marker": "####",
+            },
+            reward="gsm8k",
+        )
+        rows = load_rows(s.source)
+        assert len(rows) == 6 and rows.row(5).answer == "6" and rows.row(5).prompt == "5 + 1?"
+
+
+def test_reasoning_gym_rows_are_its_generator() -> None:
+    rg = pytest.importorskip("reasoning_gym")
+    s = spec(
+        source={
+            "type": "reasoning_gym",
+            "dataset": "basic_arithmetic",
+            "size": 20,
+            "seed": 3,
+            "config": {"min_terms": 2, "max_terms": 2},
+        }
+    )
+    rows = load_rows(s.source)
+    ref = rg.create_dataset("basic_arithmetic", size=20, seed=3, min_terms=2, max_terms=2)
+    assert len(rows) == 20 and rows.row(7).prompt == ref[7]["question"]
+    assert rows.row(7).answer == str(ref[7]["answer"])
+
+
+def test_holdout_is_seeded_disjoint_and_capped(tmp_path: Path) -> None:
+    s = spec(source={"type": "arithmetic", "size": 1000}, eval={"holdout": 0.2, "size": 50})
+    a, b = load_task("t", s, "[task]"), load_task("t", s, "[task]")
+    held = [i for i, _ in a.held_out]
+    assert held == [i for i, _ in b.held_out] and len(held) == 50
+    assert not set(held) & set(a.train) and 700 < len(a.train) < 900
+    other = spec(source={"type": "arithmetic", "size": 1000}, eval={"holdout": 0.2, "seed": 1})
+    assert [i for i, _ in load_task("t", other, "[task]").held_out][:50] != held
+    sep = spec(
+        source={"type": "arithmetic"}, eval={"source": {"type": "arithmetic", "seed": 9}, "size": 5}
+    )
+    t = load_task("t", sep, "[task]")
+    assert len(t.train) == 100_000 and [r.prompt for _, r in t.held_out] == [
+        load_rows(sep.eval.source).row(i).prompt
+        for i in range(5)  # type: ignore[arg-type]
+    ]
+
+
+def test_mixture_order_follows_weights_and_visits_every_row() -> None:
+    ts = TaskSet(
+        {
+            "a": spec(source={"type": "arithmetic", "size": 10}, weight=3),
+            "b": spec(source={"type": "arithmetic", "size": 40, "digits": 3}, weight=1),
+        },
+        {"a": "[tasks.a]", "b": "[tasks.b]"},
+    )
+    order = TrainOrder.build(ts.load())
+    assert order.counts == [38, 12] and len(order) == 50
+    first = [order.item(0, i) for i in range(len(order))]
+    assert sum(n == "a" for n, _ in first) == 38
+    rows_b = {r for e in range(4) for n, r in (order.item(e, i) for i in range(50)) if n == "b"}
+    assert rows_b == set(range(40))  # fewer slots than rows: later epochs go on
+
+
+def test_format_and_encode_prompts() -> None:
+    s = spec(source={"type": "arithmetic"}, prompt_template="Q: {prompt}\nA:")
+    assert format_row(s, Row(prompt="1+1=")) == ("Q: 1+1=\nA:", None)
+    sys_s = spec(source={"type": "arithmetic"}, system_prompt="Be brief.")
+    _, msgs = format_row(sys_s, Row(prompt="hi"))
+    assert msgs == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"})
+    assert sft_messages(sys_s, Row(prompt="hi", answer="2", solution="1+1=2"))[-1] == {
+        "role": "assistant",
+        "content": "1+1=2",
+    }
+
+    class Tok:
+        chat_template = "x"
+
+        def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
+            return {"input_ids": [ord(c) for c in text]}
+
+        def apply_chat_template(self, messages: list[dict[str, str]], **kw: Any) -> list[int]:
+            return [len(messages), *self(messages[-1]["content"], False)["input_ids"]]
+
+    assert encode(Tok(), "ab", None, chat_template=False) == [97, 98]
+    assert encode(Tok(), "ab", None, chat_template=True) == [1, 97, 98]
+    assert encode(Tok(), None, msgs, chat_template=False) == [2, 104, 105]
