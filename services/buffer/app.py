@@ -72,7 +72,7 @@ from services.buffer.sources import (
 from services.common.errors import ConfigError, FlywheelError, PermanentError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery, transient_errors
-from services.common.nats_conn import ensure_consumer
+from services.common.nats_conn import ensure_consumer, ensure_kv
 from services.common.publish import publish
 
 if TYPE_CHECKING:
@@ -485,14 +485,8 @@ class BufferService:
 
 
 async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
-    from nats.js.api import KeyValueConfig
-    from nats.js.errors import BucketNotFoundError
-
-    bucket = kv_bucket(run, "buffer")
-    try:
-        return await ctx.js.key_value(bucket)
-    except BucketNotFoundError:
-        return await ctx.js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+    replicas = ctx.settings.nats.replicas
+    return await ensure_kv(ctx.js, kv_bucket(run, "buffer"), replicas=replicas, history=1)
 
 
 async def body(ctx: ServiceContext) -> None:
