@@ -12,15 +12,19 @@ proto's `StreamSpec`: the caller passes `[nats] replicas` and it applies to
 every stream and KV bucket Flywheel creates. Consumers are created with
 replicas 0, which JetStream reads as "the stream's", so they follow their
 stream. A stream created with another replica count is scaled in place
-(JetStream allows that on a cluster). Replicas > 1 on a server without
+(JetStream allows that on a cluster), and ensure_* waits until the scaled
+stream has a leader again (an election of a few seconds, during which
+writes time out) before the service starts work on it. Replicas > 1 on a server without
 `cluster {}` is a `ReplicasError` naming the setting, raised before the
 service does anything else, instead of the server's bare API error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +43,9 @@ log = logging.getLogger(__name__)
 
 JS_REPLICAS_NOT_SUPPORTED = 10074
 """JetStream's error code for "replicas > 1 not supported in non-clustered mode"."""
+
+RESCALE_WAIT_S = 30.0
+"""How long ensure_* waits for a re-replicated stream to elect its leader."""
 
 
 class StreamConfigError(FlywheelError, RuntimeError):
@@ -190,6 +197,8 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, replicas: int
             )
         raise err from e
     log.info("stream %s updated: %s", spec.name, diff)
+    if "num_replicas" in diff:
+        await _until_replicated(js, spec.name, replicas)
     return Ensured(spec.name, "updated", diff)
 
 
@@ -256,4 +265,28 @@ async def ensure_kv(
         except APIError as e:
             raise _refused(e, "update KV bucket", bucket, replicas, diff) from e
         log.info("KV bucket %s updated: %s", bucket, diff)
+        await _until_replicated(js, stream, replicas)
     return kv
+
+
+async def _until_replicated(
+    js: JetStreamContext, stream: str, replicas: int, timeout_s: float = RESCALE_WAIT_S
+) -> None:
+    """Wait until a re-scaled stream has a leader and `replicas - 1` current followers.
+
+    On timeout (a member is down, say) log and go on: writes retry on their own.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cluster = (await js.stream_info(stream)).cluster
+        if cluster is None:  # not clustered: nothing to elect
+            return
+        followers = [p for p in cluster.replicas or [] if p.current]
+        if cluster.leader and len(followers) == replicas - 1:
+            return
+        if time.monotonic() > deadline:
+            log.warning(
+                "stream %s: not %d current replicas after %.0fs", stream, replicas, timeout_s
+            )
+            return
+        await asyncio.sleep(0.1)

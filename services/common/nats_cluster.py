@@ -1,0 +1,331 @@
+"""A local JetStream cluster: N embedded nats-servers routed on loopback.
+
+What `flywheel nats --cluster 3`, `[stack] nats_cluster = 3` and the chaos
+tests run. Each member is a `NatsServer` with its own store directory,
+server name (`nats-0`, `nats-1`, …, as the Kubernetes StatefulSet names its
+pods) and route port, all in one cluster; services get every member's
+client URL, comma-separated, as `[nats] url`.
+
+Ports. Client and monitoring ports stay race-free (each server picks its
+own and reports it in its ports file, see nats_server). Route ports cannot:
+a member needs every other member's route URL on its command line before
+any of them runs (JetStream refuses to cluster without configured routes,
+and a full list tells each member the cluster's size). So free route ports
+are probed; if one is taken before its server binds it, that member exits
+with "address already in use" (`NatsPortInUseError`) and the whole cluster
+is started again on newly probed ports, a few times at most. Given route
+ports (the CLI's `--cluster-port`) are not re-probed.
+
+Readiness is each member's plain `/healthz`, which answers 200 only once
+the member has contact with JetStream's meta leader and its streams are
+current: `start()` returns when the meta group has a leader, and
+`restart(node)` after a `kill(node)` returns when the node has rejoined.
+Leaders (the meta group's, a stream's) come from the monitoring endpoint
+`/jsz`, so a test can kill -9 exactly the server a stream depends on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from services.common.errors import NatsServerError
+from services.common.nats_server import ClusterSpec, NatsPortInUseError, NatsServer
+
+log = logging.getLogger(__name__)
+
+PORT_ATTEMPTS = 5
+"""Cluster starts on newly probed route ports before giving up."""
+
+Node = int | str | NatsServer
+"""A member, by index, by server name, or itself."""
+
+
+def probe_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free just now (see the module docstring for the race)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class NatsCluster:
+    """`size` nats-servers with JetStream in one cluster named `name`.
+
+    `ports`, `monitor_ports` and `cluster_ports` fix each member's ports
+    (default: free ones); `store_root` holds one store per member
+    (`<store_root>/<server name>`; default: temporary, removed by close());
+    `config` is extra server configuration for every member, as for
+    NatsServer.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        name: str = "flywheel",
+        store_root: str | Path | None = None,
+        ports: Sequence[int] | None = None,
+        monitor_ports: Sequence[int] | None = None,
+        cluster_ports: Sequence[int] | None = None,
+        config: str | Path | None = None,
+        host: str = "127.0.0.1",
+        ready_timeout_s: float = 30.0,
+    ) -> None:
+        if size < 1:
+            raise NatsServerError(f"a cluster needs at least one server, not {size}")
+        given_ports = {
+            "ports": ports,
+            "monitor_ports": monitor_ports,
+            "cluster_ports": cluster_ports,
+        }
+        for what, given in given_ports.items():
+            if given is not None and len(given) != size:
+                raise NatsServerError(f"{what}: {len(given)} given for {size} servers")
+        self.size = size
+        self.name = name
+        self.host = host
+        self.store_root = Path(store_root) if store_root is not None else None
+        self.ready_timeout_s = ready_timeout_s
+        self._ports = list(ports or [0] * size)
+        self._monitor_ports = list(monitor_ports or [0] * size)
+        self._fixed_cluster_ports = list(cluster_ports) if cluster_ports else None
+        self._config = config
+        self.nodes: list[NatsServer] = []
+
+    # --- addresses ---------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return [f"nats-{i}" for i in range(self.size)]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every member's client URL (valid once started)."""
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """`[nats] url` for services: every member's client URL, comma-separated."""
+        if not self.nodes:
+            raise NatsServerError("the NATS cluster has not been started yet: no ports")
+        return ",".join(self.urls)
+
+    @property
+    def running(self) -> bool:
+        """True while every member runs."""
+        return bool(self.nodes) and all(n.running for n in self.nodes)
+
+    def node(self, key: Node) -> NatsServer:
+        """The member `key` names: an index, a server name, or the member itself."""
+        if isinstance(key, NatsServer):
+            if key not in self.nodes:
+                raise NatsServerError(f"{key.server_name} is not a member of this cluster")
+            return key
+        if isinstance(key, int):
+            return self.nodes[key]
+        for n in self.nodes:
+            if n.server_name == key:
+                return n
+        raise NatsServerError(f"no member named {key!r} (members: {', '.join(self.names)})")
+
+    # --- lifecycle ---------------------------------------------------------
+
+    def start(self) -> NatsCluster:
+        """Start every member and wait until the meta group has a leader. Returns self."""
+        if self.running:
+            return self
+        attempts = 1 if self._fixed_cluster_ports else PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            if not self.nodes:
+                self.nodes = self._members(self._fixed_cluster_ports or self._probe_ports())
+            try:
+                self._start_members()
+                return self
+            except NatsPortInUseError as e:
+                self.close()
+                self.nodes = []
+                if attempt == attempts:
+                    raise
+                log.warning("nats cluster: %s; starting again on other route ports", e)
+            except NatsServerError:
+                self.close()
+                raise
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _probe_ports(self) -> list[int]:
+        ports: set[int] = set()
+        while len(ports) < self.size:
+            ports.add(probe_free_port(self.host))
+        return sorted(ports)
+
+    def _members(self, cluster_ports: Sequence[int]) -> list[NatsServer]:
+        routes = tuple(f"nats://{self.host}:{p}" for p in cluster_ports)
+        return [
+            NatsServer(
+                port=self._ports[i],
+                monitor_port=self._monitor_ports[i],
+                store_dir=self.store_root / name if self.store_root is not None else None,
+                config=self._config,
+                host=self.host,
+                ready_timeout_s=self.ready_timeout_s,
+                server_name=name,
+                cluster=ClusterSpec(self.name, cluster_ports[i], routes),
+            )
+            for i, name in enumerate(self.names)
+        ]
+
+    def _start_members(self) -> None:
+        # Launch all first: no member is ready before a quorum of them runs;
+        # and watch all at once, so one that exits (a taken port) is seen at once.
+        for n in self.nodes:
+            n.launch()
+        deadline = time.monotonic() + self.ready_timeout_s
+        waiting = list(self.nodes)
+        while waiting:
+            waiting = [n for n in waiting if not n.poll_ready()]
+            if waiting and time.monotonic() > deadline:
+                raise NatsServerError(
+                    f"NATS cluster not ready after {self.ready_timeout_s}s; logs:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.02)
+        leader = self.wait_meta_leader(max(0.1, deadline - time.monotonic()))
+        log.info(
+            "nats cluster %s ready: %s (meta leader %s)", self.name, self.url, leader.server_name
+        )
+
+    def kill(self, node: Node) -> NatsServer:
+        """SIGKILL one member (a crash). Returns it."""
+        n = self.node(node)
+        n.kill()
+        return n
+
+    def stop_node(self, node: Node) -> NatsServer:
+        """SIGTERM one member (a clean shutdown). Returns it."""
+        n = self.node(node)
+        n.stop()
+        return n
+
+    def start_node(self, node: Node) -> NatsServer:
+        """Start a stopped or killed member on its old ports and store; returns
+        once it has rejoined (its /healthz: meta leader known, streams current)."""
+        return self.node(node).start()
+
+    def restart(self, node: Node) -> NatsServer:
+        """Stop one member (SIGTERM) and start it again; returns once it has rejoined."""
+        return self.node(node).restart()
+
+    def rolling_restart(self) -> None:
+        """Restart every member in turn, each rejoined before the next goes down."""
+        for n in self.nodes:
+            n.restart()
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def close(self) -> None:
+        """Stop every member and remove their temporary files (given stores stay)."""
+        for n in self.nodes:
+            n.close()
+
+    def log_tail(self, lines: int = 10) -> str:
+        return "\n".join(f"--- {n.server_name}\n{n.log_tail(lines)}" for n in self.nodes)
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- leaders -------------------------------------------------------------
+
+    def jsz(self, node: Node, query: str = "") -> dict[str, Any]:
+        """One member's `/jsz` monitoring report (e.g. query "streams=true")."""
+        n = self.node(node)
+        url = f"{n.monitor_url}/jsz" + (f"?{query}" if query else "")
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            report: dict[str, Any] = json.load(resp)
+        return report
+
+    def _ask_running(self, answer: Callable[[NatsServer], str | None]) -> NatsServer | None:
+        """The member named by the first running member that knows `answer(jsz)`."""
+        for n in self.nodes:
+            if not n.running:
+                continue
+            try:
+                leader = answer(n)
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                continue  # that member is starting or going away: ask another
+            if leader:
+                found = [m for m in self.nodes if m.server_name == leader]
+                if found and found[0].running:
+                    return found[0]
+        return None
+
+    def meta_leader(self) -> NatsServer | None:
+        """The JetStream meta group's leader, or None while there is none."""
+        return self._ask_running(lambda n: self.jsz(n)["meta_cluster"].get("leader") or None)
+
+    def stream_leader(self, stream: str) -> NatsServer | None:
+        """The leader of `stream`'s RAFT group, or None while there is none."""
+
+        def leader_of(n: NatsServer) -> str | None:
+            for account in self.jsz(n, "streams=true").get("account_details", []):
+                for s in account.get("stream_detail", []):
+                    if s["name"] == stream:
+                        return str(s.get("cluster", {}).get("leader") or "") or None
+            return None
+
+        return self._ask_running(leader_of)
+
+    def wait_meta_leader(self, timeout_s: float = 10.0) -> NatsServer:
+        return self._wait_for("meta leader", self.meta_leader, None, timeout_s)
+
+    def wait_stream_leader(
+        self, stream: str, *, other_than: Node | None = None, timeout_s: float = 10.0
+    ) -> NatsServer:
+        """Wait until `stream` has a running leader (other than `other_than`, e.g.
+        the member just killed); return it."""
+        exclude = self.node(other_than) if other_than is not None else None
+        return self._wait_for(
+            f"a leader of stream {stream}", lambda: self.stream_leader(stream), exclude, timeout_s
+        )
+
+    def _wait_for(
+        self,
+        what: str,
+        find: Callable[[], NatsServer | None],
+        exclude: NatsServer | None,
+        timeout_s: float,
+    ) -> NatsServer:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = find()
+            if found is not None and found is not exclude:
+                return found
+            if time.monotonic() > deadline:
+                raise NatsServerError(f"no {what} within {timeout_s}s; logs:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+
+def embedded_nats(servers: int, *, port: int = 0, store_dir: Path) -> NatsServer | NatsCluster:
+    """What `flywheel up` starts: one server (store `store_dir`), or a cluster
+    (stores `store_dir/nats-<i>`, client ports `port + i` when `port` is set)."""
+    if servers == 1:
+        return NatsServer(port=port, store_dir=store_dir)
+    ports = [port + i for i in range(servers)] if port else None
+    return NatsCluster(servers, ports=ports, store_root=store_dir)
