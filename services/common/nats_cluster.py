@@ -16,6 +16,11 @@ with "address already in use" (`NatsPortInUseError`) and the whole cluster
 is started again on newly probed ports, a few times at most. Given route
 ports (the CLI's `--cluster-port`) are not re-probed.
 
+A new cluster bootstraps only with every member up (JetStream will not
+elect its first meta leader from a partial set of the configured routes,
+against split brain), so `start()` starts them all; after that any
+majority keeps it going, and a member killed and started again rejoins.
+
 Readiness is each member's plain `/healthz`, which answers 200 only once
 the member has contact with JetStream's meta leader and its streams are
 current: `start()` returns when the meta group has a leader, and
