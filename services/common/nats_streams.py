@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 JS_REPLICAS_NOT_SUPPORTED = 10074
 """JetStream's error code for "replicas > 1 not supported in non-clustered mode"."""
 
+JS_NO_PEERS_FOR_PLACEMENT = 10005
+"""JetStream's error code for "no suitable peers for placement" (fewer servers up than replicas)."""
+
 RESCALE_WAIT_S = 30.0
 """How long ensure_* waits for a re-replicated stream to elect its leader."""
 
@@ -159,6 +162,14 @@ def _refused(
             f"clustered ({e.description}). Connect to a NATS cluster of at least {replicas} "
             "servers (`flywheel nats --cluster 3`, `[stack] nats_cluster = 3`, or the "
             "nats-cluster Kubernetes component), or set [nats] replicas = 1.",
+            name=name,
+            diff=diff,
+        )
+    if e.err_code == JS_NO_PEERS_FOR_PLACEMENT and replicas > 1:
+        return ReplicasError(
+            f"[nats] replicas = {replicas}: cannot {doing} {name}: {e.description}: the NATS "
+            f"cluster has fewer than {replicas} servers up (or fewer in all). Start the missing "
+            "servers, or set [nats] replicas to at most the cluster's size.",
             name=name,
             diff=diff,
         )

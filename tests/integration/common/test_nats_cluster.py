@@ -128,6 +128,14 @@ def test_streams_and_buckets_made_with_one_replica_are_scaled_to_three(cluster, 
     run_async(body())
 
 
+def test_more_replicas_than_servers_is_a_config_error(cluster, run_async):
+    async def body() -> None:
+        with pytest.raises(ReplicasError, match=r"\[nats\] replicas = 5: .*fewer than 5 servers"):
+            await set_up_like_the_services(settings(cluster.url, "five", 5))
+
+    run_async(body())
+
+
 def group(run: str, i: int) -> SampleGroup:
     g = EXAMPLES["SampleGroup"]
     assert isinstance(g, SampleGroup)
