@@ -23,8 +23,10 @@ majority keeps it going, and a member killed and started again rejoins.
 
 Readiness is each member's plain `/healthz`, which answers 200 only once
 the member has contact with JetStream's meta leader and its streams are
-current: `start()` returns when the meta group has a leader, and
-`restart(node)` after a `kill(node)` returns when the node has rejoined.
+current. `start()` also waits until the meta leader sees every member as
+a current peer (before that it places no replicated stream) and every
+stream has a leader again (after a restart, each elects its own);
+`start_node(node)` after a `kill(node)` returns when the node has rejoined.
 Leaders (the meta group's, a stream's) come from the monitoring endpoint
 `/jsz`, so a test can kill -9 exactly the server a stream depends on.
 """
@@ -144,25 +146,30 @@ class NatsCluster:
     # --- lifecycle ---------------------------------------------------------
 
     def start(self) -> NatsCluster:
-        """Start every member and wait until the meta group has a leader. Returns self."""
+        """Start every member and wait until the meta group has a leader. Returns self.
+
+        Started again after stop() (or with members killed), it starts the
+        stopped members on their old ports and stores.
+        """
         if self.running:
+            return self
+        if self.nodes:
+            self._start_members()
             return self
         attempts = 1 if self._fixed_cluster_ports else PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            if not self.nodes:
-                self.nodes = self._members(self._fixed_cluster_ports or self._probe_ports())
+            self.nodes = self._members(self._fixed_cluster_ports or self._probe_ports())
             try:
                 self._start_members()
                 return self
-            except NatsPortInUseError as e:
+            except NatsServerError as e:
+                for n in self.nodes:  # a new cluster: nothing in its stores to flush
+                    n.kill()
                 self.close()
                 self.nodes = []
-                if attempt == attempts:
+                if not isinstance(e, NatsPortInUseError) or attempt == attempts:
                     raise
                 log.warning("nats cluster: %s; starting again on other route ports", e)
-            except NatsServerError:
-                self.close()
-                raise
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def _probe_ports(self) -> list[int]:
@@ -202,7 +209,8 @@ class NatsCluster:
                     f"{self.log_tail()}"
                 )
             time.sleep(0.02)
-        leader = self.wait_meta_leader(max(0.1, deadline - time.monotonic()))
+        leader = self.wait_peers_current(max(0.1, deadline - time.monotonic()))
+        self.wait_streams_led(max(0.1, deadline - time.monotonic()))
         log.info(
             "nats cluster %s ready: %s (meta leader %s)", self.name, self.url, leader.server_name
         )
@@ -221,17 +229,22 @@ class NatsCluster:
 
     def start_node(self, node: Node) -> NatsServer:
         """Start a stopped or killed member on its old ports and store; returns
-        once it has rejoined (its /healthz: meta leader known, streams current)."""
-        return self.node(node).start()
+        once it has rejoined: its /healthz (meta leader known, its streams
+        current), and the meta leader counting it as a current peer."""
+        n = self.node(node).start()
+        self.wait_peers_current(self.ready_timeout_s)
+        self.wait_streams_led(self.ready_timeout_s)
+        return n
 
     def restart(self, node: Node) -> NatsServer:
         """Stop one member (SIGTERM) and start it again; returns once it has rejoined."""
-        return self.node(node).restart()
+        self.stop_node(node)
+        return self.start_node(node)
 
     def rolling_restart(self) -> None:
         """Restart every member in turn, each rejoined before the next goes down."""
         for n in self.nodes:
-            n.restart()
+            self.restart(n)
 
     def stop(self) -> None:
         for n in self.nodes:
@@ -297,8 +310,59 @@ class NatsCluster:
 
         return self._ask_running(leader_of)
 
+    def leaderless_streams(self) -> set[str]:
+        """Streams (any account) that no running member reports a running leader for."""
+        leaders: dict[str, str | None] = {}
+        for n in self.nodes:
+            if not n.running:
+                continue
+            try:
+                report = self.jsz(n, "streams=true")
+            except (urllib.error.URLError, OSError, ValueError):
+                continue  # starting or going away: the others answer for it
+            for account in report.get("account_details", []):
+                for detail in account.get("stream_detail", []):
+                    leader = (detail.get("cluster") or {}).get("leader")
+                    if leader or detail["name"] not in leaders:
+                        leaders[detail["name"]] = leader
+        running = {n.server_name for n in self.nodes if n.running}
+        return {name for name, leader in leaders.items() if leader not in running}
+
+    def wait_streams_led(self, timeout_s: float = 10.0) -> None:
+        """Wait until every stream has a running leader (after a restart each
+        stream elects its own; until then it answers nothing)."""
+        deadline = time.monotonic() + timeout_s
+        while waiting := self.leaderless_streams():
+            if time.monotonic() > deadline:
+                raise NatsServerError(
+                    f"streams without a leader after {timeout_s}s: {sorted(waiting)}; "
+                    f"logs:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
     def wait_meta_leader(self, timeout_s: float = 10.0) -> NatsServer:
         return self._wait_for("meta leader", self.meta_leader, None, timeout_s)
+
+    def peers_current(self) -> NatsServer | None:
+        """The meta leader, if it sees every other running member as an online,
+        current peer; else None. Until then it may place no new replicated
+        stream ("no suitable peers for placement, peer offline"), even with
+        every member's /healthz answering 200."""
+        leader = self.meta_leader()
+        if leader is None:
+            return None
+        try:
+            peers = self.jsz(leader)["meta_cluster"].get("replicas") or []
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            return None
+        current = {p["name"] for p in peers if p.get("current") and not p.get("offline")}
+        others = {n.server_name for n in self.nodes if n.running and n is not leader}
+        return leader if others <= current else None
+
+    def wait_peers_current(self, timeout_s: float = 10.0) -> NatsServer:
+        """Wait until peers_current(); return the meta leader."""
+        what = "meta leader seeing every member current"
+        return self._wait_for(what, self.peers_current, None, timeout_s)
 
     def wait_stream_leader(
         self, stream: str, *, other_than: Node | None = None, timeout_s: float = 10.0

@@ -14,7 +14,14 @@ replicas 0, which JetStream reads as "the stream's", so they follow their
 stream. A stream created with another replica count is scaled in place
 (JetStream allows that on a cluster), and ensure_* waits until the scaled
 stream has a leader again (an election of a few seconds, during which
-writes time out) before the service starts work on it. Replicas > 1 on a server without
+writes time out) before the service starts work on it.
+
+A cluster that is forming or restarting answers late for a while: streams
+without a leader yet do not answer (timeouts), and the meta leader refuses
+to place replicas on a member it has not yet seen ("peer offline"). Every
+JetStream call here retries those for up to `SETUP_RETRY_S`, so services
+started together with their NATS cluster (a Kubernetes rollout) wait for it
+instead of failing. Replicas > 1 on a server without
 `cluster {}` is a `ReplicasError` naming the setting, raised before the
 service does anything else, instead of the server's bare API error.
 """
@@ -25,9 +32,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common.errors import ConfigError, FlywheelError
 
@@ -49,6 +56,11 @@ JS_NO_PEERS_FOR_PLACEMENT = 10005
 
 RESCALE_WAIT_S = 30.0
 """How long ensure_* waits for a re-replicated stream to elect its leader."""
+
+SETUP_RETRY_S = 30.0
+"""How long a JetStream setup call retries a cluster that cannot answer yet."""
+
+T = TypeVar("T")
 
 
 class StreamConfigError(FlywheelError, RuntimeError):
@@ -152,6 +164,36 @@ class Ensured:
     diff: dict[str, tuple[Any, Any]]
 
 
+def _placement_pending(e: BaseException) -> bool:
+    """JetStream's "no suitable peers for placement, peer offline": a member not seen yet."""
+    code = getattr(e, "err_code", None)
+    return code == JS_NO_PEERS_FOR_PLACEMENT and "offline" in str(getattr(e, "description", ""))
+
+
+async def _retrying(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, retried with backoff for up to SETUP_RETRY_S on what a forming
+    cluster answers (timeouts, no responders, a peer offline); anything else,
+    or the same past the deadline, is raised."""
+    from nats.js.errors import APIError
+
+    from services.common.msgloop import transient_errors
+
+    transient = transient_errors()
+    retry_on: tuple[type[BaseException], ...] = (*transient, APIError)
+    deadline = time.monotonic() + SETUP_RETRY_S
+    delay = 0.1
+    while True:
+        try:
+            return await call()
+        except retry_on as e:
+            pending = isinstance(e, transient) or _placement_pending(e)
+            if not pending or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: %r; retrying in %.1fs", what, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+
 def _refused(
     e: APIError, doing: str, name: str, replicas: int, diff: dict[str, tuple[Any, Any]]
 ) -> StreamConfigError:
@@ -185,10 +227,10 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, replicas: int
 
     want = stream_config(spec, replicas)
     try:
-        info = await js.stream_info(spec.name)
+        info = await _retrying(f"stream {spec.name}", lambda: js.stream_info(spec.name))
     except NotFoundError:
         try:
-            await js.add_stream(want)
+            await _retrying(f"create stream {spec.name}", lambda: js.add_stream(want))
         except APIError as e:
             raise _refused(e, "create stream", spec.name, replicas, {}) from e
         log.info("stream %s created (%s, R%d)", spec.name, ", ".join(spec.subjects), replicas)
@@ -197,7 +239,7 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, replicas: int
     if not diff:
         return Ensured(spec.name, "unchanged", {})
     try:
-        await js.update_stream(want)
+        await _retrying(f"update stream {spec.name}", lambda: js.update_stream(want))
     except APIError as e:
         err = _refused(e, "update stream", spec.name, replicas, diff)
         if not isinstance(err, ReplicasError):
@@ -225,7 +267,9 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> Ensured:
 
     want = consumer_config(spec)
     try:
-        info = await js.consumer_info(spec.stream, spec.durable)
+        info = await _retrying(
+            f"consumer {spec.durable}", lambda: js.consumer_info(spec.stream, spec.durable)
+        )
     except NotFoundError:
         info = None
     diff = {} if info is None else config_diff(want, info.config, _CONSUMER_FIELDS)
@@ -233,7 +277,7 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> Ensured:
         return Ensured(spec.durable, "unchanged", {})
     try:
         # CONSUMER.CREATE without an action is create-or-update on the server.
-        await js.add_consumer(spec.stream, want)
+        await _retrying(f"consumer {spec.durable}", lambda: js.add_consumer(spec.stream, want))
     except APIError as e:
         raise StreamConfigError(
             f"cannot create/update consumer {spec.durable} on {spec.stream}: {e.description}; "
@@ -259,20 +303,20 @@ async def ensure_kv(
     from nats.js.errors import APIError, BucketNotFoundError
 
     try:
-        kv = await js.key_value(bucket)
+        kv = await _retrying(f"KV bucket {bucket}", lambda: js.key_value(bucket))
     except BucketNotFoundError:
         try:
-            return await js.create_key_value(
-                KeyValueConfig(bucket=bucket, history=history, replicas=replicas)
-            )
+            config = KeyValueConfig(bucket=bucket, history=history, replicas=replicas)
+            return await _retrying(f"KV bucket {bucket}", lambda: js.create_key_value(config))
         except APIError as e:
             raise _refused(e, "create KV bucket", bucket, replicas, {}) from e
     stream = f"KV_{bucket}"
-    have = (await js.stream_info(stream)).config
+    have = (await _retrying(f"stream {stream}", lambda: js.stream_info(stream))).config
     if have.num_replicas != replicas:
         diff = {"num_replicas": (replicas, have.num_replicas)}
         try:
-            await js.update_stream(dataclasses.replace(have, num_replicas=replicas))
+            scaled = dataclasses.replace(have, num_replicas=replicas)
+            await _retrying(f"update stream {stream}", lambda: js.update_stream(scaled))
         except APIError as e:
             raise _refused(e, "update KV bucket", bucket, replicas, diff) from e
         log.info("KV bucket %s updated: %s", bucket, diff)
@@ -289,7 +333,7 @@ async def _until_replicated(
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        cluster = (await js.stream_info(stream)).cluster
+        cluster = (await _retrying(f"stream {stream}", lambda: js.stream_info(stream))).cluster
         if cluster is None:  # not clustered: nothing to elect
             return
         followers = [p for p in cluster.replicas or [] if p.current]

@@ -182,6 +182,7 @@ async def _lose_the_stream_leader(cluster: NatsCluster, run: str) -> dict[str, f
     try:
         await produce(range(20))
         leader = await asyncio.to_thread(cluster.wait_stream_leader, stream)
+        ports = (leader.port, leader.monitor_port, leader.cluster)
         await asyncio.to_thread(cluster.kill, leader)
         killed_at = time.monotonic()
         await produce(range(20, 40))  # through the election of a new leader
@@ -199,6 +200,7 @@ async def _lose_the_stream_leader(cluster: NatsCluster, run: str) -> dict[str, f
         restarted_at = time.monotonic()
         await asyncio.to_thread(cluster.start_node, leader)  # ready = rejoined and current
         rejoin_s = time.monotonic() - restarted_at
+        assert (leader.port, leader.monitor_port, leader.cluster) == ports  # same addresses
 
         async def caught_up() -> bool:
             return _local_messages(cluster, leader.server_name or "", stream) == 40
@@ -334,3 +336,32 @@ def test_flywheel_nats_cluster_3_serves_replicated_streams_until_sigterm(tmp_pat
                 proc.kill()
                 proc.wait()
     assert sorted(p.name for p in store.iterdir()) == ["nats-0", "nats-1", "nats-2"]
+
+
+def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_path, run_async):
+    """The whole cluster restarts; services start with it, not after it (a
+    Kubernetes rollout): their stream setup waits out the elections."""
+    run = "again"
+    stream = stream_name(run, "BATCHES")
+
+    async def publish_and_count(url: str, n: int) -> int:
+        nc = await connect(NatsSettings(url=url, connect_attempts=3), "again")
+        try:
+            js = nc.jetstream()
+            for _ in range(n):
+                await js.publish(Subjects(run).batches, b"x")
+            return int((await js.stream_info(stream)).state.messages)
+        finally:
+            await nc.close()
+
+    with NatsCluster(3, store_root=tmp_path) as cluster:
+        urls = cluster.url
+        run_async(set_up_like_the_services(settings(urls, run, 3)))
+        assert run_async(publish_and_count(urls, 3)) == 3
+        cluster.stop()
+        for n in cluster.nodes:
+            n.launch()  # no waiting for readiness, as pods start side by side
+        run_async(set_up_like_the_services(settings(urls, run, 3)))
+        cluster.start()  # the members run: start() just waits until they are ready
+        assert cluster.url == urls  # same ports, same stores
+        assert run_async(publish_and_count(urls, 1)) == 4
