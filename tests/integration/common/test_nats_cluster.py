@@ -365,3 +365,34 @@ def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_pat
         cluster.start()  # the members run: start() just waits until they are ready
         assert cluster.url == urls  # same ports, same stores
         assert run_async(publish_and_count(urls, 1)) == 4
+
+
+def test_a_rolling_restart_keeps_every_message_on_every_server(tmp_path, run_async):
+    run = "roll"
+    stream = stream_name(run, "SAMPLES")
+
+    async def publish(url: str, numbers: range) -> None:
+        from services.common.publish import publish
+
+        nc = await connect(NatsSettings(url=url, connect_attempts=3), "roll")
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js, streams_for(run), replicas=3)
+            for i in numbers:
+                await publish(js, Subjects(run).samples, group(run, i), server_max_payload(nc))
+        finally:
+            await nc.close()
+
+    with NatsCluster(3, store_root=tmp_path) as cluster:
+        run_async(publish(cluster.url, range(5)))
+        pids = [n.pid for n in cluster.nodes]
+        cluster.rolling_restart()
+        assert all(n.running for n in cluster.nodes)
+        assert not {n.pid for n in cluster.nodes} & set(pids)  # every one was restarted
+        run_async(publish(cluster.url, range(5, 10)))
+        deadline = time.monotonic() + 10  # followers apply what the leader acked soon after
+        while [_local_messages(cluster, n, stream) for n in cluster.names] != [10, 10, 10]:
+            assert time.monotonic() < deadline, [
+                _local_messages(cluster, n, stream) for n in cluster.names
+            ]
+            time.sleep(0.05)
