@@ -33,17 +33,15 @@ Leaders (the meta group's, a stream's) come from the monitoring endpoint
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from services.common import nats_jsz
 from services.common.errors import NatsServerError
 from services.common.nats_server import ClusterSpec, NatsPortInUseError, NatsServer
 
@@ -269,64 +267,49 @@ class NatsCluster:
     ) -> None:
         self.close()
 
-    # --- leaders -------------------------------------------------------------
+    # --- leaders (from /jsz, see nats_jsz) ---------------------------------
 
     def jsz(self, node: Node, query: str = "") -> dict[str, Any]:
         """One member's `/jsz` monitoring report (e.g. query "streams=true")."""
-        n = self.node(node)
-        url = f"{n.monitor_url}/jsz" + (f"?{query}" if query else "")
-        with urllib.request.urlopen(url, timeout=2.0) as resp:
-            report: dict[str, Any] = json.load(resp)
-        return report
+        return nats_jsz.jsz(self.node(node).monitor_url, query)
 
-    def _ask_running(self, answer: Callable[[NatsServer], str | None]) -> NatsServer | None:
-        """The member named by the first running member that knows `answer(jsz)`."""
+    def _reports(self, query: str = "") -> Iterator[dict[str, Any]]:
+        """The /jsz report of every running member that answers."""
         for n in self.nodes:
             if not n.running:
                 continue
             try:
-                leader = answer(n)
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
-                continue  # that member is starting or going away: ask another
-            if leader:
-                found = [m for m in self.nodes if m.server_name == leader]
-                if found and found[0].running:
-                    return found[0]
-        return None
+                yield self.jsz(n, query)
+            except nats_jsz.UNREACHABLE:
+                continue  # starting or going away: the others answer for it
+
+    def _running(self, name: str | None) -> NatsServer | None:
+        return next((n for n in self.nodes if n.server_name == name and n.running), None)
 
     def meta_leader(self) -> NatsServer | None:
         """The JetStream meta group's leader, or None while there is none."""
-        return self._ask_running(lambda n: self.jsz(n)["meta_cluster"].get("leader") or None)
+        for report in self._reports():
+            if leader := self._running(nats_jsz.meta_leader(report)):
+                return leader
+        return None
 
     def stream_leader(self, stream: str) -> NatsServer | None:
         """The leader of `stream`'s RAFT group, or None while there is none."""
-
-        def leader_of(n: NatsServer) -> str | None:
-            for account in self.jsz(n, "streams=true").get("account_details", []):
-                for s in account.get("stream_detail", []):
-                    if s["name"] == stream:
-                        return str(s.get("cluster", {}).get("leader") or "") or None
-            return None
-
-        return self._ask_running(leader_of)
+        for report in self._reports("streams=true"):
+            if leader := self._running(nats_jsz.stream_leaders(report).get(stream)):
+                return leader
+        return None
 
     def leaderless_streams(self) -> set[str]:
         """Streams (any account) that no running member reports a running leader for."""
-        leaders: dict[str, str | None] = {}
-        for n in self.nodes:
-            if not n.running:
-                continue
-            try:
-                report = self.jsz(n, "streams=true")
-            except (urllib.error.URLError, OSError, ValueError):
-                continue  # starting or going away: the others answer for it
-            for account in report.get("account_details", []):
-                for detail in account.get("stream_detail", []):
-                    leader = (detail.get("cluster") or {}).get("leader")
-                    if leader or detail["name"] not in leaders:
-                        leaders[detail["name"]] = leader
-        running = {n.server_name for n in self.nodes if n.running}
-        return {name for name, leader in leaders.items() if leader not in running}
+        names: set[str] = set()
+        led: set[str] = set()
+        for report in self._reports("streams=true"):
+            for name, leader in nats_jsz.stream_leaders(report).items():
+                names.add(name)
+                if self._running(leader):
+                    led.add(name)
+        return names - led
 
     def wait_streams_led(self, timeout_s: float = 10.0) -> None:
         """Wait until every stream has a running leader (after a restart each
@@ -352,10 +335,9 @@ class NatsCluster:
         if leader is None:
             return None
         try:
-            peers = self.jsz(leader)["meta_cluster"].get("replicas") or []
-        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            current = nats_jsz.current_peers(self.jsz(leader))
+        except nats_jsz.UNREACHABLE:
             return None
-        current = {p["name"] for p in peers if p.get("current") and not p.get("offline")}
         others = {n.server_name for n in self.nodes if n.running and n is not leader}
         return leader if others <= current else None
 

@@ -32,6 +32,7 @@ from proto.streams import consumers_for, kv_bucket, stream_name, streams_for
 from proto.subjects import Subjects
 from services.buffer.app import open_kv
 from services.common import nats_cluster as nats_cluster_module
+from services.common import nats_jsz
 from services.common.errors import ConfigError, NatsServerError
 from services.common.lifecycle import ServiceContext, run_service
 from services.common.msgloop import Delivery, MessageLoop
@@ -218,11 +219,7 @@ async def _lose_the_stream_leader(cluster: NatsCluster, run: str) -> dict[str, f
 
 def _local_messages(cluster: NatsCluster, node: str, stream: str) -> int | None:
     """Messages in `node`'s own replica of `stream` (its /jsz), None if it has none."""
-    for account in cluster.jsz(node, "streams=true").get("account_details", []):
-        for s in account.get("stream_detail", []):
-            if s["name"] == stream:
-                return int(s["state"]["messages"])
-    return None
+    return nats_jsz.stream_messages(cluster.jsz(node, "streams=true"), stream)
 
 
 async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
