@@ -68,7 +68,7 @@ from services.buffer.settings import BufferSettings
 from services.common.errors import ConfigError, FlywheelError, PermanentError, RunHalted
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import REASON_HEADER, Delivery, dead_letter, transient_errors
-from services.common.nats_conn import ensure_consumer
+from services.common.nats_conn import ensure_consumer, ensure_kv
 from services.common.publish import publish
 from services.common.tasks.prompts import format_row
 from services.common.tasks.taskset import TrainOrder
@@ -524,14 +524,8 @@ class BufferService:
 
 
 async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
-    from nats.js.api import KeyValueConfig
-    from nats.js.errors import BucketNotFoundError
-
-    bucket = kv_bucket(run, "buffer")
-    try:
-        return await ctx.js.key_value(bucket)
-    except BucketNotFoundError:
-        return await ctx.js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+    replicas = ctx.settings.nats.replicas
+    return await ensure_kv(ctx.js, kv_bucket(run, "buffer"), replicas=replicas, history=1)
 
 
 async def body(ctx: ServiceContext) -> None:

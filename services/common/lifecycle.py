@@ -183,7 +183,8 @@ async def run_service(
             readiness.set("nats", None)
             readiness.check("nats", lambda: None if nc.is_connected else "disconnected")
             js = nc.jetstream()
-            await ensure_streams(js, streams if streams is not None else streams_for(settings.run))
+            specs = streams if streams is not None else streams_for(settings.run)
+            await ensure_streams(js, specs, replicas=settings.nats.replicas)
             readiness.ok("streams")
             ctx = ServiceContext(
                 service=service,

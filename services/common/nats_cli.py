@@ -4,6 +4,12 @@ The default port (4222) and URL match `NatsSettings.url`'s default, so the
 services of a local stack find it without configuration. The store directory
 persists between runs, so streams (and their unconsumed messages) survive a
 restart of the local stack, as they would with a real deployment.
+
+`--cluster 3` runs three servers in one JetStream cluster instead (see
+services.common.nats_cluster): client ports `--port` + i, monitoring
+`--monitor-port` + i, routes `--cluster-port` + i, stores
+`<store-dir>/nats-<i>`. Services then need every URL in `[nats] url` and
+`[nats] replicas = 3` to replicate their streams.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from services.common.errors import NatsServerError
+from services.common.nats_cluster import NatsCluster
 from services.common.nats_server import NatsServer
 
 
@@ -43,6 +50,20 @@ def parser() -> argparse.ArgumentParser:
         help="JetStream store directory (default: %(default)s)",
     )
     p.add_argument("--config", type=Path, default=None, help="extra nats-server config file")
+    p.add_argument(
+        "--cluster",
+        type=int,
+        default=1,
+        choices=range(1, 6),
+        metavar="N",
+        help="servers: 1, or 3 for a JetStream cluster on loopback (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cluster-port",
+        type=int,
+        default=6222,
+        help="first route port of a cluster; 0 picks free ones (default: %(default)s)",
+    )
     return p
 
 
@@ -55,13 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    server = NatsServer(
-        host=args.host,
-        port=args.port,
-        monitor_port=args.monitor_port,
-        store_dir=args.store_dir,
-        config=args.config,
-    )
+    server = _server(args)
     try:
         return _serve(server, args.store_dir, stop)
     finally:
@@ -70,17 +85,50 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
 
 
-def _serve(server: NatsServer, store_dir: Path, stop: threading.Event) -> int:
+def _server(args: argparse.Namespace) -> NatsServer | NatsCluster:
+    if args.cluster == 1:
+        return NatsServer(
+            host=args.host,
+            port=args.port,
+            monitor_port=args.monitor_port,
+            store_dir=args.store_dir,
+            config=args.config,
+        )
+
+    def ports(first: int) -> list[int] | None:
+        return [first + i for i in range(args.cluster)] if first else None
+
+    return NatsCluster(
+        args.cluster,
+        host=args.host,
+        ports=ports(args.port),
+        monitor_ports=ports(args.monitor_port),
+        cluster_ports=ports(args.cluster_port),
+        store_root=args.store_dir,
+        config=args.config,
+    )
+
+
+def _serve(server: NatsServer | NatsCluster, store_dir: Path, stop: threading.Event) -> int:
     try:
         server.start()
     except NatsServerError as e:
         print(f"flywheel nats: {e}", file=sys.stderr, flush=True)
         return 1
-    print(
-        f"nats-server ready at {server.url} (monitoring {server.monitor_url}, "
-        f"store {store_dir}); Ctrl-C stops it",
-        flush=True,
-    )
+    if isinstance(server, NatsServer):
+        print(
+            f"nats-server ready at {server.url} (monitoring {server.monitor_url}, "
+            f"store {store_dir}); Ctrl-C stops it",
+            flush=True,
+        )
+    else:
+        monitors = ", ".join(n.monitor_url for n in server.nodes)
+        print(
+            f"NATS cluster of {server.size} ready (monitoring {monitors}, stores in "
+            f"{store_dir}); Ctrl-C stops it. In the run file:\n"
+            f'[nats]\nurl = "{server.url}"\nreplicas = {server.size}',
+            flush=True,
+        )
     while not stop.wait(0.5):
         if not server.running:
             print(

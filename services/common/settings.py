@@ -44,7 +44,20 @@ class NatsSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
+    url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL(s), comma-separated: list every member of a cluster.",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description=(
+            "JetStream replicas of every stream and KV bucket Flywheel creates: 1 on a single "
+            "server, 3 on a 3-server cluster (survives the loss of one). Existing streams are "
+            "scaled to it; > 1 needs a clustered NATS. 5 is JetStream's maximum."
+        ),
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connect attempt.")
     connect_attempts: int = Field(
         30, ge=1, description="Connect attempts at start-up (with backoff) before giving up."

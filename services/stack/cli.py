@@ -49,21 +49,22 @@ async def up(
     """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
     (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
     from services.common import local_run
-    from services.common.nats_server import NatsServer
+    from services.common.nats_cluster import embedded_nats
     from services.stack.plan import plan
     from services.stack.status import render_line, scrape, summarise
     from services.stack.supervisor import StackError, Supervisor
 
     run_dir = s.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    nats: NatsServer | None = None
+    nats = None
     url = s.nats.url
     if s.embedded_nats:
-        nats = NatsServer(port=s.nats_port, store_dir=run_dir / "nats").start()
+        nats = embedded_nats(s.nats_cluster, port=s.nats_port, store_dir=run_dir / "nats").start()
         url = nats.url
         # `flywheel status -c` and workers added by hand find this NATS here
         local_run.record(run_dir, url, s.model.resolve())
-        print(f"flywheel up: embedded nats-server at {url} (store {run_dir / 'nats'})")
+        what = "nats-server" if s.nats_cluster == 1 else f"NATS cluster of {s.nats_cluster}"
+        print(f"flywheel up: embedded {what} at {url} (store {run_dir / 'nats'})")
     specs = plan(s, config.resolve(), url, free_port)
     sup = Supervisor(
         specs, run_dir / "logs", on_failure=s.on_failure, max_restarts=s.max_restarts,
