@@ -61,7 +61,7 @@ def plan(
                 "--port", str(port), "--weight-version", "0",
             )  # fmt: skip
             env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.engine_threads)}
-            specs.append(ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health", None))
+            specs.append(ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health_generate", None))
     if "rollout" in s.services:
         for i, url in enumerate(engine_urls):
             env = {
