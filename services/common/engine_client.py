@@ -188,7 +188,9 @@ class EngineClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         api_key: str | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
+        """`capabilities`: the release, if already detected (then not asked again)."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -197,7 +199,7 @@ class EngineClient:
         self.max_backoff_s = max_backoff_s
         self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
-        self._caps: Capabilities | None = None
+        self._caps = capabilities
 
     async def __aenter__(self) -> EngineClient:
         return self

@@ -61,7 +61,8 @@ def plan(
                 "--port", str(port), "--weight-version", "0",
             )  # fmt: skip
             env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.engine_threads)}
-            specs.append(ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health_generate", None))
+            ready = f"{url}/health_generate"
+            specs.append(ProcSpec(f"engine-{i}", "engine", argv, env, ready, None))
     if "rollout" in s.services:
         for i, url in enumerate(engine_urls):
             env = {

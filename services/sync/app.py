@@ -12,6 +12,13 @@ that alone added ~0.2 s to every publish→ready, a third of a demo step.
 Each engine update runs as its own task (pause → update_weights_from_disk →
 continue, or just update and let running requests finish), so a slow or
 dead engine never holds up the others.
+
+The update asks each engine's SGLang release first (once per engine URL):
+an `update_mode` the release cannot do (retract or in_place before 0.5.6,
+where /pause_generation always aborts) fails that engine's update with the
+release named, before anything is paused; and the `flush_cache` sent is the
+one that release survives (in_place never flushes: a flush with requests
+held answers 400 from 0.5.22 and killed the scheduler before).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
+from services.common.sglang_api import Capabilities, UnsupportedEngine
 from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.settings import SyncSettings
 
@@ -117,6 +125,7 @@ class SyncService:
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.over_nats = False  # a version came over NATS: purge old chunks from the stream
+        self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
         self.wake = asyncio.Event()  # something happened: reconcile now, not at the next tick
 
     async def restore(self) -> None:
@@ -171,22 +180,32 @@ class SyncService:
 
     async def _update(self, e: Engine, p: Published) -> None:
         started = time.monotonic()
+        mode = self.s.update_mode
+        key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
         try:
-            async with EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2) as c:
-                pause = self.s.update_mode != "wait"
-                if pause:
-                    await c.pause_generation(self.s.update_mode)
+            client = EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2,
+                                  api_key=key, capabilities=self.releases.get(e.url))  # fmt: skip
+            async with client as c:
+                release = self.releases[e.url] = await c.capabilities()
+                release.check_update_mode(mode)
+                if mode != "wait":
+                    await c.pause_generation(mode)
                 try:
                     res = await c.update_weights_from_disk(
-                        path_for(e, p), str(p.version),
-                        abort_all_requests=self.s.update_mode == "abort",
-                    )  # fmt: skip
+                        path_for(e, p), str(p.version), update_mode=mode
+                    )
                 finally:
-                    if pause:
+                    if mode != "wait":
                         await c.continue_generation()
             if not res.success:
                 raise EngineError(res.message, e.url)
+        except UnsupportedEngine as err:
+            self.reg.failed(e, time.time())
+            self.metrics.failures.labels(engine=e.engine_id).inc()
+            log.error("sync: engine %s cannot be updated: %s", e.engine_id, err)
+            return
         except (EngineError, TimeoutError) as err:
+            self.releases.pop(e.url, None)  # it may have restarted as another release
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
             log.warning("sync: engine %s failed to load v%d (failure %d): %s",

@@ -229,7 +229,6 @@ class Scheduler:
         except SchedulerCrashed as e:
             # SGLang's scheduler process dies here and takes the server with it.
             log.critical("engine scheduler crashed: %s", e)
-            self.crashed = f"the engine scheduler crashed: {e}"
             return
         self._abort_matching(None, True, "Engine shutting down")
 
@@ -346,8 +345,10 @@ class Scheduler:
             self.served_version = upd.version
         if upd.flush and not self._flush_possible():
             if not self.caps.flush_refusal_is_400:
-                upd.future.set_exception(SchedulerCrashed(f"AssertionError: {FLUSH_ASSERT}"))
-                raise SchedulerCrashed(f"AssertionError: {FLUSH_ASSERT}")
+                why = f"AssertionError: {FLUSH_ASSERT}"
+                self.crashed = f"the engine scheduler crashed: {why}"
+                upd.future.set_exception(SchedulerCrashed(why))
+                raise SchedulerCrashed(why)
             upd.future.set_result((False, FLUSH_REFUSED, 0))
             return
         if upd.version is not None:

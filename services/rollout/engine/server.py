@@ -120,11 +120,13 @@ async def generate(request: web.Request) -> web.Response:
     mine = claim_rids(state, parsed)
     if isinstance(mine, str):
         return error(mine)
+    state.requests[id(request)] = request
     try:
         done = await run_seqs(state, parsed.seqs)
     except SchedulerStopped as e:
         return error(str(e), 503)
     finally:
+        state.requests.pop(id(request), None)
         for rid, ev in mine.items():
             if state.in_flight.get(rid) is ev:
                 del state.in_flight[rid]
@@ -159,8 +161,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             state.scheduler.update_weights(path, version, abort_all, flush)
         )
     except SchedulerStopped as e:
-        if state.on_crash is not None and state.scheduler.crashed:
-            state.on_crash(state.scheduler.crashed)
+        if state.scheduler.crashed:
+            state.crash(state.scheduler.crashed)
         return error(str(e), 503)
     if ok:
         state.model_path = path

@@ -34,7 +34,17 @@ class EngineState:
     caps: Capabilities
     health: Health
     in_flight: dict[str, asyncio.Event] = field(default_factory=dict)
+    requests: dict[int, web.Request] = field(default_factory=dict)  # open /generate calls
     on_crash: Callable[[str], None] | None = None  # the scheduler died: the server must go too
+
+    def crash(self, why: str) -> None:
+        """The scheduler died: drop every open generation's connection, as SGLang's dying
+        process does (no answer), then tell the server."""
+        for request in list(self.requests.values()):
+            if request.transport is not None:
+                request.transport.close()
+        if self.on_crash is not None:
+            self.on_crash(why)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
