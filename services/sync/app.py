@@ -29,6 +29,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -126,6 +127,7 @@ class SyncService:
         self.tasks: set[asyncio.Task[None]] = set()
         self.over_nats = False  # a version came over NATS: purge old chunks from the stream
         self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
+        self.resumed: set[str] = set()  # engine URLs this process told to continue
         self.wake = asyncio.Event()  # something happened: reconcile now, not at the next tick
 
     async def restore(self) -> None:
@@ -217,20 +219,46 @@ class SyncService:
         self.metrics.bytes.inc(self.sizes.get(p.version, 0))
         log.info("sync: engine %s serves v%d", e.engine_id, p.version)
 
+    async def resume(self, e: Engine) -> None:
+        """Continue generation on an engine met for the first time (idempotent).
+
+        A sync that died between pause and continue leaves its engines paused;
+        the engine may already serve the new version, so no update would ever
+        continue it. Held as an update (`started`) so none runs meanwhile.
+        """
+        key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
+        try:
+            async with EngineClient(e.url, retries=0, api_key=key, timeout_s=30) as c:
+                await c.continue_generation()
+        except EngineError as err:
+            self.resumed.discard(e.url)  # try again at a later reconcile
+            log.info("sync: engine %s not resumed yet: %s", e.engine_id, err)
+        finally:
+            e.updating = False
+            self.wake.set()
+
+    def _track(self, coro: Any) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
     async def reconcile(self) -> None:
         now = time.time()
         for gone in self.reg.forget_dead(now):
             log.warning("sync: engine %s stopped sending heartbeats; dropped", gone)
             with contextlib.suppress(KeyError):  # never labelled if it never loaded a version
                 self.metrics.engine_version.remove(gone)
+        for e in self.reg.live(now):
+            if e.url not in self.resumed and not e.updating:
+                self.resumed.add(e.url)
+                self.reg.started(e)
+                self._track(self.resume(e))
         self.metrics.engines.set(len(self.reg.live(now)))
         self.metrics.awaiting.set(len(self.reg.awaiting_copy(now)))
         if self.reg.latest is not None:
             for e in self.reg.updates_due(now):
                 self.reg.started(e)
-                t = asyncio.create_task(self.update(e, self.reg.latest))
-                self.tasks.add(t)
-                t.add_done_callback(self.tasks.discard)
+                self._track(self.update(e, self.reg.latest))
         v = self.reg.to_announce(now)
         if v is not None:
             engines = tuple(sorted(e.engine_id for e in self.reg.healthy(now)))

@@ -265,3 +265,46 @@ def test_what_flywheel_sent_before_flush_cache_true_in_place(
         run_async(body(), timeout_s=60)
     finally:
         state.scheduler.stop()
+
+
+def test_a_new_sync_continues_an_engine_left_paused(
+    engines: Any, nats_server: Any, run_async: Any
+) -> None:
+    """A sync killed between pause and continue leaves its engine paused at the new
+    version: no update is due, so only a sync that resumes every engine it meets helps."""
+    import nats
+
+    from proto.streams import streams_for
+    from services.common.nats_conn import ensure_streams
+
+    state = engines("0.5.23")
+
+    async def body() -> None:
+        runner = web.AppRunner(build_app(state), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        nc = await nats.connect(nats_server.url)
+        try:
+            async with EngineClient(url, api_key=KEY) as c:
+                await c.pause_generation("retract")
+                assert state.scheduler.paused
+                ctx = Ctx()
+                ctx.js = nc.jetstream()  # type: ignore[attr-defined]
+                ctx.max_payload = 1 << 20  # type: ignore[attr-defined]
+                await ensure_streams(ctx.js, streams_for("resume"))  # type: ignore[attr-defined]
+                svc = SyncService(ctx, SyncSettings(run="resume", engine_api_key=KEY))  # type: ignore[arg-type]
+                v = int(state.scheduler.served_version)
+                svc.reg.heartbeat("engine-0", url, v, time.time())
+                await svc.reconcile()
+                if svc.tasks:
+                    await asyncio.wait(svc.tasks, timeout=10)
+                assert not state.scheduler.paused
+                [res] = await c.generate([4, 5], sampling_params={"max_new_tokens": 2})
+                assert res.finish_type == "length"
+        finally:
+            await nc.close()
+            await runner.cleanup()
+
+    run_async(body(), timeout_s=60)
