@@ -15,10 +15,11 @@ dead engine never holds up the others.
 
 The update asks each engine's SGLang release first (once per engine URL):
 an `update_mode` the release cannot do (retract or in_place before 0.5.6,
-where /pause_generation always aborts) fails that engine's update with the
-release named, before anything is paused; and the `flush_cache` sent is the
-one that release survives (in_place never flushes: a flush with requests
-held answers 400 from 0.5.22 and killed the scheduler before).
+where /pause_generation always aborts) is a configuration error: sync
+stops with the release named, before anything is paused, since no update
+of that engine could ever succeed. The `flush_cache` sent is the one that
+release survives (in_place never flushes: a flush with requests held
+answers 400 from 0.5.22 and killed the scheduler before).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from proto.streams import (
 )
 from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
-from services.common.errors import PermanentError
+from services.common.errors import ConfigError, PermanentError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
@@ -128,6 +129,7 @@ class SyncService:
         self.over_nats = False  # a version came over NATS: purge old chunks from the stream
         self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
         self.resumed: set[str] = set()  # engine URLs this process told to continue
+        self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop
         self.wake = asyncio.Event()  # something happened: reconcile now, not at the next tick
 
     async def restore(self) -> None:
@@ -204,7 +206,9 @@ class SyncService:
         except UnsupportedEngine as err:
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
-            log.error("sync: engine %s cannot be updated: %s", e.engine_id, err)
+            self.fatal = ConfigError(f"[sync] update_mode = {mode!r}: engine {e.engine_id} "
+                                     f"at {e.url}: {err}")  # fmt: skip
+            log.error("sync: %s", self.fatal)
             return
         except (EngineError, TimeoutError) as err:
             self.releases.pop(e.url, None)  # it may have restarted as another release
@@ -315,6 +319,8 @@ class SyncService:
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self.wake.clear()
+            if self.fatal is not None:
+                raise self.fatal
             await self.reconcile()
             waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.wake.wait())]
             await asyncio.wait(waits, timeout=self.s.tick_s, return_when=asyncio.FIRST_COMPLETED)

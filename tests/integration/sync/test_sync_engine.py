@@ -30,6 +30,7 @@ from services.common.engine_client import (
     EngineHTTPError,
     GenerateResult,
 )
+from services.common.errors import ConfigError
 from services.common.settings import load_settings
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import write_weights_dir
@@ -197,6 +198,10 @@ def test_retract_on_0_5_4_is_refused_naming_the_release_before_pausing(
         assert engine.version == v and failures(svc) == 1
         # Nothing was paused: 0.5.4's pause would have aborted the request.
         assert isinstance(done, GenerateResult) and done.finish_type == "length"
+        # No update of it can ever succeed: sync stops, naming the release and the fix.
+        assert svc.fatal is not None and "update_mode = 'retract'" in str(svc.fatal)
+        with pytest.raises(ConfigError, match=r"SGLang 0\.5\.4 cannot pause in 'retract'"):
+            await svc.reconcile_loop(asyncio.Event())
 
     run_async(body(), timeout_s=120)
     assert "SGLang 0.5.4 cannot pause in 'retract' mode" in caplog.text
