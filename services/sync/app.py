@@ -347,7 +347,16 @@ async def body(ctx: ServiceContext) -> None:
     sub = await ctx.nc.subscribe(svc.subjects.heartbeats_all, cb=on_heartbeat_msg)
     loop = ctx.message_loop(consumer, WeightsPublished, svc.on_published)
     ctx.readiness.ok("sync")
+    tasks = [
+        asyncio.create_task(loop.run(ctx.stop)),
+        asyncio.create_task(svc.reconcile_loop(ctx.stop)),
+    ]
     try:
-        await asyncio.gather(loop.run(ctx.stop), svc.reconcile_loop(ctx.stop))
+        # Either one failing (sync.fatal) stops both, so the connection drains at once.
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
+        ctx.stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await sub.unsubscribe()
+    for t in done:
+        t.result()
