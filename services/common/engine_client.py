@@ -1,8 +1,7 @@
 """One async HTTP client for every engine (SGLang on GPU, Flywheel's CPU engine).
 
-The rollout worker (generate) and the sync service (pause, update weights,
-continue, model_info) both use it. It speaks SGLang's native API only, so
-the same code drives either server.
+The rollout worker (generate) and sync (pause, update weights, continue)
+both use it. It speaks SGLang's native API only: one code drives either.
 
 Versions: the first call that needs to know asks the server which SGLang
 release it runs (`/server_info`, or `/get_server_info` before 0.5.6) and
@@ -293,8 +292,8 @@ class EngineClient:
         return caps
 
     async def capabilities(self) -> Capabilities:
-        """The server's release (detected once, then remembered)."""
-        return self._caps if self._caps is not None else await self.detect()
+        """The server's release (detected once)."""
+        return self._caps or await self.detect()
 
     # ---- the API ---------------------------------------------------------------------
 

@@ -97,6 +97,15 @@ def request_id(task: PromptTask, delivered: int) -> str:
     return f"{task.task_id}:a{task.attempt}:d{delivered}:{uuid.uuid4().hex[:8]}"
 
 
+def engine_failure(e: EngineError, url: str, task_id: str) -> PermanentError | RetryableError:
+    """A 400 from /generate is the engine refusing the request itself (a bad top_k, a
+    prompt too long): dead-letter it with the engine's words. Anything else may pass."""
+    if isinstance(e, EngineHTTPError) and e.status == 400 and e.url.endswith("/generate"):
+        return PermanentError(f"engine {url} refused task {task_id}: {e.message}",
+                              reason="engine_rejected")  # fmt: skip
+    return RetryableError(f"engine {url}: {e}")
+
+
 def sample_versions(r: GenerateResult, before: int) -> tuple[int, int, tuple[VersionSpan, ...]]:
     """(first, last, spans) of one completion's weight versions (module docstring)."""
     spans = tuple(VersionSpan(version=parse_version(v), start=a, end=b)
@@ -265,13 +274,8 @@ class RolloutWorker:
                                      reason="bad_task") from e  # fmt: skip
             started = time.time()
             results = await self.generate(task, ids, d)
-        except EngineHTTPError as e:
-            if e.status == 400 and e.url.endswith("/generate"):
-                raise PermanentError(f"engine {self.s.engine_url} refused task {task.task_id}: "
-                                     f"{e.message}", reason="engine_rejected") from e  # fmt: skip
-            raise RetryableError(f"engine {self.s.engine_url}: {e}") from e
         except EngineError as e:
-            raise RetryableError(f"engine {self.s.engine_url}: {e}") from e
+            raise engine_failure(e, self.s.engine_url, task.task_id) from e
         group_id = f"{task.task_id}:a{task.attempt}"
         samples = []
         for i, r in enumerate(results):

@@ -47,9 +47,8 @@ class Engines:
         from services.rollout.engine.settings import EngineSettings
 
         g = case.given
-        options: dict[str, Any] = {"model": self.model, "weight_version": case.weight_version}
-        if case.version != "0.5.23":
-            options["sglang_version"] = case.version
+        options: dict[str, Any] = {"model": self.model, "weight_version": case.weight_version,
+                                   "sglang_version": case.version}  # fmt: skip
         for key in ("api_key", "health_generation", "health_check_timeout_s"):
             if key in g:
                 options[key] = g[key]
