@@ -87,16 +87,20 @@ def task(run: str, i: int, n: int = 2, **sampling: Any) -> PromptTask:
                       prompt="1+2=", answer="3", n=n, sampling=sp)  # fmt: skip
 
 
+def rollout_settings(nats_url: str, run: str, engine_url: str, model_dir: Path) -> RolloutSettings:
+    return RolloutSettings(
+        run=run, nats=NatsSettings(url=nats_url, connect_attempts=3), engine_url=engine_url,
+        engine_id="engine-0", worker_id="rollout-0", model=model_dir, concurrency=2,
+        heartbeat_s=0.2, weights_dir=model_dir.parent / "engine-weights",
+    )  # fmt: skip
+
+
 @asynccontextmanager
 async def worker(
     nats_url: str, run: str, engine_url: str, model_dir: Path, registry: CollectorRegistry
 ) -> AsyncIterator[tuple[Any, dict[str, list[Any]]]]:
     """The rollout service in this process, and what it publishes (groups, dead letters)."""
-    settings = RolloutSettings(
-        run=run, nats=NatsSettings(url=nats_url, connect_attempts=3), engine_url=engine_url,
-        engine_id="engine-0", worker_id="rollout-0", model=model_dir, concurrency=2,
-        heartbeat_s=0.2, weights_dir=model_dir.parent / "engine-weights",
-    )  # fmt: skip
+    settings = rollout_settings(nats_url, run, engine_url, model_dir)
     s = Subjects(run)
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
@@ -286,10 +290,11 @@ def test_an_unsupported_release_stops_the_worker_naming_it(
     app.router.add_get("/server_info", server_info)
 
     async def body() -> None:
-        reg = CollectorRegistry()
         async with serving(app) as url:
+            settings = rollout_settings(nats_server.url, "unsupported", url, model_dir)
+            service = run_service("rollout", settings, rollout_body, stop=asyncio.Event(),
+                                  registry=CollectorRegistry(), handle_signals=False)  # fmt: skip
             with pytest.raises(ConfigError, match=r"SGLang 0\.4\.10\.post2.*>=0\.5\.4,<0\.6"):
-                async with worker(nats_server.url, "unsupported", url, model_dir, reg):
-                    await asyncio.sleep(30)  # the service ends first, with the error
+                await asyncio.wait_for(service, 30)  # it ends by itself, with the error
 
     run_async(body(), timeout_s=60)
