@@ -99,7 +99,7 @@ def start_engine(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes]
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1):
+            with urllib.request.urlopen(f"{url}/health_generate", timeout=30):
                 return proc, url
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.2)

@@ -70,7 +70,7 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:
+            with urllib.request.urlopen(url, timeout=30) as r:  # /health_generate takes >= 1 s
                 if r.status == 200:
                     return
         except OSError:
@@ -196,7 +196,7 @@ async def engine_for(b: Bench, model: Path, name: str, check: str, tmp: Path, lo
                    log_dir / f"{engine_id}.log")  # fmt: skip
     local = tmp / "local" / engine_id
     try:
-        await asyncio.to_thread(wait_http, f"{url}/health", engine)
+        await asyncio.to_thread(wait_http, f"{url}/health_generate", engine)
         b.beat(engine_id, url, b.version, local, None)
         await asyncio.sleep(1.0)  # sync registers the engine
         yield engine_id, url, local

@@ -23,6 +23,7 @@ from proto.messages import (
     SampleGroup,
     SamplingParams,
     TrainBatch,
+    VersionSpan,
     WeightsChunk,
     WeightsPublished,
     WeightsReady,
@@ -51,7 +52,13 @@ def sample(index: int = 0) -> Sample:
         reward_parts={"exact": float(index % 2)},
         finish_reason="stop",
         weight_version=3,
-        weight_version_last=3,
+        weight_version_last=3 + index,
+        # sample 1's last two tokens came after an update to v4 (SGLang's weight_versions)
+        weight_version_spans=(
+            (VersionSpan(version=3, start=0, end=1), VersionSpan(version=4, start=1, end=3))
+            if index
+            else ()
+        ),
         engine_id="engine-0",
         queued_at=1700000000.0,
         started_at=1700000000.25,

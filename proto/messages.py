@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1  # 1.1: Sample.weight_version_spans
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 I32 = np.dtype("<i4")
@@ -147,6 +147,16 @@ class PromptTask(Message):
         return self
 
 
+class VersionSpan(BaseModel):
+    """Response tokens `[start, end)` were generated with weight version `version`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: Version
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 class Sample(Message):
     """One completion with everything the trainer and the accounting need."""
 
@@ -164,6 +174,12 @@ class Sample(Message):
     finish_reason: FinishReason
     weight_version: Version = Field(description="Version of the first generated token.")
     weight_version_last: Version = Field(description="Version of the last generated token.")
+    weight_version_spans: tuple[VersionSpan, ...] = Field(
+        (),
+        description="Which version generated which response tokens, in order, covering them "
+        "all (first = weight_version, last = weight_version_last); () when the engine does "
+        "not report it (SGLang before 0.5.19). Since schema 1.1.",
+    )
     engine_id: Id
     queued_at: float = 0.0
     started_at: float = 0.0
@@ -183,11 +199,32 @@ class Sample(Message):
             )
         if self.weight_version_last < self.weight_version:
             raise CrossFieldError("weight_version_last", "weight_version_last < weight_version")
+        if self.weight_version_spans:
+            _check_spans(self.weight_version_spans, n, self.weight_version,
+                         self.weight_version_last)  # fmt: skip
         return self
 
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_ids) // 4
+
+
+def _check_spans(spans: tuple[VersionSpan, ...], n: int, first: int, last: int) -> None:
+    """Spans cover tokens 0..n in order, with non-decreasing versions from first to last."""
+    at = 0
+    for sp in spans:
+        if sp.start != at or sp.end < sp.start:
+            raise CrossFieldError("weight_version_spans", f"span {sp} does not start at {at}")
+        at = sp.end
+    if at != n:
+        raise CrossFieldError("weight_version_spans", f"spans cover {at} tokens, expected {n}")
+    versions = [sp.version for sp in spans]
+    if versions != sorted(versions) or (versions[0], versions[-1]) != (first, last):
+        raise CrossFieldError(
+            "weight_version_spans",
+            f"span versions {versions} must rise from weight_version {first} to "
+            f"weight_version_last {last}",
+        )
 
 
 class SampleGroup(Message):

@@ -1,8 +1,15 @@
 """One async HTTP client for every engine (SGLang on GPU, Flywheel's CPU engine).
 
-The rollout worker (generate) and the sync service (pause, update weights,
-continue, model_info) both use it. It speaks SGLang's native API only, so
-the same code drives either server.
+The rollout worker (generate) and sync (pause, update weights, continue)
+both use it. It speaks SGLang's native API only: one code drives either.
+
+Versions: the first call that needs to know asks the server which SGLang
+release it runs (`/server_info`, or `/get_server_info` before 0.5.6) and
+keeps its `Capabilities` (services/common/sglang_api.py): which routes
+exist (`/model_info` or `/get_model_info`, `/v1/loads` or `/get_load`), which
+pause modes, whether an update takes `flush_cache`. A release outside the
+supported range is refused with `UnsupportedEngine` naming it. The CPU
+engine answers as the release it emulates.
 
 Failure policy:
 - connection errors (refused, reset, DNS) are retried with exponential
@@ -13,7 +20,9 @@ Failure policy:
   server, and blindly re-sending doubles the work — the caller decides
   (`EngineTimeout`, an `EngineUnavailable`);
 - any 4xx/5xx is `EngineHTTPError(status, message)` with the server's own
-  message (`{"error": {"message": …}}` or the `message` of an update reply).
+  message (`{"error": {"message": …}}`, `{"error": "…"}` (401, schema
+  errors) or the `message` of an update reply). A 400 from `/generate` is
+  the engine refusing the request itself: re-sending it cannot help.
 
 aiohttp is imported inside functions so `services.common` stays light.
 """
@@ -27,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FlywheelError
+from services.common.sglang_api import Capabilities, UnsupportedEngine
 
 if TYPE_CHECKING:
     import aiohttp
@@ -60,10 +70,22 @@ class EngineHTTPError(EngineError):
 
 
 @dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens `[start, end)` came from weight version `version` (SGLang >= 0.5.19)."""
+
+    version: str
+    start: int
+    end: int
+
+    def __iter__(self) -> Any:
+        return iter((self.version, self.start, self.end))
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     """One completion: token ids with their logprobs, how it ended, and which weights made it."""
 
-    rid: str
+    rid: str  # the engine's id of this completion (its own random one per sample if n > 1)
     text: str
     output_ids: list[int]
     logprobs: list[float]  # one per output id; empty when logprobs were not requested
@@ -71,8 +93,9 @@ class GenerateResult:
     finish_reason: dict[str, Any]
     prompt_tokens: int
     completion_tokens: int
-    weight_version: str
+    weight_version: str  # the version at completion (the last span's)
     e2e_latency: float
+    weight_versions: tuple[VersionSpan, ...] = ()  # per-token spans; () if not reported
 
     @property
     def aborted(self) -> bool:
@@ -94,7 +117,11 @@ class GenerateResult:
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
             weight_version=str(meta.get("weight_version", "")),
-            e2e_latency=float(meta.get("e2e_latency", 0.0)),
+            e2e_latency=float(meta.get("e2e_latency") or 0.0),
+            weight_versions=tuple(
+                VersionSpan(str(sp["version"]), int(sp["start"]), int(sp["end"]))
+                for sp in meta.get("weight_versions") or ()
+            ),
         )
 
 
@@ -102,7 +129,33 @@ class GenerateResult:
 class UpdateResult:
     success: bool
     message: str
-    num_paused_requests: int
+    num_paused_requests: int  # summed over data-parallel ranks (SGLang sends a list then)
+
+
+@dataclass(frozen=True)
+class Load:
+    """Requests decoding and waiting, summed over data-parallel ranks."""
+
+    running: int
+    queued: int
+
+
+def paused_count(value: Any) -> int:
+    """`num_paused_requests`: an int, or one per data-parallel rank (dp_size > 1)."""
+    if isinstance(value, list):
+        return sum(int(v or 0) for v in value)
+    return int(value or 0)
+
+
+def load_of(doc: Any) -> Load:
+    """`/v1/loads` (`{"loads": [per rank]}`) or `/get_load` (a list of per-rank dicts
+    with `num_reqs` = running + waiting), summed over ranks."""
+    if isinstance(doc, list):
+        queued = sum(int(r.get("num_waiting_reqs", 0)) for r in doc)
+        return Load(sum(int(r.get("num_reqs", 0)) for r in doc) - queued, queued)
+    rows = doc.get("loads") or [] if isinstance(doc, dict) else []
+    return Load(sum(int(r.get("num_running_reqs", 0)) for r in rows),
+                sum(int(r.get("num_waiting_reqs", 0)) for r in rows))  # fmt: skip
 
 
 def _error_message(status: int, body: str) -> str:
@@ -114,6 +167,8 @@ def _error_message(status: int, body: str) -> str:
         err = doc.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
+        if isinstance(err, str):
+            return err
         if "message" in doc:
             return str(doc["message"])
     return body.strip()
@@ -132,7 +187,9 @@ class EngineClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         api_key: str | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
+        """`capabilities`: the release, if already detected (then not asked again)."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -141,6 +198,7 @@ class EngineClient:
         self.max_backoff_s = max_backoff_s
         self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
+        self._caps = capabilities
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -209,6 +267,34 @@ class EngineClient:
                 raise EngineTimeout(f"{method} {url} timed out", url) from e
         raise AssertionError("unreachable")
 
+    # ---- versions ------------------------------------------------------------------
+
+    async def detect(self) -> Capabilities:
+        """Ask the server its SGLang release; UnsupportedEngine if outside the range.
+
+        `/server_info` (0.5.6+), else `/get_server_info` (0.5.4-0.5.5). An
+        EngineHTTPError (401: a wrong API key) or EngineUnavailable passes through.
+        """
+        try:
+            info = await self.request("GET", "/server_info")
+        except EngineHTTPError as e:
+            if e.status != 404:
+                raise
+            info = await self.request("GET", "/get_server_info")
+        version = info.get("version") if isinstance(info, dict) else None
+        if not isinstance(version, str):
+            raise UnsupportedEngine(f"engine {self.url} reports no SGLang version: {info!r}")
+        caps = Capabilities.of(version)
+        if caps.beyond_read:
+            log.warning("engine %s runs SGLang %s, newer than any release Flywheel was "
+                        "checked against; proceeding", self.url, version)  # fmt: skip
+        self._caps = caps
+        return caps
+
+    async def capabilities(self) -> Capabilities:
+        """The server's release (detected once)."""
+        return self._caps or await self.detect()
+
     # ---- the API ---------------------------------------------------------------------
 
     async def generate(
@@ -221,7 +307,10 @@ class EngineClient:
         return_logprob: bool = True,
         timeout_s: float | None = None,
     ) -> list[GenerateResult]:
-        """Generate from one prompt; one result per sample (`sampling_params["n"]`)."""
+        """Generate from one prompt; one result per sample (`sampling_params["n"]`).
+
+        `rid` must not be in flight on this engine (SGLang >= 0.5.10 answers 400).
+        """
         body: dict[str, Any] = {
             "sampling_params": sampling_params or {},
             "return_logprob": return_logprob,
@@ -241,24 +330,35 @@ class EngineClient:
         model_path: str,
         weight_version: str | None = None,
         *,
-        abort_all_requests: bool = False,
-        flush_cache: bool = True,
+        update_mode: str = "wait",
+        flush_cache: bool | None = None,
         timeout_s: float | None = None,
     ) -> UpdateResult:
-        """Load new weights; EngineHTTPError(400) if the engine refuses them."""
+        """Load new weights; EngineHTTPError(400) if the engine refuses them.
+
+        `update_mode` is how generation was held for the update (sync's
+        `[sync] update_mode`): it decides `abort_all_requests` and the
+        `flush_cache` this release needs (`Capabilities.flush_cache_for`);
+        `flush_cache` overrides the latter.
+        """
+        caps = await self.capabilities()
+        flush = caps.flush_cache_for(update_mode) if flush_cache is None else flush_cache
         body: dict[str, Any] = {
             "model_path": model_path,
-            "abort_all_requests": abort_all_requests,
-            "flush_cache": flush_cache,
+            "abort_all_requests": update_mode == "abort",
         }
+        if flush is not None and caps.has_flush_cache_field:
+            body["flush_cache"] = flush
         if weight_version is not None:
             body["weight_version"] = weight_version
         out = await self.request("POST", "/update_weights_from_disk", body, timeout_s=timeout_s)
         return UpdateResult(
-            bool(out["success"]), str(out["message"]), int(out.get("num_paused_requests", 0))
+            bool(out["success"]), str(out["message"]), paused_count(out.get("num_paused_requests"))
         )
 
     async def pause_generation(self, mode: str = "abort") -> None:
+        """Pause; UnsupportedEngine if the release cannot pause in `mode` (it would abort)."""
+        (await self.capabilities()).check_update_mode(mode)
         await self.request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
@@ -268,24 +368,33 @@ class EngineClient:
         await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
     async def model_info(self) -> dict[str, Any]:
-        return dict(await self.request("GET", "/model_info"))
+        path = (await self.capabilities()).model_info_path
+        return dict(await self.request("GET", path))
 
     async def weight_version(self) -> str:
         return str((await self.model_info())["weight_version"])
 
     async def server_info(self) -> dict[str, Any]:
-        return dict(await self.request("GET", "/server_info"))
+        path = (await self.capabilities()).server_info_path
+        return dict(await self.request("GET", path))
 
-    async def health(self, *, timeout_s: float = 5.0) -> bool:
-        """True if /health answers 200; False on an error status or when unreachable (no retry)."""
+    async def health(self, *, timeout_s: float = 30.0) -> bool:
+        """True if /health answers 200; False on an error status or when unreachable (no retry).
+
+        SGLang's /health generates a token and takes at least a second
+        (unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false), and up to its
+        20 s SGLANG_HEALTH_CHECK_TIMEOUT: hence the long default.
+        """
         try:
             await self.request("GET", "/health", timeout_s=timeout_s, retries=0)
         except EngineError:
             return False
         return True
 
-    async def loads(self) -> dict[str, Any]:
-        return dict(await self.request("GET", "/v1/loads"))
+    async def loads(self) -> Load:
+        """Running and waiting requests (`/v1/loads`, or `/get_load` before 0.5.8)."""
+        path = (await self.capabilities()).loads_path
+        return load_of(await self.request("GET", path))
 
     async def flush_cache(self) -> None:
         await self.request("POST", "/flush_cache")

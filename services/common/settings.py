@@ -145,8 +145,18 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
 
 
 def file_values(doc: dict[str, Any], cls: type[ServiceSettings]) -> dict[str, Any]:
-    """The values `cls` takes from a parsed run file: shared keys, then its section."""
-    shared = {k: v for k, v in doc.items() if k in cls.model_fields and k != cls.section}
+    """The values `cls` takes from a parsed run file: shared keys, then its section.
+
+    Shared: top-level keys and the tables every service declares (`[nats]`,
+    `[task]`, `[tasks.*]`). Any other table is a section of its own
+    (`[stack] engine` is a field, `[engine]` a section).
+    """
+    common = ServiceSettings.model_fields
+    shared = {
+        k: v
+        for k, v in doc.items()
+        if k in cls.model_fields and k != cls.section and (k in common or not isinstance(v, dict))
+    }
     section = doc.get(cls.section, {}) if cls.section else {}
     if not isinstance(section, dict):
         raise ConfigError(f"[{cls.section}] must be a table")

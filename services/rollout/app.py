@@ -65,6 +65,7 @@ async def body(ctx: ServiceContext) -> None:
             on_download=worker.metrics.downloaded,
         )  # fmt: skip
         ctx.readiness.set("engine", "not checked yet")
+        await worker.wait_for_engine(ctx.stop)  # its SGLang release decides the routes
         heartbeat = asyncio.create_task(worker.heartbeat_loop(ctx.stop))
         fetch = asyncio.create_task(worker.fetcher.run_loop(ctx.stop, worker.engine_version))
         try:

@@ -7,11 +7,22 @@ keeps `concurrency` tasks in flight so its engine batches them. Per task:
    (an engine that just joined, or one being updated), the task goes back
    with a short delay for this or another worker, so no engine serves
    beyond the staleness bound;
-2. tokenize (chat template), generate `n` completions with logprobs;
+2. tokenize (chat template), generate `n` completions with logprobs under
+   a request id unique to this delivery (SGLang refuses an id still in
+   flight, and a redelivered task's first generation may still be running);
    a completion aborted by a weight update is generated again, never lost;
+   a 400 is the engine refusing the request itself (a bad `top_k`, a prompt
+   too long): the task is dead-lettered with the engine's message, not retried;
 3. score each completion with the task's environment, under a time limit;
 4. publish the group (its id is deterministic, so a redelivered task's
    group is stored once) and only then let the loop ack the task.
+
+Versions: a sample's tokens may come from several weight versions when an
+update paused generation mid-way (`retract`, `in_place`). SGLang >= 0.5.19
+says which tokens came from which (`weight_versions`); they become the
+sample's `weight_version_spans`, its first and last version. Older engines
+say only the version at completion, so the first is bounded from below by
+the version the engine served when the task began.
 
 A heartbeat loop reports the engine (id, url, version, load) for sync, and,
 for the NATS weights transport, where the worker keeps weights it received
@@ -21,8 +32,10 @@ and the newest one it has (services/rollout/weights_fetch.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -33,17 +46,24 @@ from proto.messages import (
     PromptTask,
     Sample,
     SampleGroup,
+    VersionSpan,
     pack_f32,
     pack_i32,
     pack_u8,
     unpack_i32,
 )
 from proto.subjects import Subjects
-from services.common.engine_client import EngineClient, EngineError, GenerateResult
-from services.common.errors import PermanentError, RetryableError
+from services.common.engine_client import (
+    EngineClient,
+    EngineError,
+    EngineHTTPError,
+    GenerateResult,
+)
+from services.common.errors import ConfigError, PermanentError, RetryableError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery, transient_errors
 from services.common.publish import publish
+from services.common.sglang_api import UnsupportedEngine
 from services.common.tasks.prompts import encode
 from services.common.tasks.sandbox import Reward
 from services.rollout.settings import RolloutSettings
@@ -68,6 +88,36 @@ class Scorer(Protocol):
     def chat_template(self, task: PromptTask) -> bool: ...
 
     async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward: ...
+
+
+def request_id(task: PromptTask, delivered: int) -> str:
+    """The engine request id of one delivery of a task: never one still in flight.
+
+    SGLang (0.5.10+) answers 400 "Duplicate request ID" to an id in flight,
+    and a task can be delivered again while its first generation still runs
+    (the worker that had it died, or it outlived the ack wait). The delivery
+    count says which delivery it was; the random part keeps two workers apart.
+    """
+    return f"{task.task_id}:a{task.attempt}:d{delivered}:{uuid.uuid4().hex[:8]}"
+
+
+def engine_failure(e: EngineError, url: str, task_id: str) -> PermanentError | RetryableError:
+    """A 400 from /generate is the engine refusing the request itself (a bad top_k, a
+    prompt too long): dead-letter it with the engine's words. Anything else may pass."""
+    if isinstance(e, EngineHTTPError) and e.status == 400 and e.url.endswith("/generate"):
+        return PermanentError(f"engine {url} refused task {task_id}: {e.message}",
+                              reason="engine_rejected")  # fmt: skip
+    return RetryableError(f"engine {url}: {e}")
+
+
+def sample_versions(r: GenerateResult, before: int) -> tuple[int, int, tuple[VersionSpan, ...]]:
+    """(first, last, spans) of one completion's weight versions (module docstring)."""
+    spans = tuple(VersionSpan(version=parse_version(v), start=a, end=b)
+                  for v, a, b in r.weight_versions)  # fmt: skip
+    if spans:
+        return spans[0].version, spans[-1].version, spans
+    last = parse_version(r.weight_version)
+    return min(before, last), last, ()
 
 
 class RolloutMetrics:
@@ -167,7 +217,7 @@ class RolloutWorker:
 
     async def generate(self, task: PromptTask, ids: list[int], d: Delivery) -> list[GenerateResult]:
         """`task.n` finished completions; aborted ones are generated again."""
-        rid = f"{task.task_id}:a{task.attempt}"
+        rid = request_id(task, d.delivered)
         results = await self.client.generate(
             ids, sampling_params=self.sampling_params(task, task.n), rid=rid,
             timeout_s=self.s.generate_timeout_s,
@@ -228,12 +278,12 @@ class RolloutWorker:
             started = time.time()
             results = await self.generate(task, ids, d)
         except EngineError as e:
-            raise RetryableError(f"engine {self.s.engine_url}: {e}") from e
+            raise engine_failure(e, self.s.engine_url, task.task_id) from e
         group_id = f"{task.task_id}:a{task.attempt}"
         samples = []
         for i, r in enumerate(results):
             score = await self.score(task, r.text, len(r.output_ids))
-            version = parse_version(r.weight_version)
+            first, last, spans = sample_versions(r, before)
             samples.append(
                 Sample(
                     sample_id=f"{group_id}:s{i}",
@@ -248,8 +298,9 @@ class RolloutWorker:
                     reward=score.reward,
                     reward_parts=dict(score.parts),
                     finish_reason=FinishReason(r.finish_type),
-                    weight_version=min(before, version),
-                    weight_version_last=version,
+                    weight_version=first,
+                    weight_version_last=last,
+                    weight_version_spans=spans,
                     engine_id=self.s.engine_id,
                     queued_at=task.created_at,
                     started_at=started,
@@ -269,6 +320,36 @@ class RolloutWorker:
         self.metrics.groups.inc()
         self.metrics.task_seconds.observe(time.time() - received)
 
+    # start-up
+    async def wait_for_engine(self, stop: asyncio.Event) -> None:
+        """Until the engine answers which SGLang release it runs (it may still be loading).
+
+        ConfigError, which ends the service with the cause, when the engine
+        refuses the API key or runs a release outside the supported range:
+        every task would fail the same way.
+        """
+        delay = 0.2
+        while not stop.is_set():
+            try:
+                caps = await self.client.detect()
+            except UnsupportedEngine as e:
+                raise ConfigError(f"[rollout] engine_url {self.s.engine_url}: {e}") from e
+            except EngineHTTPError as e:
+                if e.status in (401, 403):
+                    why = f"the engine at {self.s.engine_url} answered {e.status} {e.message}"
+                    raise ConfigError(f"[rollout] engine_api_key: {why}") from e
+                self.ctx.readiness.set("engine", f"answered {e.status}")
+            except EngineError as e:
+                self.ctx.readiness.set("engine", "unreachable")
+                log.info("rollout: waiting for the engine at %s (%s)", self.s.engine_url, e)
+            else:
+                log.info("rollout: engine %s runs SGLang %s", self.s.engine_url,
+                         ".".join(map(str, caps.version)))  # fmt: skip
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 5.0)
+
     # heartbeat
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         subject = self.subjects.heartbeat(self.s.engine_id)
@@ -276,7 +357,7 @@ class RolloutWorker:
         while not stop.is_set():
             try:
                 version = await self.engine_version()
-                loads = await self.client.loads()
+                load = await self.client.loads()
             except EngineError as e:
                 # No heartbeat while the engine is down: sync then stops counting on it.
                 log.warning("rollout: engine %s unreachable: %s", self.s.engine_url, e)
@@ -284,7 +365,7 @@ class RolloutWorker:
             else:
                 self.ctx.readiness.ok("engine")
                 self.metrics.engine_version.set(version)
-                running, queued = load_counts(loads)
+                running, queued = load.running, load.queued
                 f = self.fetcher
                 hb = EngineHeartbeat(
                     run=self.s.run, engine_id=self.s.engine_id, url=self.s.engine_url,
@@ -303,11 +384,3 @@ class RolloutWorker:
                 await asyncio.wait_for(stop.wait(), self.s.heartbeat_s)
             except TimeoutError:
                 pass
-
-
-def load_counts(loads: dict[str, Any]) -> tuple[int, int]:
-    """(running, queued) from `/v1/loads`, summed over data-parallel ranks."""
-    rows = loads.get("loads") or []
-    running = sum(int(r.get("num_running_reqs", 0)) for r in rows)
-    queued = sum(int(r.get("num_waiting_reqs", 0)) for r in rows)
-    return running, queued

@@ -5,6 +5,7 @@ one), then engines, rollout workers, sync, trainer and buffer in readiness
 order (`[stack] services` picks a subset, as Kubernetes pods would), shows
 a status line every few seconds, and stops everything on Ctrl-C, on
 `--steps N` reached, or when a service dies and may not be restarted.
+`--dry-run` prints every process's GPUs, command and environment instead.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="stop once the trainer has done this many steps")
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
     p.add_argument("--print-config", action="store_true", help="print [stack] settings and exit")
+    p.add_argument(
+        "--dry-run", action="store_true",
+        help="print each process's GPUs, command and environment; start nothing",
+    )  # fmt: skip
     return p
 
 
@@ -122,9 +127,10 @@ SETTINGS = {
 }
 
 
-def preflight(s: StackSettings, config: str) -> int:
-    """Every service's settings and the task's files and packages, checked before anything
-    starts: one report of what is wrong, not a service dying after the engines loaded."""
+def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
+    """Every service's settings and (with `data`) the task's files and packages, checked
+    before anything starts: one report of what is wrong, not a service dying after the
+    engines loaded."""
     import importlib
 
     from services.common.errors import EXIT_CONFIG, ConfigError
@@ -139,7 +145,7 @@ def preflight(s: StackSettings, config: str) -> int:
             errors.append(str(e).removeprefix("invalid settings:\n").strip())
     if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
         try:
-            s.task_set().check(data=True)
+            s.task_set().check(data=data)
         except ConfigError as e:
             errors.append(str(e))
     for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
@@ -147,9 +153,22 @@ def preflight(s: StackSettings, config: str) -> int:
     return EXIT_CONFIG if errors else 0
 
 
+def dry_run(s: StackSettings, config: Path) -> str:
+    """What `up` would start (ports are examples: `up` picks free ones again)."""
+    from services.stack.plan import describe, plan
+
+    nats = f"nats://127.0.0.1:{s.nats_port or '<free port>'}" if s.embedded_nats else s.nats.url
+    head = f"nats: {'embedded nats-server at ' if s.embedded_nats else ''}{nats}"
+    return head + "\n" + describe(plan(s, config.resolve(), nats, free_port))
+
+
 def up_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = settings_or_exit("up", StackSettings, args.config, args.print_config)
-    if code := preflight(settings, args.config):
+    # A dry run shows another machine's plan: its data paths need not exist here.
+    if code := preflight(settings, args.config, data=not args.dry_run):
         return code
+    if args.dry_run:
+        print(dry_run(settings, Path(args.config)))
+        return 0
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -3,6 +3,14 @@
 Each service gets the run file (`-c`), plus per-instance environment
 overrides (ports, engine URL and ids, the NATS URL), so one run file
 describes the whole run and the same file configures Kubernetes pods.
+
+Engines are Flywheel's CPU engine or SGLang (`[stack] engine`). SGLang gets
+the flags the Kubernetes GPU overlay gives it (deploy/k8s/overlays/gpu):
+model path, host/port, `--weight-version 0`, `--mem-fraction-static`,
+`--enable-metrics`, and `--tp-size` = its number of GPUs. GPUs are placed
+by `CUDA_VISIBLE_DEVICES` per process from the `[stack]` GPU map: each
+engine its own, the trainer its ranks'; with a map, every other process
+sees none, so nothing else can take memory on an engine's or trainer's GPU.
 """
 
 from __future__ import annotations
@@ -12,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.rollout.engine.sglang_launcher import SGLangOptions, command
 from services.stack.settings import StackSettings
 
 ORDER = ("engine", "rollout", "sync", "trainer", "buffer")
+SECRET_WORDS = ("PASSWORD", "TOKEN", "KEY", "SECRET")
 
 
 @dataclass(frozen=True)
@@ -25,10 +35,39 @@ class ProcSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready_url: str | None = None  # polled until it answers 200
     metrics_url: str | None = None
+    gpus: tuple[int, ...] = ()  # its CUDA_VISIBLE_DEVICES (display; env carries it)
+    beside: str | None = None  # a rollout worker's engine
 
 
 def _py(*module_args: str) -> tuple[str, ...]:
     return (sys.executable, "-m", *module_args)
+
+
+def _visible(gpus: list[int] | tuple[int, ...]) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+
+def engine_spec(
+    s: StackSettings, i: int, config: Path, port: int
+) -> tuple[tuple[str, ...], dict[str, str], tuple[int, ...]]:
+    """argv, environment and GPUs of engine `i` listening on `port`."""
+    key = s.engine_api_key.get_secret_value() if s.engine_api_key else None
+    if s.engine == "sglang":
+        gpus = tuple(s.engine_gpus[i])
+        opts = SGLangOptions(
+            model_path=s.model, port=port, weight_version="0", tp_size=len(gpus),
+            mem_fraction_static=s.engine_mem_fraction, api_key=key, enable_metrics=True,
+            extra_args=tuple(s.engine_args),
+        )  # fmt: skip
+        return tuple(command(opts)), {**_visible(gpus), "HF_HUB_OFFLINE": "1"}, gpus
+    argv = _py(
+        "services.rollout.engine", "--config", str(config), "--model", str(s.model),
+        "--port", str(port), "--weight-version", "0",
+    )  # fmt: skip
+    if key:
+        argv += ("--api-key", key)
+    env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.engine_threads)}
+    return argv, {**env, **(_visible(()) if s.gpu_map else {})}, ()
 
 
 def plan(
@@ -37,61 +76,101 @@ def plan(
     specs: list[ProcSpec] = []
     run_dir = s.run_dir.resolve()
     weights = run_dir / "weights"
+    key = s.engine_api_key.get_secret_value() if s.engine_api_key else None
+    no_gpu = _visible(()) if s.gpu_map else {}
 
-    def service(kind: str, name: str, argv: tuple[str, ...], env: dict[str, str]) -> ProcSpec:
+    def service(kind: str, name: str, argv: tuple[str, ...], env: dict[str, str],
+                **extra: object) -> ProcSpec:  # fmt: skip
         port = free_port()
         prefix = f"FLYWHEEL_{kind.upper()}_"
         env = {
             f"{prefix}NATS__URL": nats_url,
             f"{prefix}METRICS_PORT": str(port),
             f"{prefix}RUN": s.run,
+            **no_gpu,
             **env,
         }
+        if key and kind in ("rollout", "sync"):
+            env[f"{prefix}ENGINE_API_KEY"] = key
         base = f"http://127.0.0.1:{port}"
-        return ProcSpec(name, kind, argv, env, f"{base}/readyz", f"{base}/metrics")
+        return ProcSpec(name, kind, argv, env, f"{base}/readyz", f"{base}/metrics", **extra)  # type: ignore[arg-type]
 
-    engine_urls = []
+    engines: list[ProcSpec] = []
     if "engine" in s.services:
         for i in range(s.engines):
             port = free_port()
+            argv, env, gpus = engine_spec(s, i, config, port)
             url = f"http://127.0.0.1:{port}"
-            engine_urls.append(url)
-            argv = _py(
-                "services.rollout.engine", "--config", str(config), "--model", str(s.model),
-                "--port", str(port), "--weight-version", "0",
-            )  # fmt: skip
-            env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.engine_threads)}
-            specs.append(ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health", None))
+            engines.append(ProcSpec(f"engine-{i}", "engine", argv, env,
+                                    f"{url}/health_generate", None, gpus))  # fmt: skip
+    specs += engines
     if "rollout" in s.services:
-        for i, url in enumerate(engine_urls):
+        for i, eng in enumerate(engines):
             env = {
-                "FLYWHEEL_ROLLOUT_ENGINE_URL": url,
-                "FLYWHEEL_ROLLOUT_ENGINE_ID": f"engine-{i}",
+                "FLYWHEEL_ROLLOUT_ENGINE_URL": (eng.ready_url or "").rsplit("/", 1)[0],
+                "FLYWHEEL_ROLLOUT_ENGINE_ID": eng.name,
                 "FLYWHEEL_ROLLOUT_WORKER_ID": f"rollout-{i}",
                 "FLYWHEEL_ROLLOUT_MODEL": str(s.model),
             }
-            specs.append(
-                service("rollout", f"rollout-{i}", _py("services.rollout", "-c", str(config)), env)
-            )
+            argv = _py("services.rollout", "-c", str(config))
+            specs.append(service("rollout", f"rollout-{i}", argv, env, beside=eng.name))
     if "sync" in s.services:
         env = {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(weights)}
         specs.append(service("sync", "sync", _py("services.sync", "-c", str(config)), env))
     if "trainer" in s.services:
-        trainer_argv: tuple[str, ...]
-        if s.trainer_nproc > 1:
-            trainer_argv = (
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={s.trainer_nproc}", "-m", "services.trainer", "-c", str(config),
-            )  # fmt: skip
-        else:
-            trainer_argv = _py("services.trainer", "-c", str(config))
-        env = {
-            "FLYWHEEL_TRAINER_MODEL": str(s.model),
-            "FLYWHEEL_TRAINER_WEIGHTS_ROOT": str(weights),
-            "FLYWHEEL_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-            "FLYWHEEL_TRAINER_METRICS_FILE": str(run_dir / "metrics.jsonl"),
-        }
-        specs.append(service("trainer", "trainer", trainer_argv, env))
+        specs.append(trainer_spec(s, config, run_dir, service))
     if "buffer" in s.services:
         specs.append(service("buffer", "buffer", _py("services.buffer", "-c", str(config)), {}))
     return sorted(specs, key=lambda p: ORDER.index(p.kind))
+
+
+def trainer_spec(
+    s: StackSettings, config: Path, run_dir: Path, service: Callable[..., ProcSpec]
+) -> ProcSpec:
+    trainer_argv: tuple[str, ...]
+    if s.trainer_nproc > 1:
+        trainer_argv = (
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={s.trainer_nproc}", "-m", "services.trainer", "-c", str(config),
+        )  # fmt: skip
+    else:
+        trainer_argv = _py("services.trainer", "-c", str(config))
+    env = {
+        "FLYWHEEL_TRAINER_MODEL": str(s.model),
+        "FLYWHEEL_TRAINER_WEIGHTS_ROOT": str(run_dir / "weights"),
+        "FLYWHEEL_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "FLYWHEEL_TRAINER_METRICS_FILE": str(run_dir / "metrics.jsonl"),
+    }
+    if s.trainer_gpus:
+        env.update(_visible(s.trainer_gpus))
+    return service("trainer", "trainer", trainer_argv, env, gpus=tuple(s.trainer_gpus))
+
+
+def _redact(name: str, value: str) -> str:
+    return "***" if any(w in name.upper() for w in SECRET_WORDS) else value
+
+
+def describe(specs: list[ProcSpec]) -> str:
+    """Every process: its GPUs, command and environment (secrets shown as ***)."""
+    by_name = {p.name: p for p in specs}
+    lines = []
+    for p in specs:
+        if p.gpus:
+            where = "GPUs " + ",".join(map(str, p.gpus))
+        elif p.beside is not None:
+            eng = by_name[p.beside]
+            on = ",".join(map(str, eng.gpus)) if eng.gpus else "CPU"
+            where = f"no GPU; beside {eng.name} (GPUs {on})" if eng.gpus else "no GPU"
+        else:
+            where = "no GPU"
+        argv = list(p.argv)
+        for i, a in enumerate(argv[:-1]):
+            if a == "--api-key":
+                argv[i + 1] = "***"
+        lines.append(f"{p.name} [{p.kind}] {where}")
+        lines.append(f"  command: {' '.join(argv)}")
+        env = " ".join(f"{k}={_redact(k, v)}" for k, v in sorted(p.env.items()))
+        lines.append(f"  env: {env}")
+        if p.ready_url:
+            lines.append(f"  ready: {p.ready_url}")
+    return "\n".join(lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
@@ -34,9 +34,36 @@ class StackSettings(ServiceSettings):
             "loss of one (set [nats] replicas = 3 with it)."
         ),
     )
-    engines: int = Field(2, ge=0, le=64, description="CPU engines (one rollout worker each).")
-    engine_threads: int = Field(1, ge=0, description="torch threads per engine (0: default).")
+    engine: Literal["cpu", "sglang"] = Field(
+        "cpu",
+        description="Which engine servers to start: Flywheel's CPU engine, or SGLang "
+        "(`python -m sglang.launch_server`, GPU, `pip install 'flywheel[sglang]'`).",
+    )
+    engines: int = Field(2, ge=0, le=64, description="Engines (one rollout worker each).")
+    engine_threads: int = Field(1, ge=0, description="torch threads per CPU engine (0: default).")
+    engine_gpus: list[list[int]] = Field(
+        default_factory=list,
+        description="GPUs of each SGLang engine, e.g. [[4], [5], [6], [7]]: one list per "
+        "engine (its CUDA_VISIBLE_DEVICES; more than one GPU means tensor parallel). "
+        "Required with engine = 'sglang'.",
+    )
+    engine_mem_fraction: float = Field(
+        0.85, gt=0, le=1, description="SGLang --mem-fraction-static (weights + KV cache)."
+    )
+    engine_args: list[str] = Field(
+        default_factory=list, description="More flags for every SGLang engine, as given."
+    )
+    engine_api_key: SecretStr | None = Field(
+        None,
+        description="An API key for the engines this stack starts; rollout workers and sync "
+        "are given it too.",
+    )
     trainer_nproc: int = Field(1, ge=1, description="Trainer ranks (>1 runs under torchrun).")
+    trainer_gpus: list[int] = Field(
+        default_factory=list,
+        description="GPUs of the trainer, one per rank (its CUDA_VISIBLE_DEVICES); must "
+        "number trainer_nproc. Empty: not set (CPU, or whatever torch finds).",
+    )
     services: tuple[str, ...] = Field(
         ("engine", "rollout", "sync", "trainer", "buffer"),
         description="Which services to start here (others run elsewhere, as pods do).",
@@ -57,3 +84,28 @@ class StackSettings(ServiceSettings):
                 f"[stack] nats_cluster = {self.nats_cluster}: raise nats_cluster or lower replicas"
             )
         return self
+
+    @model_validator(mode="after")
+    def _gpu_map(self) -> StackSettings:
+        """Every GPU process gets its own GPUs: counts match, nothing shared."""
+        if self.engine == "sglang" and self.engines and len(self.engine_gpus) != self.engines:
+            raise ValueError(
+                f"engine_gpus: {len(self.engine_gpus)} GPU lists for {self.engines} SGLang "
+                f"engines (one list per engine, e.g. [[4], [5]])"
+            )
+        if self.engine == "cpu" and self.engine_gpus:
+            raise ValueError("engine_gpus: only SGLang engines use GPUs (engine = 'sglang')")
+        if any(not gpus for gpus in self.engine_gpus):
+            raise ValueError("engine_gpus: an engine has an empty GPU list")
+        if self.trainer_gpus and len(self.trainer_gpus) != self.trainer_nproc:
+            raise ValueError(f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
+                             f"{self.trainer_nproc} ranks")  # fmt: skip
+        used = [g for gpus in self.engine_gpus for g in gpus] + list(self.trainer_gpus)
+        shared = sorted({g for g in used if used.count(g) > 1})
+        if shared:
+            raise ValueError(f"engine_gpus/trainer_gpus: GPU(s) {shared} given twice")
+        return self
+
+    @property
+    def gpu_map(self) -> bool:
+        return bool(self.engine_gpus or self.trainer_gpus)

@@ -3,10 +3,12 @@
 Each process's stdout+stderr goes to `<run_dir>/logs/<name>.log` and, line
 by line with a `[name]` prefix, to the console (unless quiet). A process
 counts as started once its ready URL answers 200 (`/readyz` of a service,
-`/health` of an engine). A process that exits on its own is reported by
-name with the tail of its log, then restarted (up to `max_restarts`) or
-the whole stack stops, as configured. Stopping sends SIGTERM in reverse
-start order, then SIGKILL after a grace period.
+`/health_generate` of an engine: a real one-token generation, which takes
+a second or more on SGLang and on the CPU engine alike). A process that
+exits on its own is reported by name with the tail of its log, then
+restarted (up to `max_restarts`) or the whole stack stops, as configured.
+Stopping sends SIGTERM in reverse start order, then SIGKILL after a grace
+period.
 
 `pids_file` (`flywheel up` writes `<run_dir>/pids.json`) maps each process
 name to its current pid and is rewritten, atomically, on every (re)start:
@@ -61,7 +63,7 @@ class Proc:
         return self.proc is not None and self.proc.returncode is None
 
 
-async def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+async def http_ok(url: str, timeout_s: float = 30.0) -> bool:
     import aiohttp
 
     try:

@@ -12,6 +12,14 @@ that alone added ~0.2 s to every publish→ready, a third of a demo step.
 Each engine update runs as its own task (pause → update_weights_from_disk →
 continue, or just update and let running requests finish), so a slow or
 dead engine never holds up the others.
+
+The update asks each engine's SGLang release first (once per engine URL):
+an `update_mode` the release cannot do (retract or in_place before 0.5.6,
+where /pause_generation always aborts) is a configuration error: sync
+stops with the release named, before anything is paused, since no update
+of that engine could ever succeed. The `flush_cache` sent is the one that
+release survives (in_place never flushes: a flush with requests held
+answers 400 from 0.5.22 and killed the scheduler before).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -37,11 +46,12 @@ from proto.streams import (
 )
 from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
-from services.common.errors import PermanentError
+from services.common.errors import ConfigError, PermanentError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
+from services.common.sglang_api import Capabilities, UnsupportedEngine
 from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.settings import SyncSettings
 
@@ -117,6 +127,9 @@ class SyncService:
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.over_nats = False  # a version came over NATS: purge old chunks from the stream
+        self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
+        self.resumed: set[str] = set()  # engine URLs this process told to continue
+        self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop
         self.wake = asyncio.Event()  # something happened: reconcile now, not at the next tick
 
     async def restore(self) -> None:
@@ -171,22 +184,34 @@ class SyncService:
 
     async def _update(self, e: Engine, p: Published) -> None:
         started = time.monotonic()
+        mode = self.s.update_mode
+        key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
         try:
-            async with EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2) as c:
-                pause = self.s.update_mode != "wait"
-                if pause:
-                    await c.pause_generation(self.s.update_mode)
+            client = EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2,
+                                  api_key=key, capabilities=self.releases.get(e.url))  # fmt: skip
+            async with client as c:
+                release = self.releases[e.url] = await c.capabilities()
+                release.check_update_mode(mode)
+                if mode != "wait":
+                    await c.pause_generation(mode)
                 try:
                     res = await c.update_weights_from_disk(
-                        path_for(e, p), str(p.version),
-                        abort_all_requests=self.s.update_mode == "abort",
-                    )  # fmt: skip
+                        path_for(e, p), str(p.version), update_mode=mode
+                    )
                 finally:
-                    if pause:
+                    if mode != "wait":
                         await c.continue_generation()
             if not res.success:
                 raise EngineError(res.message, e.url)
+        except UnsupportedEngine as err:
+            self.reg.failed(e, time.time())
+            self.metrics.failures.labels(engine=e.engine_id).inc()
+            self.fatal = ConfigError(f"[sync] update_mode = {mode!r}: engine {e.engine_id} "
+                                     f"at {e.url}: {err}")  # fmt: skip
+            log.error("sync: %s", self.fatal)
+            return
         except (EngineError, TimeoutError) as err:
+            self.releases.pop(e.url, None)  # it may have restarted as another release
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
             log.warning("sync: engine %s failed to load v%d (failure %d): %s",
@@ -198,20 +223,46 @@ class SyncService:
         self.metrics.bytes.inc(self.sizes.get(p.version, 0))
         log.info("sync: engine %s serves v%d", e.engine_id, p.version)
 
+    async def resume(self, e: Engine) -> None:
+        """Continue generation on an engine met for the first time (idempotent).
+
+        A sync that died between pause and continue leaves its engines paused;
+        the engine may already serve the new version, so no update would ever
+        continue it. Held as an update (`started`) so none runs meanwhile.
+        """
+        key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
+        try:
+            async with EngineClient(e.url, retries=0, api_key=key, timeout_s=30) as c:
+                await c.continue_generation()
+        except EngineError as err:
+            self.resumed.discard(e.url)  # try again at a later reconcile
+            log.info("sync: engine %s not resumed yet: %s", e.engine_id, err)
+        finally:
+            e.updating = False
+            self.wake.set()
+
+    def _track(self, coro: Any) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
     async def reconcile(self) -> None:
         now = time.time()
         for gone in self.reg.forget_dead(now):
             log.warning("sync: engine %s stopped sending heartbeats; dropped", gone)
             with contextlib.suppress(KeyError):  # never labelled if it never loaded a version
                 self.metrics.engine_version.remove(gone)
+        for e in self.reg.live(now):
+            if e.url not in self.resumed and not e.updating:
+                self.resumed.add(e.url)
+                self.reg.started(e)
+                self._track(self.resume(e))
         self.metrics.engines.set(len(self.reg.live(now)))
         self.metrics.awaiting.set(len(self.reg.awaiting_copy(now)))
         if self.reg.latest is not None:
             for e in self.reg.updates_due(now):
                 self.reg.started(e)
-                t = asyncio.create_task(self.update(e, self.reg.latest))
-                self.tasks.add(t)
-                t.add_done_callback(self.tasks.discard)
+                self._track(self.update(e, self.reg.latest))
         v = self.reg.to_announce(now)
         if v is not None:
             engines = tuple(sorted(e.engine_id for e in self.reg.healthy(now)))
@@ -268,6 +319,8 @@ class SyncService:
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self.wake.clear()
+            if self.fatal is not None:
+                raise self.fatal
             await self.reconcile()
             waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.wake.wait())]
             await asyncio.wait(waits, timeout=self.s.tick_s, return_when=asyncio.FIRST_COMPLETED)
@@ -294,7 +347,16 @@ async def body(ctx: ServiceContext) -> None:
     sub = await ctx.nc.subscribe(svc.subjects.heartbeats_all, cb=on_heartbeat_msg)
     loop = ctx.message_loop(consumer, WeightsPublished, svc.on_published)
     ctx.readiness.ok("sync")
+    tasks = [
+        asyncio.create_task(loop.run(ctx.stop)),
+        asyncio.create_task(svc.reconcile_loop(ctx.stop)),
+    ]
     try:
-        await asyncio.gather(loop.run(ctx.stop), svc.reconcile_loop(ctx.stop))
+        # Either one failing (sync.fatal) stops both, so the connection drains at once.
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
+        ctx.stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await sub.unsubscribe()
+    for t in done:
+        t.result()

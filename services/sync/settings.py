@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
@@ -22,8 +22,18 @@ class SyncSettings(ServiceSettings):
     )
     update_mode: Literal["abort", "retract", "in_place", "wait"] = Field(
         "wait",
-        description="How running requests meet an update: 'wait' lets them finish; "
-        "the others pause generation with that SGLang mode, update, then continue.",
+        description="How running requests meet an update: 'wait' lets them finish first; "
+        "the others pause generation with that SGLang mode, update, then continue: "
+        "'abort' ends them (the worker generates them again), 'retract' requeues them "
+        "(they re-prefill with the new weights and go on), 'in_place' keeps them and "
+        "their cache. retract and in_place keep partial rollouts (tokens from two "
+        "versions, recorded per sample) and need SGLang >= 0.5.6; see README "
+        "'SGLang engines' for the GPU choice.",
+    )
+    engine_api_key: SecretStr | None = Field(
+        None,
+        description="Bearer key of the engines' API (SGLang's --api-key guards every path "
+        "but /health* and /ready*).",
     )
     update_timeout_s: float = Field(300.0, gt=0, description="Limit of one engine's update.")
     liveness_s: float = Field(

@@ -59,7 +59,7 @@ G = 2  # groups per step
 K = 2  # max staleness (2: a killed worker's stranded tasks do not stop admission)
 
 
-def chaos_config(root: Path, model: Path, nats_url: str) -> str:
+def chaos_config(root: Path, model: Path, nats_url: str, update_mode: str = "retract") -> str:
     return run_file(
         RUN,
         nats={"url": nats_url},
@@ -75,7 +75,8 @@ def chaos_config(root: Path, model: Path, nats_url: str) -> str:
         engine={"num_threads": 1},
         trainer={"publish_every": 1, "keep_checkpoints": 2, "runtime": {"cpu_threads": 1},
                  "optim": {"lr": 1e-3}},
-        sync={"liveness_s": 3.0, "tick_s": 0.1, "retry_backoff_s": 0.2, "keep_last": 3},
+        sync={"liveness_s": 3.0, "tick_s": 0.1, "retry_backoff_s": 0.2, "keep_last": 3,
+              "update_mode": update_mode},
     )  # fmt: skip
 
 
@@ -105,6 +106,7 @@ class ChaosRun:
     model: Path
     steps: int
     seed: int = 0
+    update_mode: str = "retract"  # sync's: each update pauses the engines, requeues, continues
     nats: NatsServer = field(init=False)
     up: subprocess.Popen[bytes] | None = None
     injected: list[Injected] = field(default_factory=list)
@@ -121,7 +123,7 @@ class ChaosRun:
     def start(self) -> None:
         self.nats = NatsServer(store_dir=self.root / "nats-store").start()
         config = self.root / "run.toml"
-        config.write_text(chaos_config(self.root, self.model, self.nats.url))
+        config.write_text(chaos_config(self.root, self.model, self.nats.url, self.update_mode))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
         with self.log.open("ab") as f:

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deploy_support import (
+    K8S,
     KUBERNETES_VERSION,
     OVERLAYS,
     find,
@@ -217,6 +219,36 @@ def test_gpu_overlay_requests_gpus_and_runs_sglang() -> None:
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
     trainer = find(objs, "StatefulSet", "trainer")["spec"]["template"]["spec"]["containers"][0]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engine_probes_match_sglangs_health_endpoints(overlay: str) -> None:
+    """/health generates a token (>= 1 s) and fails while paused, on SGLang and the CPU engine:
+    startup on /health_generate with room for its 20 s check; liveness and readiness on a
+    /health made cheap by SGLang's own switch, never on /ready (503 during every update)."""
+    rollout = find(objects(overlay), "Deployment", "rollout")["spec"]["template"]["spec"]
+    engine = next(c for c in rollout["containers"] if c["name"] == "engine")
+    env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+    startup = engine["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health_generate" and startup["timeoutSeconds"] > 20
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert engine[probe]["httpGet"]["path"] == "/health", probe
+        assert engine[probe].get("timeoutSeconds", 1) >= 2, probe
+
+
+def test_gpu_image_and_sglang_extra_pin_one_supported_release() -> None:
+    from services.common.sglang_api import Capabilities
+
+    kustomization = yaml.safe_load((K8S / "overlays" / "gpu" / "kustomization.yaml").read_text())
+    tag = next(i["newTag"] for i in kustomization["images"] if i["name"] == "sglang")
+    caps = Capabilities.of(tag)  # raises for an unsupported release
+    assert caps.has_cheap_health_switch  # the probes above need it
+    run_toml = tomllib.loads((K8S / "overlays" / "gpu" / "run.toml").read_text())
+    caps.check_update_mode(run_toml["sync"]["update_mode"])
+    pyproject = tomllib.loads((K8S.parents[1] / "pyproject.toml").read_text())
+    [extra] = pyproject["project"]["optional-dependencies"]["sglang"]
+    assert extra == f"sglang[all]=={tag.removeprefix('v')}"
 
 
 def test_keda_scales_the_rollout_consumer_of_the_tasks_stream() -> None:

@@ -9,7 +9,7 @@ Each of these gives reward 0 and a counted, named error, and the caller
 carries on — a thread-based `wait_for` could not stop a hung pure-Python or
 C loop, which is why this is a process.
 
-Children are plain subprocesses (`python -m services.rollout.envs.sandbox`)
+Children are plain subprocesses (`python -m services.common.tasks.sandbox`)
 speaking length-prefixed MessagePack on stdin/stdout — no pickle, and no
 fork of a parent that runs an event loop, NATS and torch threads. Request
 `[path, args]`; answer `["ok", reward, parts]` or `["error", message]`.

@@ -1,14 +1,21 @@
-"""Flywheel's CPU engine: a faithful subset of SGLang 0.5.x's HTTP API on transformers.
+"""Flywheel's CPU engine: a faithful stand-in for SGLang 0.5.x's HTTP API, on transformers.
 
 On a GPU the rollout tier talks to a real SGLang server; on a CPU it talks to
-this one, through the same client (`services.common.engine_client`). Layers:
+this one, through the same client (`services.common.engine_client`). It
+answers as one SGLang release (`[engine] sglang_version`): that release's
+routes, errors and rules, never more kindly (tests/contract). Layers:
 
 - `protocol`  pure request parsing/validation and response shaping (SGLang's
-  `GenerateReqInput` fields in, `meta_info` out);
+  `GenerateReqInput` fields in, `meta_info` out, per-token version spans);
 - `sampling`  pure per-row sampling and logprob maths on logits tensors;
 - `kvbatch`   pure tensor operations on a left-padded batched KV cache
   (join, drop rows, trim);
+- `sequence`  one sequence's scheduler state and stop rules (pure);
+- `batch`     the running rows: batched prefill, decode steps, sampling;
 - `scheduler` the continuous-batching loop that owns the model, run in one
-  dedicated thread;
-- `server`    the aiohttp adapter; `__main__` the command line.
+  dedicated thread: admission, pause modes, weight updates and flushes;
+- `server`, `probes`, `info`, `state`  the aiohttp adapter (generate and
+  admin; health, readiness and the API key; read-only endpoints; what the
+  handlers share); `__main__` the command line;
+- `sglang_launcher`  the command that starts a real SGLang server instead.
 """

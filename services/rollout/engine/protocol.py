@@ -6,10 +6,15 @@ io_struct.py::GenerateReqInput` and `entrypoints/http_server.py`):
 - input: exactly one of `text` (str or list of str) or `input_ids` (list of
   int, or list of lists for a batch); `rid` (str, or one per prompt);
   `sampling_params` (one dict, or one per prompt); `return_logprob`.
-- `sampling_params`: temperature, top_p, top_k (-1 or 0 = off), max_new_tokens,
-  stop (str or list), stop_token_ids, n, ignore_eos, no_stop_trim,
-  skip_special_tokens, sampling_seed; unknown keys are refused (SGLang's
-  SamplingParams(**dict) raises on them too).
+- `sampling_params`: temperature, top_p, top_k (-1 = off, or >= 1; 0 is
+  refused unless temperature is 0, as `SamplingParams.verify` does),
+  max_new_tokens, stop (str or list), stop_token_ids, n, ignore_eos,
+  no_stop_trim, skip_special_tokens, sampling_seed; unknown keys are refused
+  (0.5.22+ in the words of its schema check, `api/v1/api_types.py`).
+- ids: one completion of one prompt is answered under the request's `rid`;
+  with `n > 1` every sample gets its own random id (`tokenizer_manager.
+  _handle_batch_request` calls `regenerate_rid()` per sample), and the
+  request's rid only exists as `{rid}_{i}` while the request is admitted.
 - output, one dict per completion: `text`, `output_ids`, `meta_info` with
   `id`, `finish_reason`, `prompt_tokens`, `completion_tokens`,
   `cached_tokens`, `weight_version`, `e2e_latency` and, with
@@ -34,10 +39,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.errors import FlywheelError
+from services.common.sglang_api import Capabilities
 
 
 class RequestError(FlywheelError, ValueError):
-    """A request the engine refuses (answered with HTTP 400 and this message)."""
+    """A request the engine refuses (answered with HTTP 400 and this message).
+
+    `schema`: the body breaks the JSON contract itself (an unknown field),
+    which SGLang 0.5.22+ answers as `{"error": "<text>"}` rather than
+    `{"error": {"message": ...}}`.
+    """
+
+    def __init__(self, message: str, *, schema: bool = False) -> None:
+        super().__init__(message)
+        self.schema = schema
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k (SGLang writes -1; both are accepted)
+    top_k: int = 0  # 0 = no top-k here (SGLang's -1; a request's 0 is refused)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
@@ -62,14 +77,13 @@ _BOOL_FIELDS = ("ignore_eos", "no_stop_trim", "skip_special_tokens")
 _IGNORED_FIELDS = frozenset(
     {"min_new_tokens", "spaces_between_special_tokens", "custom_params", "min_p"}
 )
+SAMPLING_EPS = 1e-6
+"""SGLang's `_SAMPLING_EPS`: a temperature below it is greedy (top_k = 1)."""
 
 
 MAX_N = 4096
-"""Most completions one request may ask for (PromptTask.n's bound too).
-
-Without a bound one request with n = 10**9 holds the event loop for minutes
-building its sequences and then floods the scheduler: a denial of service
-found by the fuzzer (tests/fuzz)."""
+"""Most completions one request may ask for (PromptTask.n's bound too). Without a
+bound, n = 10**9 held the event loop for minutes (a fuzzer's find, tests/fuzz)."""
 
 
 def _number(d: dict[str, Any], key: str, default: float) -> float:
@@ -103,25 +117,30 @@ def parse_sampling_params(raw: Any, default_max_new_tokens: int = 128) -> Sampli
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError("sampling_params must be an object")
-    known = set(SamplingParams.__dataclass_fields__) | _IGNORED_FIELDS
-    unknown = sorted(set(raw) - known)
+    known = [*SamplingParams.__dataclass_fields__, *sorted(_IGNORED_FIELDS)]
+    unknown = [k for k in raw if k not in known]
     if unknown:
-        raise RequestError(f"unknown sampling_params field(s): {', '.join(unknown)}")
+        listed = ", ".join(f"`{k}`" for k in known)
+        raise RequestError(f"unknown field `{unknown[0]}`, expected one of {listed}", schema=True)
     temperature = _number(raw, "temperature", 1.0)
     top_p = _number(raw, "top_p", 1.0)
-    top_k = _integer(raw, "top_k", 0) or 0
+    top_k = _integer(raw, "top_k", -1)
     max_new = _integer(raw, "max_new_tokens", default_max_new_tokens)
     n = _integer(raw, "n", 1)
     seed = _integer(raw, "sampling_seed", None)
+    assert max_new is not None and n is not None and top_k is not None
+    # SGLang's SamplingParams: a temperature under eps becomes greedy (top_k = 1)
+    # before verify(), so only a sampled request's top_k 0 is an error.
+    if 0 <= temperature < SAMPLING_EPS:
+        top_k = 1
     if temperature < 0:
-        raise RequestError("sampling_params.temperature must be >= 0")
+        raise RequestError(f"temperature must be non-negative, got {temperature}.")
     if not 0.0 < top_p <= 1.0:
-        raise RequestError("sampling_params.top_p must be in (0, 1]")
-    if top_k < -1:
-        raise RequestError("sampling_params.top_k must be -1 (off) or >= 0")
-    assert max_new is not None and n is not None
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}.")
+    if top_k < 1 and top_k != -1:
+        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
     if max_new < 0:
-        raise RequestError("sampling_params.max_new_tokens must be >= 0")
+        raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
     if not 1 <= n <= MAX_N:
         raise RequestError(f"sampling_params.n must be in 1..{MAX_N}")
     stop = raw.get("stop") or ()
@@ -144,7 +163,7 @@ def parse_sampling_params(raw: Any, default_max_new_tokens: int = 128) -> Sampli
         max_new_tokens=max_new,
         temperature=temperature,
         top_p=top_p,
-        top_k=max(top_k, 0),
+        top_k=_top_k(top_k, temperature),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),
         n=n,
@@ -153,23 +172,39 @@ def parse_sampling_params(raw: Any, default_max_new_tokens: int = 128) -> Sampli
     )
 
 
+def _top_k(top_k: int, temperature: float) -> int:
+    """SGLang's top_k (-1 off, >= 1) as this sampler's (0 off); greedy rows sample argmax."""
+    return 0 if top_k == -1 or temperature < SAMPLING_EPS else top_k
+
+
 @dataclass(frozen=True)
 class SeqSpec:
-    """One completion to generate: a prompt, its settings and its ids."""
+    """One completion to generate: a prompt, its settings and its id."""
 
-    rid: str  # the request id the client gave (or generated); abort matches it
-    out_id: str  # meta_info.id of this completion
+    rid: str  # this completion's request id: meta_info.id, what /abort_request matches
     input_ids: tuple[int, ...]
     params: SamplingParams
     return_logprob: bool
 
+    @property
+    def out_id(self) -> str:
+        return self.rid
 
-@dataclass(frozen=True)
+
+@dataclass
 class ParsedGenerate:
-    """A validated /generate request: the completions in output order, and the reply shape."""
+    """A validated /generate request: the completions in output order, and the reply shape.
+
+    `held`: the request ids in flight for the whole request (one per
+    completion of an n == 1 request); `claimed`: those of n > 1 requests
+    (`{rid}_{i}`), which SGLang registers only while it admits the request.
+    Both must not already be in flight.
+    """
 
     seqs: list[SeqSpec]
     as_list: bool
+    held: list[str] = field(default_factory=list)
+    claimed: list[str] = field(default_factory=list)
 
 
 def _as_batch(value: Any, name: str, batch: int) -> list[Any]:
@@ -230,35 +265,58 @@ def parse_generate(
     return_logprob = body.get("return_logprob", False)
     if not isinstance(return_logprob, bool):
         raise RequestError("return_logprob must be a boolean")
-    seqs: list[SeqSpec] = []
-    n_total = 0
-    for prompt, raw, r in zip(prompts, params_list, rids, strict=True):
-        params = parse_sampling_params(raw, default_max_new_tokens)
-        if n_total + params.n > MAX_N:
-            raise RequestError(f"a request may ask for at most {MAX_N} completions in all")
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-        if len(prompt) + params.max_new_tokens > context_len:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of "
-                f"{context_len} tokens: {len(prompt)} prompt + {params.max_new_tokens} new"
-            )
+    parsed = ParsedGenerate(seqs=[], as_list=False)
+    params_of = [parse_sampling_params(raw, default_max_new_tokens) for raw in params_list]
+    if len({p.n for p in params_of}) > 1:
+        raise RequestError("The parallel_sample_num should be the same for all samples in "
+                           "sample params.")  # fmt: skip
+    if sum(p.n for p in params_of) > MAX_N:
+        raise RequestError(f"a request may ask for at most {MAX_N} completions in all")
+    for prompt, params, r in zip(prompts, params_of, rids, strict=True):
+        _check_prompt(prompt, params, vocab_size, context_len)
         if r is not None and not isinstance(r, str):
             raise RequestError("rid must be a string or a list of strings")
-        base = r if r is not None else uuid.uuid4().hex
-        for j in range(params.n):
-            out_id = base if params.n == 1 else f"{base}-{j}"
-            # Sample j of n draws from seed + j: n copies of one seed would be n
-            # identical completions, useless for group-relative advantages.
-            seeded = params
-            if params.sampling_seed is not None and j:
-                seeded = replace(params, sampling_seed=params.sampling_seed + j)
-            seqs.append(SeqSpec(base, out_id, tuple(prompt), seeded, return_logprob))
-        n_total += params.n
-    return ParsedGenerate(seqs=seqs, as_list=is_batch or n_total > len(prompts))
+        _expand(parsed, prompt, params, r, isinstance(rid, list), return_logprob)
+    parsed.as_list = is_batch or len(parsed.seqs) > len(prompts)
+    return parsed
+
+
+def _check_prompt(prompt: list[int], params: SamplingParams, vocab: int, context: int) -> None:
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    if len(prompt) + params.max_new_tokens > context:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{context} tokens: {len(prompt)} prompt + {params.max_new_tokens} new"
+        )
+
+
+def _expand(
+    parsed: ParsedGenerate,
+    prompt: list[int],
+    params: SamplingParams,
+    rid: str | None,
+    rid_from_list: bool,
+    return_logprob: bool,
+) -> None:
+    """One prompt's completions, with SGLang's ids (see the module docstring)."""
+    if params.n == 1:
+        rid = rid if rid is not None else uuid.uuid4().hex
+        parsed.held.append(rid)
+        parsed.seqs.append(SeqSpec(rid, tuple(prompt), params, return_logprob))
+        return
+    if rid is not None:  # io_struct._normalize_rid: a str becomes rid_0 .. rid_{n-1}
+        parsed.claimed.extend([rid] if rid_from_list else [f"{rid}_{j}" for j in range(params.n)])
+    for j in range(params.n):
+        # Sample j of n draws from seed + j: n copies of one seed would be n
+        # identical completions, useless for group-relative advantages.
+        seeded = params
+        if params.sampling_seed is not None and j:
+            seeded = replace(params, sampling_seed=params.sampling_seed + j)
+        parsed.seqs.append(SeqSpec(uuid.uuid4().hex, tuple(prompt), seeded, return_logprob))
 
 
 @dataclass
@@ -268,10 +326,11 @@ class Completion:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: dict[str, Any]
-    weight_version: str
+    weight_version: str  # the version serving at completion (the last span's)
     e2e_latency: float
     matched_stop_str: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # (version, start, end)
+    retractions: int = 0
 
 
 def trim_text(text: str, params: SamplingParams, matched: str | None) -> str:
@@ -282,17 +341,57 @@ def trim_text(text: str, params: SamplingParams, matched: str | None) -> str:
     return text if cut < 0 else text[:cut]
 
 
-def response(spec: SeqSpec, done: Completion, text: str) -> dict[str, Any]:
-    """One completion as SGLang's /generate returns it."""
+def version_spans(
+    events: list[tuple[str, int]], current: str, n_tokens: int
+) -> list[tuple[str, int, int]]:
+    """SGLang's `compute_weight_version_spans` (utils/weight_versions.py).
+
+    `events`: (old version, output tokens at the change) for each weight
+    change while the sequence lived; tokens before it came from the old one.
+    """
+    spans: list[list[Any]] = []
+    for version, end in [*events, (current, n_tokens)]:
+        end = min(end, n_tokens)
+        if spans and end <= spans[-1][2]:
+            continue
+        if spans and version == spans[-1][0]:
+            spans[-1][2] = end
+            continue
+        spans.append([version, spans[-1][2] if spans else 0, end])
+    # add_weight_versions_to_meta_info: spans past the output are dropped
+    return [(v, a, b) for v, a, b in spans if a < n_tokens or a == 0]
+
+
+def response(
+    spec: SeqSpec,
+    done: Completion,
+    text: str,
+    *,
+    reported_version: str,
+    caps: Capabilities,
+) -> dict[str, Any]:
+    """One completion as SGLang's /generate returns it.
+
+    `meta_info.weight_version` is the server's configured version
+    (`reported_version`) before 0.5.19, and the last span's from then on,
+    which is also when `weight_versions` appears (`spans`).
+    """
     meta: dict[str, Any] = {
         "id": spec.out_id,
         "finish_reason": done.finish_reason,
         "prompt_tokens": len(spec.input_ids),
-        "completion_tokens": len(done.output_ids),
-        "cached_tokens": 0,
-        "weight_version": done.weight_version,
-        "e2e_latency": done.e2e_latency,
+        "weight_version": reported_version,
     }
+    if caps.at_least(0, 5, 12):
+        meta["num_retractions"] = done.retractions
+    meta["completion_tokens"] = len(done.output_ids)
+    meta["cached_tokens"] = 0
+    if caps.at_least(0, 5, 10):
+        meta["reasoning_tokens"] = 0
+    if caps.reports_version_spans and done.spans:
+        meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in done.spans]
+        meta["weight_version"] = done.spans[-1][0]
+    meta["e2e_latency"] = done.e2e_latency
     if spec.return_logprob:
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(done.logprobs, done.output_ids, strict=True)

@@ -16,11 +16,19 @@ batch to drain (Orca's iteration-level scheduling, Yu et al., OSDI 2022).
 Pause modes follow SGLang's `/pause_generation`: `abort` finishes every
 request with an abort reason; `retract` drops running rows' KV and requeues
 them at the front (they re-prefill prompt + generated tokens on continue);
-`in_place` keeps rows and KV and just stops stepping. A weight update waits
-for running rows to finish (admission stops meanwhile) unless it is told to
-abort them, or generation is paused. Tokens of a request held across an
-update come from both versions; `weight_version` in its reply is the version
-at completion, as in SGLang.
+`in_place` keeps rows and KV and just stops stepping. Requests that arrive
+while generation is paused, or while an update waits, are *held*: SGLang
+keeps them in its tokenizer manager (the pause condition, the weight lock),
+outside the scheduler, so they count for nothing the scheduler checks.
+
+A weight update while generation runs waits, like SGLang's writer lock,
+for every request admitted before it (running or waiting, not held) to
+finish; while paused it loads at once. Then, as SGLang's scheduler does, it
+records the version change on every live request (tokens so far came from
+the old version: `weight_versions` spans) and, if asked, flushes the cache,
+which needs no running request and (before 0.5.22, or unpaused) no waiting
+one. A refused flush fails the update with SGLang's 400 message (0.5.22+)
+or kills the scheduler as SGLang's assertion did (`crashed`, before).
 """
 
 from __future__ import annotations
@@ -32,71 +40,26 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import FlywheelError
-from services.rollout.engine import kvbatch
-from services.rollout.engine.protocol import Completion, SeqSpec
+from services.common.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
+from services.rollout.engine.batch import Batch
+from services.rollout.engine.protocol import Completion, SeqSpec, version_spans
 from services.rollout.engine.runner import WeightsLoadError
-from services.rollout.engine.sampling import sample_rows, uniform_noise
+from services.rollout.engine.sequence import (
+    PAUSE_MODES,
+    SchedulerCrashed,
+    SchedulerStopped,
+    Seq,
+    Update,
+)
+
+__all__ = ["PAUSE_MODES", "Scheduler", "SchedulerCrashed", "SchedulerStopped", "Seq"]
 
 if TYPE_CHECKING:
-    import torch
-
     from services.rollout.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class SchedulerStopped(FlywheelError, RuntimeError):
-    """The scheduler thread is gone; no request can be served."""
-
-
-@dataclass
-class Seq:
-    """One sequence being generated (scheduler-thread state)."""
-
-    spec: SeqSpec
-    on_done: Callable[[Completion], None]
-    t0: float
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    generator: Any = None  # torch.Generator for seeded requests
-    matched_str: str | None = None
-
-
-def stop_reason(
-    seq: Seq, eos: frozenset[int], decode: Callable[[list[int], bool], str]
-) -> tuple[dict[str, Any] | None, str | None]:
-    """The finish reason after the latest token, or (None, None) to go on (pure).
-
-    Order: EOS (unless ignore_eos), stop_token_ids, stop strings, length.
-    """
-    p = seq.spec.params
-    tok = seq.output_ids[-1]
-    if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
-        return {"type": "stop", "matched": tok}, None
-    if p.stop:
-        # Each token decodes to at least one character for non-special tokens,
-        # so the last max(len(stop)) + 2 tokens cover any stop string's end.
-        window = max(len(s) for s in p.stop) + 2
-        tail = decode(seq.output_ids[-window:], p.skip_special_tokens)
-        for s in p.stop:
-            if s in tail:
-                return {"type": "stop", "matched": s}, s
-    if len(seq.output_ids) >= p.max_new_tokens:
-        return {"type": "length", "length": p.max_new_tokens}, None
-    return None, None
-
-
-@dataclass
-class _Update:
-    path: str
-    version: str | None
-    future: Future[tuple[bool, str, int]]
 
 
 class Scheduler:
@@ -110,25 +73,25 @@ class Scheduler:
         weight_version: str = "default",
         max_running_requests: int = 64,
         random_seed: int = 0,
+        caps: Capabilities | None = None,
     ) -> None:
-        import torch
-
         self.runner = runner
-        self.eos = eos
-        self.decode_text = decode
+        self.caps = caps or Capabilities((0, 5, 23))
+        # Two versions, as in SGLang: the one /model_info reports (the tokenizer
+        # manager's, set only by a successful update) and the one the weights
+        # are (the scheduler's, which stamps tokens).
         self.weight_version = weight_version
+        self.served_version = weight_version
+        self.crashed: str | None = None
+        self._finished_at = 0.0
         self.max_running = max_running_requests
-        self._shared_gen = torch.Generator().manual_seed(random_seed)
+        self._batch = Batch(runner, eos, decode, random_seed)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waiting: deque[Seq] = deque()
-        self._running: list[Seq] = []  # aligned with the rows of self._kv
-        self._kv: kvbatch.KVBatch | None = None
-        self._params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._paused = False
-        self._update: _Update | None = None
+        self._update: Update | None = None
         self._stop = False
         self._step_sleep = 0.0  # SGLang's /slow_down, for tests that need requests mid-flight
-        self.generated_tokens = 0  # monotonic counter, read by /v1/loads
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
 
     # ---- thread-safe API (called from the event loop) --------------------------------
@@ -149,9 +112,14 @@ class Scheduler:
     def submit(self, spec: SeqSpec, on_done: Callable[[Completion], None]) -> None:
         """Queue one sequence; `on_done` is called from the scheduler thread when it ends."""
         if not self.alive():
-            raise SchedulerStopped("the engine scheduler is not running")
+            raise self._stopped()
         seq = Seq(spec=spec, on_done=on_done, t0=time.perf_counter())
-        self._commands.put(lambda: self._waiting.append(seq))
+
+        def cmd() -> None:
+            seq.held = self._paused or self._update is not None
+            self._waiting.append(seq)
+
+        self._commands.put(cmd)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> Future[int]:
         """Abort sequences whose request id (or completion id) is `rid`, or all; count them."""
@@ -165,13 +133,15 @@ class Scheduler:
     def resume(self) -> Future[None]:
         def cmd() -> None:
             self._paused = False
+            if self._update is None:
+                self._release_held()
 
         return self._call(cmd)
 
     def update_weights(
-        self, path: str, version: str | None, abort_all: bool
+        self, path: str, version: str | None, abort_all: bool, flush: bool = True
     ) -> Future[tuple[bool, str, int]]:
-        """Load weights when no row is decoding; resolves to (success, message, paused)."""
+        """Load weights (see the module docstring); resolves to (success, message, 0)."""
         fut: Future[tuple[bool, str, int]] = Future()
 
         def cmd() -> None:
@@ -180,9 +150,12 @@ class Scheduler:
                 return
             if abort_all:
                 self._abort_matching(None, True, "Aborted by a weight update")
-            self._update = _Update(path, version, fut)
+            self._update = Update(path, version, flush, fut)
 
-        self._commands.put(cmd)
+        if not self.alive():
+            fut.set_exception(self._stopped())
+        else:
+            self._commands.put(cmd)
         return fut
 
     def slow_down(self, seconds: float | None) -> Future[None]:
@@ -193,19 +166,40 @@ class Scheduler:
 
         return self._call(cmd)
 
-    def idle(self) -> Future[bool]:
-        """True when no request is running or waiting (for /flush_cache)."""
-        return self._call(lambda: not self._running and not self._waiting)
+    def flush_possible(self) -> Future[bool]:
+        """Whether SGLang would flush its cache now (for /flush_cache)."""
+        return self._call(self._flush_possible)
 
     def load(self) -> dict[str, Any]:
         """A racy but consistent-enough snapshot for /v1/loads (ints read atomically)."""
-        kv = self._kv
+        held = sum(1 for s in list(self._waiting) if s.held)
         return {
             "num_running_reqs": len(self._running),
-            "num_waiting_reqs": len(self._waiting),
-            "num_used_tokens": int(kv.lengths.sum()) if kv is not None else 0,
+            "num_waiting_reqs": len(self._waiting) - held,
+            "num_held_reqs": held,
+            "num_used_tokens": self._batch.used_tokens(),
             "paused": self._paused,
         }
+
+    @property
+    def generated_tokens(self) -> int:
+        return self._batch.generated_tokens
+
+    @property
+    def last_output(self) -> float:
+        """time.time() of the last token or completion: SGLang's health check waits for one."""
+        return max(self._batch.last_output, self._finished_at)
+
+    @property
+    def _running(self) -> list[Seq]:
+        return self._batch.seqs
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _stopped(self) -> SchedulerStopped:
+        return SchedulerStopped(self.crashed or "the engine scheduler is not running")
 
     def _call(self, fn: Callable[[], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -217,7 +211,7 @@ class Scheduler:
                 fut.set_exception(e)
 
         if not self.alive():
-            fut.set_exception(SchedulerStopped("the engine scheduler is not running"))
+            fut.set_exception(self._stopped())
         else:
             self._commands.put(cmd)
         return fut
@@ -225,28 +219,50 @@ class Scheduler:
     # ---- scheduler thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop:
-            self._drain_commands(block=not self._has_work())
-            if self._stop:
-                break
-            self._maybe_update()
-            try:
-                if not self._paused and self._update is None and self._waiting:
-                    self._admit()
-                if self._running and not self._paused:
-                    self._decode_step()
-            except Exception as e:  # e.g. out of memory: fail these requests, keep serving
-                log.exception("engine step failed; aborting the running requests")
-                self._abort_matching(None, True, f"engine error: {type(e).__name__}: {e}")
-                self._kv, self._params = None, None
-                self.runner.invalidate()
+        try:
+            while not self._stop:
+                self._drain_commands(block=not self._has_work())
+                if self._stop:
+                    break
+                self._maybe_update()
+                self._step()
+        except SchedulerCrashed as e:
+            # SGLang's scheduler process dies here and takes the server with it.
+            log.critical("engine scheduler crashed: %s", e)
+            return
         self._abort_matching(None, True, "Engine shutting down")
+
+    def _step(self) -> None:
+        try:
+            if not self._paused and self._admittable():
+                self._admit()
+            if self._running and not self._paused:
+                self._decode_step()
+        except Exception as e:  # e.g. out of memory: fail these requests, keep serving
+            log.exception("engine step failed; aborting the running requests")
+            self._abort_matching(None, True, f"engine error: {type(e).__name__}: {e}")
+            self._batch.clear()
+
+    def _admittable(self) -> bool:
+        """Waiting sequences may start: all of them, or while an update waits only those
+        admitted before it (SGLang's writer lock lets earlier readers finish)."""
+        if self._update is None:
+            return bool(self._waiting)
+        return any(not s.held for s in self._waiting)
+
+    def _blocking_update(self) -> bool:
+        """Requests admitted before a pending (unpaused) update are still unfinished."""
+        return bool(self._running) or any(not s.held for s in self._waiting)
 
     def _has_work(self) -> bool:
         decoding = bool(self._running) and not self._paused
-        admitting = bool(self._waiting) and not self._paused and self._update is None
-        updating = self._update is not None and (not self._running or self._paused)
+        admitting = not self._paused and self._admittable()
+        updating = self._update is not None and (self._paused or not self._blocking_update())
         return decoding or admitting or updating
+
+    def _release_held(self) -> None:
+        for seq in self._waiting:
+            seq.held = False
 
     def _drain_commands(self, block: bool) -> None:
         if block:
@@ -259,14 +275,18 @@ class Scheduler:
             cmd()
 
     def _finish(self, seq: Seq, reason: dict[str, Any]) -> None:
+        n = len(seq.output_ids)
         done = Completion(
             output_ids=seq.output_ids,
             logprobs=seq.logprobs,
             finish_reason=reason,
-            weight_version=self.weight_version,
+            weight_version=self.served_version,
             e2e_latency=time.perf_counter() - seq.t0,
             matched_stop_str=seq.matched_str,
+            spans=version_spans(seq.events, self.served_version, n),
+            retractions=seq.retractions,
         )
+        self._finished_at = time.time()
         try:
             seq.on_done(done)
         except Exception:  # a broken callback must not kill the engine thread
@@ -274,9 +294,9 @@ class Scheduler:
 
     def _abort_matching(self, rid: str | None, abort_all: bool, message: str) -> int:
         def hit(s: Seq) -> bool:
-            return abort_all or s.spec.rid == rid or s.spec.out_id == rid
+            return abort_all or s.spec.rid == rid
 
-        reason = {"type": "abort", "message": message}
+        reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
         count = 0
         for seq in [s for s in self._waiting if hit(s)]:
             self._waiting.remove(seq)
@@ -288,125 +308,81 @@ class Scheduler:
                 if i not in keep:
                     self._finish(seq, reason)
                     count += 1
-            self._set_rows(keep)
+            self._batch.keep(keep)
         return count
 
     def _pause(self, mode: str) -> None:
         if mode == "abort":
             self._abort_matching(None, True, "Aborted by pause_generation")
         elif mode == "retract":
-            self._waiting.extendleft(reversed(self._running))
-            self._running = []
-            self._kv = None
-            self._params = None
-            self.runner.invalidate()
+            retracted = self._batch.clear()
+            for seq in retracted:
+                seq.retractions += 1
+            self._waiting.extendleft(reversed(retracted))
         self._paused = True
 
     def _maybe_update(self) -> None:
         upd = self._update
-        if upd is None or (self._running and not self._paused):
+        if upd is None or (not self._paused and self._blocking_update()):
             return
         self._update = None
-        held = len(self._running) + len(self._waiting) if self._paused else 0
+        if not self._paused:
+            self._release_held()
         try:
             self.runner.load_weights(upd.path)
         except WeightsLoadError as e:
             log.warning("weight update refused: %s", e)
-            upd.future.set_result((False, str(e), held))
+            upd.future.set_result((False, str(e), 0))
             return
         except Exception as e:  # any failure must answer the caller; weights unchanged
             log.exception("weight update from %s failed", upd.path)
-            upd.future.set_result((False, f"failed to load weights from {upd.path}: {e}", held))
+            upd.future.set_result((False, f"Failed to update weights: {e}.", 0))
+            return
+        if upd.version is not None and upd.version != self.served_version:
+            for seq in [*self._running, *self._waiting]:
+                if seq.output_ids:
+                    seq.events.append((self.served_version, len(seq.output_ids)))
+            self.served_version = upd.version
+        if upd.flush and not self._flush_possible():
+            if not self.caps.flush_refusal_is_400:
+                why = f"AssertionError: {FLUSH_ASSERT}"
+                self.crashed = f"the engine scheduler crashed: {why}"
+                upd.future.set_exception(SchedulerCrashed(why))
+                raise SchedulerCrashed(why)
+            upd.future.set_result((False, FLUSH_REFUSED, 0))
             return
         if upd.version is not None:
             self.weight_version = upd.version
-        upd.future.set_result((True, f"Succeeded to update model weights from {upd.path}.", held))
+        upd.future.set_result((True, "Succeeded to update model weights.", 0))
 
-    def _set_rows(self, keep: list[int]) -> None:
-        """Keep only these running rows (order preserved)."""
-        self._running = [self._running[i] for i in keep]
-        self._kv = kvbatch.select(self._kv, keep) if self._kv is not None else None
-        self._params = None
-        self.runner.invalidate()
-
-    def _row_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        import torch
-
-        if self._params is None:
-            ps = [s.spec.params for s in self._running]
-            self._params = (
-                torch.tensor([p.temperature for p in ps], dtype=torch.float32),
-                torch.tensor([p.top_p for p in ps], dtype=torch.float32),
-                torch.tensor([p.top_k for p in ps], dtype=torch.long),
-            )
-        return self._params
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Seq], params: Any) -> list[int]:
-        """Sample one token per row, append token + logprob; return rows that go on."""
-        temperature, top_p, top_k = params
-        noise = uniform_noise(
-            logits.shape[0], logits.shape[1], self._shared_gen, [s.generator for s in seqs]
-        )
-        tokens, logprobs = sample_rows(logits, temperature, top_p, top_k, noise)
-        alive: list[int] = []
-        for row, (seq, tok, lp) in enumerate(
-            zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True)
-        ):
-            seq.output_ids.append(tok)
-            seq.logprobs.append(lp)
-            reason, matched = stop_reason(seq, self.eos, self.decode_text)
-            if reason is None:
-                alive.append(row)
-            else:
-                seq.matched_str = matched
-                self._finish(seq, reason)
-        self.generated_tokens += len(seqs)
-        return alive
+    def _flush_possible(self) -> bool:
+        """SGLang's `flush_cache` precondition (`is_fully_idle`): nothing running, and
+        nothing waiting in the scheduler unless paused on 0.5.22+ (held ones are not in it)."""
+        if self._running:
+            return False
+        if self._paused and self.caps.paused_flush_ignores_waiting:
+            return True
+        return not any(not s.held for s in self._waiting)
 
     def _admit(self) -> None:
-        import torch
-
         free = self.max_running - len(self._running)
         new: list[Seq] = []
+        skipped: list[Seq] = []
         while self._waiting and len(new) < free:
             seq = self._waiting.popleft()
-            if (
-                seq.spec.params.max_new_tokens == 0
-                or len(seq.output_ids) >= seq.spec.params.max_new_tokens
-            ):
-                self._finish(seq, {"type": "length", "length": seq.spec.params.max_new_tokens})
+            if seq.held and self._update is not None:
+                skipped.append(seq)  # behind the pending update's lock
                 continue
-            if seq.generator is None and seq.spec.params.sampling_seed is not None:
-                seq.generator = torch.Generator().manual_seed(seq.spec.params.sampling_seed)
+            max_new = seq.spec.params.max_new_tokens
+            if max_new == 0 or len(seq.output_ids) >= max_new:
+                self._finish(seq, {"type": "length", "length": max_new})
+                continue
             new.append(seq)
-        if not new:
-            return
-        # A retracted sequence re-prefills its prompt and what it had generated.
-        logits, kv = self.runner.prefill([list(s.spec.input_ids) + s.output_ids for s in new])
-        ps = [s.spec.params for s in new]
-        params = (
-            torch.tensor([p.temperature for p in ps], dtype=torch.float32),
-            torch.tensor([p.top_p for p in ps], dtype=torch.float32),
-            torch.tensor([p.top_k for p in ps], dtype=torch.long),
-        )
-        alive = self._sample(logits, new, params)
-        if not alive:
-            return
-        joining = kvbatch.select(kv, alive)
-        assert joining is not None
-        self._kv = kvbatch.join(self._kv, joining)
-        self._running.extend(new[i] for i in alive)
-        self._params = None
-        self.runner.invalidate()
+        self._waiting.extendleft(reversed(skipped))
+        if new:
+            self._batch.admit(new, self._finish)
 
     def _decode_step(self) -> None:
-        import torch
-
-        assert self._kv is not None
-        last = torch.tensor([s.output_ids[-1] for s in self._running], dtype=torch.long)
-        logits = self.runner.decode(self._kv, last)
-        alive = self._sample(logits, self._running, self._row_params())
-        if len(alive) != len(self._running):
-            self._set_rows(alive)
+        self._batch.decode(self._finish)
         if self._step_sleep:
             time.sleep(self._step_sleep)

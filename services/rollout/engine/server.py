@@ -2,34 +2,31 @@
 
 Handlers only parse, hand work to the scheduler thread and await its
 answer (`asyncio.wrap_future`), so the event loop stays responsive while
-the model computes. Paths and bodies follow SGLang 0.5.x's
-`entrypoints/http_server.py`; both the current names (`/model_info`,
-`/server_info`) and the older `get_` aliases are served. A client that goes
-away mid-generation aborts its sequences (SGLang does the same).
-
-`/v1/loads` answers `{"timestamp", "dp_rank_count", "loads": [one
-GetLoadsReqOutput-shaped dict]}` (one data-parallel rank here).
+the model computes. The engine answers as one SGLang release
+(`[engine] sglang_version`, default the newest read): that release's routes
+(`/model_info` or only `/get_model_info`, `/v1/loads` or `/get_load`, ...),
+pause modes, duplicate-rid and flush rules, error bodies and meta_info
+fields (services/common/sglang_api.py has the table; tests/contract holds
+the request/response pairs both this engine and the client are run
+against). A client that goes away mid-generation aborts its sequences
+(SGLang does the same).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from services.rollout.engine import info, probes
 from services.rollout.engine.protocol import (
     Completion,
     ParsedGenerate,
     RequestError,
-    SamplingParams,
     SeqSpec,
     parse_generate,
     response,
@@ -37,16 +34,23 @@ from services.rollout.engine.protocol import (
 )
 from services.rollout.engine.scheduler import PAUSE_MODES, Scheduler, SchedulerStopped
 from services.rollout.engine.settings import EngineSettings
+from services.rollout.engine.state import STATE, EngineState
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+__all__ = ["STATE", "EngineState", "build_app", "create_state", "serve"]
 
 
 def error(message: str, status: int = 400) -> web.Response:
-    """SGLang's error body: {"error": {"message": ...}} (plus type/code like OpenAI's)."""
-    body = {"error": {"message": message, "type": "BadRequestError", "code": status}}
-    return web.json_response(body, status=status)
+    """SGLang's `_create_error_response`: {"error": {"message": ...}}."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def refusal(state: EngineState, e: RequestError) -> web.Response:
+    """A refused /generate: schema errors as plain text from 0.5.22 (api_contract.py)."""
+    if e.schema and state.caps.schema_errors_are_text:
+        return web.json_response({"error": str(e)}, status=400)
+    return error(str(e))
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -56,53 +60,6 @@ async def _json_body(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"request body is not valid JSON: {e}") from e
-
-
-@dataclass
-class EngineState:
-    """What the handlers share: settings, tokenizer, scheduler, start time."""
-
-    settings: EngineSettings
-    tokenizer: Any
-    scheduler: Scheduler
-    vocab_size: int
-    context_len: int
-    model_path: str
-    started: float
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
-
-
-STATE: web.AppKey[EngineState] = web.AppKey("engine_state", EngineState)
-
-ADMIN_PATHS = frozenset(
-    {
-        "/update_weights_from_disk",
-        "/pause_generation",
-        "/continue_generation",
-        "/abort_request",
-        "/flush_cache",
-        "/slow_down",
-    }
-)
-
-
-def api_key_middleware(key: str) -> Any:
-    """Require `Authorization: Bearer <key>` on the admin endpoints (constant-time compare)."""
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in ADMIN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error("Unauthorized", 401)
-        return await handler(request)
-
-    return middleware
 
 
 async def run_seqs(state: EngineState, seqs: list[SeqSpec]) -> list[Completion]:
@@ -130,27 +87,57 @@ def _resolve(fut: asyncio.Future[Completion], c: Completion) -> None:
         fut.set_result(c)
 
 
+def claim_rids(state: EngineState, parsed: ParsedGenerate) -> dict[str, asyncio.Event] | str:
+    """Register the request's ids as in flight, or the duplicate error SGLang gives.
+
+    Before 0.5.10 SGLang took a duplicate id over (`rid_to_state[rid] = ...`)
+    and the earlier request never got an answer: its event is set.
+    """
+    ids = parsed.held + parsed.claimed
+    if len(set(ids)) != len(ids) and state.caps.rejects_duplicate_rid:
+        dups = sorted({r for r in ids if ids.count(r) > 1})
+        return f"Duplicate request IDs detected within the request: {dups}"
+    for rid in ids:
+        if rid in state.in_flight:
+            if state.caps.rejects_duplicate_rid:
+                return state.caps.duplicate_rid_message(rid)
+            state.in_flight[rid].set()
+    mine = {rid: asyncio.Event() for rid in parsed.held}
+    state.in_flight.update(mine)
+    return mine
+
+
 async def generate(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         body = await _json_body(request)
-        parsed: ParsedGenerate = parse_generate(
-            body,
-            state.encode,
-            state.vocab_size,
-            state.context_len,
+        parsed = parse_generate(
+            body, state.encode, state.vocab_size, state.context_len,
             state.settings.default_max_new_tokens,
-        )
+        )  # fmt: skip
     except RequestError as e:
-        return error(str(e))
+        return refusal(state, e)
+    mine = claim_rids(state, parsed)
+    if isinstance(mine, str):
+        return error(mine)
+    state.requests[id(request)] = request
     try:
         done = await run_seqs(state, parsed.seqs)
     except SchedulerStopped as e:
         return error(str(e), 503)
+    finally:
+        state.requests.pop(id(request), None)
+        for rid, ev in mine.items():
+            if state.in_flight.get(rid) is ev:
+                del state.in_flight[rid]
+    if any(ev.is_set() for ev in mine.values()):
+        await asyncio.Event().wait()  # taken over: SGLang never answers this request
+    reported = state.scheduler.weight_version
     out = []
     for spec, c in zip(parsed.seqs, done, strict=True):
-        text = state.decode(c.output_ids, spec.params.skip_special_tokens)
-        out.append(response(spec, c, trim_text(text, spec.params, c.matched_stop_str)))
+        text = trim_text(state.decode(c.output_ids, spec.params.skip_special_tokens),
+                         spec.params, c.matched_stop_str)  # fmt: skip
+        out.append(response(spec, c, text, reported_version=reported, caps=state.caps))
     return web.json_response(out if parsed.as_list else out[0])
 
 
@@ -167,9 +154,16 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if version is not None and not isinstance(version, str):
         return error("weight_version must be a string")
     abort_all = bool(body.get("abort_all_requests", False))
-    ok, message, paused = await asyncio.wrap_future(
-        state.scheduler.update_weights(path, version, abort_all)
-    )
+    # Before 0.5.6 there is no flush_cache field: the scheduler always flushes.
+    flush = bool(body.get("flush_cache", True)) if state.caps.has_flush_cache_field else True
+    try:
+        ok, message, paused = await asyncio.wrap_future(
+            state.scheduler.update_weights(path, version, abort_all, flush)
+        )
+    except SchedulerStopped as e:
+        if state.scheduler.crashed:
+            state.crash(state.scheduler.crashed)
+        return error(str(e), 503)
     if ok:
         state.model_path = path
         if version is not None:
@@ -185,8 +179,10 @@ async def pause_generation(request: web.Request) -> web.Response:
     except RequestError as e:
         return error(str(e))
     mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-    if mode not in PAUSE_MODES:
-        return error(f"mode must be one of {', '.join(PAUSE_MODES)}")
+    if len(state.caps.pause_modes) == 1:
+        mode = "abort"  # before 0.5.6 the endpoint reads no body: it always aborts
+    elif mode not in PAUSE_MODES:
+        return error(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
     await asyncio.wrap_future(state.scheduler.pause(mode))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -226,124 +222,37 @@ async def slow_down(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def model_info(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return web.json_response(
-        {
-            "model_path": state.model_path,
-            "tokenizer_path": str(state.settings.model),
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": state.scheduler.weight_version,
-        }
-    )
-
-
-async def weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[STATE].scheduler.weight_version})
-
-
-async def server_info(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    settings = state.settings.model_dump(mode="json", exclude={"api_key", "nats"})
-    return web.json_response(
-        {
-            **settings,
-            "model_path": state.model_path,
-            "context_length": state.context_len,
-            "weight_version": state.scheduler.weight_version,
-            "internal_states": [state.scheduler.load()],
-            "version": "flywheel-cpu-engine",
-        }
-    )
-
-
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[STATE].scheduler.alive() else 503)
-
-
-async def health_generate(request: web.Request) -> web.Response:
-    """Generate one token end to end; 503 if it fails or takes too long.
-
-    While generation is paused the probe answers 200 without generating: a
-    deliberate pause (weight sync) is not a fault.
-    """
+    """`/health` and `/health_generate` (probes.Health.check has SGLang's rules)."""
     state = request.app[STATE]
-    if not state.scheduler.alive():
-        return web.Response(status=503)
-    if state.scheduler.load()["paused"]:
-        return web.Response(status=200)
-    spec = SeqSpec(
-        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-        out_id="health",
-        input_ids=(0,),
-        params=SamplingParams(max_new_tokens=1, temperature=0.0),
-        return_logprob=False,
+    sched = state.scheduler
+    status = await state.health.check(
+        request.path, sched.submit, sched.abort, lambda: sched.last_output, sched.alive()
     )
-    try:
-        await asyncio.wait_for(
-            run_seqs(state, [spec]), timeout=state.settings.health_generate_timeout_s
-        )
-    except (TimeoutError, SchedulerStopped):
-        return web.Response(status=503)
-    return web.Response(status=200)
+    return web.Response(status=status)
 
 
-async def flush_cache(request: web.Request) -> web.Response:
-    """No prefix cache to flush on CPU; like SGLang, refuse (400) while requests run."""
-    idle = await asyncio.wrap_future(request.app[STATE].scheduler.idle())
-    if idle:
-        return web.Response(text="Cache flushed.\n", status=200)
-    return web.Response(
-        text="Cache not flushed: there are running or waiting requests.\n", status=400
-    )
-
-
-class _Throughput:
-    """Generated tokens per second between two /v1/loads calls."""
-
-    def __init__(self) -> None:
-        self.last = (time.monotonic(), 0)
-
-    def rate(self, tokens: int) -> float:
-        now = time.monotonic()
-        t0, n0 = self.last
-        self.last = (now, tokens)
-        return (tokens - n0) / (now - t0) if now > t0 else 0.0
-
-
-THROUGHPUT: web.AppKey[_Throughput] = web.AppKey("throughput", _Throughput)
-
-
-async def loads(request: web.Request) -> web.Response:
+async def ping(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    snap = state.scheduler.load()
-    max_running = state.settings.max_running_requests
-    max_tokens = max_running * state.context_len
-    entry = {
-        "dp_rank": 0,
-        "timestamp": time.time(),
-        "num_running_reqs": snap["num_running_reqs"],
-        "num_waiting_reqs": snap["num_waiting_reqs"],
-        "num_used_tokens": snap["num_used_tokens"],
-        "max_total_num_tokens": max_tokens,
-        "token_usage": snap["num_used_tokens"] / max_tokens,
-        "gen_throughput": request.app[THROUGHPUT].rate(state.scheduler.generated_tokens),
-        "cache_hit_rate": 0.0,
-        "utilization": snap["num_running_reqs"] / max_running,
-        "max_running_requests": max_running,
-    }
-    return web.json_response(
-        {"timestamp": entry["timestamp"], "dp_rank_count": 1, "loads": [entry]}
-    )
+    ok = not state.caps.ping_reports_health or (state.health.healthy and state.scheduler.alive())
+    return web.Response(status=200 if ok else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    sched = state.scheduler
+    ok = sched.alive() and state.health.healthy and not sched.paused
+    return web.Response(status=200 if ok else 503)
 
 
 def build_app(state: EngineState) -> web.Application:
+    """The routes of the emulated release (see the module table in sglang_api.py)."""
+    caps = state.caps
     key = state.settings.api_key
-    middlewares = [api_key_middleware(key.get_secret_value())] if key else []
+    middlewares = [probes.api_key_middleware(key.get_secret_value(), caps)] if key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[STATE] = state
-    app[THROUGHPUT] = _Throughput()
+    app[info.THROUGHPUT] = info.Throughput()
     r = app.router
     for method in ("POST", "PUT"):
         r.add_route(method, "/generate", generate)
@@ -351,17 +260,24 @@ def build_app(state: EngineState) -> web.Application:
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/abort_request", abort_request)
-    r.add_post("/slow_down", slow_down)
-    for path in ("/model_info", "/get_model_info"):
-        r.add_get(path, model_info)
-    for path in ("/server_info", "/get_server_info"):
-        r.add_get(path, server_info)
-    r.add_get("/get_weight_version", weight_version)
+    r.add_route("*", "/slow_down", slow_down)
+    r.add_route("*", "/flush_cache", info.flush_cache)
+    r.add_get("/get_model_info", info.model_info)
+    r.add_get("/get_server_info", info.server_info)
+    r.add_get("/get_weight_version", info.weight_version)
+    if caps.at_least(0, 5, 6):
+        r.add_get("/model_info", info.model_info)
+        r.add_get("/server_info", info.server_info)
+        r.add_get("/weight_version", info.weight_version)
+    if caps.at_least(0, 5, 8):
+        r.add_get("/v1/loads", info.loads)
+    if caps.has_get_load:
+        r.add_get("/get_load", info.get_load)
     r.add_get("/health", health)
-    r.add_get("/health_generate", health_generate)
-    r.add_get("/flush_cache", flush_cache)
-    r.add_post("/flush_cache", flush_cache)
-    r.add_get("/v1/loads", loads)
+    r.add_get("/health_generate", health)
+    r.add_get("/ping", ping)
+    if caps.has_ready:
+        r.add_get("/ready", ready)
     return app
 
 
@@ -373,6 +289,7 @@ def create_state(settings: EngineSettings) -> EngineState:
 
     if settings.model is None:
         raise RequestError("no model directory given (--model or [engine] model)")
+    caps = settings.capabilities
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     runner = ModelRunner(
         settings.model, num_threads=settings.num_threads, weights_check=settings.weights_check
@@ -388,6 +305,7 @@ def create_state(settings: EngineSettings) -> EngineState:
         weight_version=settings.weight_version,
         max_running_requests=settings.max_running_requests,
         random_seed=settings.random_seed,
+        caps=caps,
     )
     scheduler.start()
     return EngineState(
@@ -398,21 +316,38 @@ def create_state(settings: EngineSettings) -> EngineState:
         context_len=runner.context_len,
         model_path=str(settings.model),
         started=time.time(),
+        caps=caps,
+        health=probes.Health(caps, settings.health_generation, settings.health_check_timeout_s),
     )
 
 
+class EngineCrashed(SystemExit):
+    """The scheduler died (as SGLang's does on a failed post-update flush): exit 1."""
+
+
 async def serve(settings: EngineSettings, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set; logs the bound address once listening."""
+    """Serve until `stop` is set (or the scheduler crashes: EngineCrashed)."""
     state = await asyncio.to_thread(create_state, settings)
+    crashed: list[str] = []
+
+    def on_crash(why: str) -> None:
+        crashed.append(why)
+        stop.set()
+
+    state.on_crash = on_crash
     app = build_app(state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else settings.port
-    log.info("engine serving %s on http://%s:%d", settings.model, settings.host, port)
+    log.info("engine serving %s on http://%s:%d as SGLang %s", settings.model, settings.host,
+             port, settings.sglang_version)  # fmt: skip
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
         state.scheduler.stop()
+    if crashed:
+        log.critical("engine exits: %s", crashed[0])
+        raise EngineCrashed(1)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
+from services.common.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
+
+
+def _sglang_env_bool(name: str, default: bool) -> bool:
+    """SGLang's EnvBool reading of one of its own variables."""
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() in ("1", "true", "yes", "y")
 
 
 class EngineSettings(ServiceSettings):
@@ -24,8 +32,14 @@ class EngineSettings(ServiceSettings):
     port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
     api_key: SecretStr | None = Field(
         None,
-        description="If set, admin endpoints (weights, pause, continue, abort, flush) "
-        "require 'Authorization: Bearer <key>'.",
+        description="If set, every path but /health*, /ready* and /metrics* requires "
+        "'Authorization: Bearer <key>' (SGLang's --api-key).",
+    )
+    sglang_version: str = Field(
+        fmt(NEWEST_READ),
+        description="The SGLang release whose HTTP API this engine answers as: its routes, "
+        "pause modes, duplicate-rid and flush rules (services/common/sglang_api.py). "
+        "Reported as `version` by /server_info.",
     )
     weight_version: str = Field(
         "default", description="Version reported before the first update (SGLang's default)."
@@ -50,6 +64,28 @@ class EngineSettings(ServiceSettings):
             "download's hash on receipt). SGLang engines check neither."
         ),
     )
-    health_generate_timeout_s: float = Field(
-        20.0, gt=0, description="/health_generate fails when one token takes longer."
+    health_generation: bool = Field(
+        default_factory=lambda: _sglang_env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True),
+        description="/health generates a token, as SGLang's does (false: /health answers at "
+        "once; SGLang >= 0.5.6 only). Default: SGLang's own variable "
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, else true.",
     )
+    health_check_timeout_s: float = Field(
+        default_factory=lambda: float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")),
+        gt=0,
+        description="/health and /health_generate answer 503 when no token came for this long "
+        "(e.g. while generation is paused). Default: SGLANG_HEALTH_CHECK_TIMEOUT, else 20.",
+    )
+
+    @field_validator("sglang_version")
+    @classmethod
+    def _supported(cls, v: str) -> str:
+        try:
+            Capabilities.of(v)
+        except UnsupportedEngine as e:
+            raise ValueError(str(e)) from e
+        return v
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities.of(self.sglang_version)

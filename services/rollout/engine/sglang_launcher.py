@@ -1,16 +1,19 @@
-"""`--engine sglang`: launch a real SGLang server (GPU only) that the same client drives.
+"""`[stack] engine = "sglang"`: the command that starts a real SGLang server (GPU only).
 
-The command line is built by a pure function so it can be checked without a
-GPU; `launch` only runs it. The flags used (SGLang 0.5.x `ServerArgs`):
+A pure function, so `flywheel up --dry-run` and the tests check it without a
+GPU; `flywheel up` runs it under its supervisor like any other process. The
+flags (SGLang 0.5.x `ServerArgs`) are those the Kubernetes GPU overlay uses
+(deploy/k8s/overlays/gpu/engine-sglang.yaml):
 
     python -m sglang.launch_server
         --model-path DIR            the Hugging Face directory (local, no hub)
         --host 127.0.0.1 --port N   where the HTTP API listens
         --weight-version V          the version /model_info reports at start
         --mem-fraction-static F     GPU memory for weights + KV cache (0.85)
-        --tp-size K                 tensor parallel degree (1)
+        --tp-size K                 tensor parallel degree (the engine's GPUs)
         --dtype D                   model dtype ("auto")
         --random-seed S             sampler seed
+        --enable-metrics            Prometheus /metrics
         --api-key KEY               only if set
         --skip-server-warmup        optional, faster start in tests
         --enable-deterministic-inference   optional: batch-invariant kernels,
@@ -23,7 +26,6 @@ Weight updates then use `/update_weights_from_disk` with `weight_version`
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ class SGLangOptions:
     dtype: str = "auto"
     random_seed: int = 0
     api_key: str | None = None
+    enable_metrics: bool = False
     skip_warmup: bool = False
     deterministic: bool = False
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -58,6 +61,8 @@ def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
         "--dtype", opts.dtype,
         "--random-seed", str(opts.random_seed),
     ]  # fmt: skip
+    if opts.enable_metrics:
+        argv.append("--enable-metrics")
     if opts.api_key:
         argv += ["--api-key", opts.api_key]
     if opts.skip_warmup:
@@ -65,8 +70,3 @@ def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
     if opts.deterministic:
         argv.append("--enable-deterministic-inference")
     return argv + list(opts.extra_args)
-
-
-def launch(opts: SGLangOptions) -> subprocess.Popen[bytes]:
-    """Start SGLang as a child process (needs a GPU and `pip install 'flywheel[sglang]'`)."""
-    return subprocess.Popen(command(opts))

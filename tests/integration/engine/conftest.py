@@ -40,7 +40,10 @@ class EngineProcess:
 def start_engine(
     model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 60.0
 ) -> EngineProcess:
-    """Start `python -m services.rollout.engine` and poll /health until it answers."""
+    """Start `python -m services.rollout.engine` and poll /health_generate until it answers.
+
+    Like SGLang's, the probe generates a token and takes at least a second.
+    """
     port = free_port()
     log_file = log_path.open("wb")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -67,7 +70,7 @@ def start_engine(
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited with {proc.returncode}:\n{log_path.read_text()}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+            with urllib.request.urlopen(f"{url}/health_generate", timeout=30) as resp:
                 if resp.status == 200:
                     return EngineProcess(url, model_dir, proc, log_path)
         except (urllib.error.URLError, ConnectionError, TimeoutError):

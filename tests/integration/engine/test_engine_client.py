@@ -110,27 +110,38 @@ def test_connection_errors_are_retried_then_unavailable(run_async: Any) -> None:
     run_async(body())
 
 
-def test_api_key_guards_admin_endpoints_only(run_async: Any, tiny_model_dir: Path) -> None:
+def test_api_key_guards_every_path_but_health_and_ready(
+    run_async: Any, tiny_model_dir: Path
+) -> None:
+    """SGLang's utils/auth.py: with --api-key only /health*, /ready*, /metrics* are open."""
+
     async def body() -> None:
-        settings = load_settings(EngineSettings, model=tiny_model_dir, api_key="s3cret")
+        settings = load_settings(EngineSettings, model=tiny_model_dir, api_key="s3cret",
+                                 health_generation=False)  # fmt: skip
         state = await asyncio.to_thread(create_state, settings)
         try:
             async with serve(build_app(state)) as url:
-                async with EngineClient(url) as anon:
-                    [res] = await anon.generate([5, 6], sampling_params={"max_new_tokens": 2})
-                    assert res.completion_tokens >= 1
+                async with EngineClient(url, retries=0) as anon:
                     assert await anon.health()
-                    for call in (anon.pause_generation("abort"), anon.continue_generation(),
-                                 anon.abort_request(abort_all=True), anon.flush_cache(),
-                                 anon.update_weights_from_disk(str(tiny_model_dir))):  # fmt: skip
+                    assert (await anon.request("GET", "/ready")) is None
+                    for path in ("/server_info", "/model_info", "/v1/loads", "/ping"):
                         with pytest.raises(EngineHTTPError) as e:
-                            await call
-                        assert e.value.status == 401
+                            await anon.request("GET", path)
+                        assert (e.value.status, e.value.message) == (401, "Unauthorized"), path
+                    with pytest.raises(EngineHTTPError) as e:
+                        await anon.generate([5, 6], sampling_params={"max_new_tokens": 2})
+                    assert e.value.status == 401
+                    with pytest.raises(EngineHTTPError) as e:
+                        await anon.detect()
+                    assert e.value.status == 401
                 async with EngineClient(url, api_key="s3cret") as admin:
+                    [res] = await admin.generate([5, 6], sampling_params={"max_new_tokens": 2})
+                    assert res.completion_tokens >= 1
                     await admin.pause_generation("in_place")
                     await admin.continue_generation()
                     upd = await admin.update_weights_from_disk(str(tiny_model_dir), "k1")
                     assert upd.success and await admin.weight_version() == "k1"
+                    assert (await admin.loads()).running == 0
         finally:
             state.scheduler.stop()
 

@@ -39,8 +39,9 @@ def http_json(url: str, timeout_s: float = 2.0) -> Any:
 
 
 def http_ok(url: str) -> bool:
+    """200 within 30 s (an engine's /health_generate, like SGLang's, takes >= 1 s)."""
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
+        with urllib.request.urlopen(url, timeout=30.0) as r:
             return r.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False
@@ -185,7 +186,7 @@ class LoopStack:
         url = f"http://127.0.0.1:{port}"
         argv = py("services.rollout.engine", "--config", str(self.config), "--model",
                   str(self.model), "--port", str(port), "--weight-version", "0")  # fmt: skip
-        p = Proc(f"engine-{i}", argv, {}, self.root / f"engine-{i}.log", f"{url}/health")
+        p = Proc(f"engine-{i}", argv, {}, self.root / f"engine-{i}.log", f"{url}/health_generate")
         p.metrics_url = url  # the engine's base URL (model_info lives there)
         self.procs[p.name] = p
         return p

@@ -283,6 +283,31 @@ def test_misaligned_arrays_rejected() -> None:
     assert e.value.field == "response_ids"
 
 
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [{"version": 3, "start": 0, "end": 2}],  # covers 2 of 3 tokens
+        [{"version": 3, "start": 1, "end": 3}],  # does not start at 0
+        [{"version": 4, "start": 0, "end": 1}, {"version": 3, "start": 1, "end": 3}],  # falls
+        [{"version": 3, "start": 0, "end": 3}],  # last is not weight_version_last (4)
+    ],
+)
+def test_version_spans_must_cover_the_response_in_order(spans: list[dict[str, int]]) -> None:
+    body = _body("Sample")
+    body["weight_version_last"] = 4
+    body["weight_version_spans"] = spans
+    with pytest.raises(SchemaViolation) as e:
+        codec.decode(_pack(body), Sample)
+    assert e.value.field == "weight_version_spans"
+
+
+def test_a_1_0_sample_without_spans_still_decodes() -> None:
+    body = _body("Sample")
+    body["schema_version"] = "1.0"
+    del body["weight_version_spans"]
+    assert codec.decode(_pack(body), Sample).weight_version_spans == ()
+
+
 def test_unknown_major_version_rejected_minor_tolerated() -> None:
     body = _body("WeightsReady")
     body["schema_version"] = "2.0"

@@ -11,6 +11,7 @@ import torch
 
 from services.common.errors import ConfigError
 from services.common.settings import load_settings
+from services.common.sglang_api import Capabilities
 from services.rollout.engine import kvbatch
 from services.rollout.engine.protocol import (
     Completion,
@@ -21,9 +22,10 @@ from services.rollout.engine.protocol import (
     parse_sampling_params,
     response,
     trim_text,
+    version_spans,
 )
 from services.rollout.engine.sampling import sample_rows, truncation_mask, uniform_noise
-from services.rollout.engine.scheduler import Seq, stop_reason
+from services.rollout.engine.sequence import Seq, stop_reason
 from services.rollout.engine.settings import EngineSettings
 from services.rollout.engine.sglang_launcher import SGLangOptions, command
 
@@ -117,13 +119,41 @@ def _parse(body: object) -> object:
 def test_parse_single_batch_and_n() -> None:
     single = _parse({"text": "ab", "rid": "x", "sampling_params": {"max_new_tokens": 4}})
     assert single.as_list is False and [s.out_id for s in single.seqs] == ["x"]
-    multi = _parse({"input_ids": [[1, 2], [3]], "rid": ["p", "q"],
-                    "sampling_params": [{"n": 2, "sampling_seed": 10}, {"top_k": -1}]})  # fmt: skip
-    assert multi.as_list is True
-    assert [s.out_id for s in multi.seqs] == ["p-0", "p-1", "q"]
-    assert [s.params.sampling_seed for s in multi.seqs] == [10, 11, None]  # n samples differ
-    assert multi.seqs[2].params.top_k == 0
-    assert _parse({"input_ids": [1], "sampling_params": {"n": 3}}).as_list is True
+    batch = _parse({"input_ids": [[1, 2], [3]], "rid": ["p", "q"],
+                    "sampling_params": [{"top_k": 5}, {"top_k": -1}]})  # fmt: skip
+    assert batch.as_list is True and [s.out_id for s in batch.seqs] == ["p", "q"]
+    assert [s.params.top_k for s in batch.seqs] == [5, 0]  # SGLang's -1 is this sampler's 0
+    assert batch.held == ["p", "q"] and batch.claimed == []
+    # n > 1: every sample its own random id (SGLang's regenerate_rid), seeds differ
+    multi = _parse(
+        {"input_ids": [1, 2], "rid": "g", "sampling_params": {"n": 3, "sampling_seed": 10}}
+    )
+    ids = [s.out_id for s in multi.seqs]
+    assert multi.as_list is True and len(set(ids)) == 3 and all(len(i) == 32 for i in ids)
+    assert [s.params.sampling_seed for s in multi.seqs] == [10, 11, 12]
+    assert multi.held == [] and multi.claimed == ["g_0", "g_1", "g_2"]
+    with pytest.raises(RequestError, match="parallel_sample_num should be the same"):
+        _parse({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {"n": 1}]})
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"top_k": 0}, "top_k must be -1 (disable) or at least 1, got 0."),
+        ({"top_k": -2}, "top_k must be -1 (disable) or at least 1, got -2."),
+        ({"temperature": -0.5}, "temperature must be non-negative, got -0.5."),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0."),
+        ({"temprature": 1}, "unknown field `temprature`"),
+    ],
+)
+def test_sampling_params_refused_in_sglangs_words(params: dict, message: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse_sampling_params(params)
+    assert str(err.value).startswith(message)
+
+
+def test_top_k_zero_is_greedy_at_temperature_zero() -> None:
+    assert parse_sampling_params({"top_k": 0, "temperature": 0.0}).top_k == 0  # argmax anyway
 
 
 @pytest.mark.parametrize(
@@ -150,9 +180,11 @@ def test_parse_refuses(body: object) -> None:
 
 def test_response_shape_and_trim() -> None:
     p = parse_sampling_params({"stop": "##", "max_new_tokens": 3})
-    spec = SeqSpec("r", "r", (1, 2), p, True)
-    done = Completion([7, 8], [-0.5, -0.25], {"type": "stop", "matched": "##"}, "v3", 0.1, "##")
-    out = response(spec, done, trim_text("ab##cd", p, "##"))
+    spec = SeqSpec("r", (1, 2), p, True)
+    done = Completion([7, 8], [-0.5, -0.25], {"type": "stop", "matched": "##"}, "v3", 0.1, "##",
+                      spans=[("v2", 0, 1), ("v3", 1, 2)])  # fmt: skip
+    out = response(spec, done, trim_text("ab##cd", p, "##"), reported_version="v2",
+                   caps=Capabilities.of("0.5.23"))  # fmt: skip
     assert out["text"] == "ab" and out["output_ids"] == [7, 8]
     meta = out["meta_info"]
     assert meta["output_token_logprobs"] == [[-0.5, 7, None], [-0.25, 8, None]]
@@ -161,12 +193,24 @@ def test_response_shape_and_trim() -> None:
         2,
         "v3",
     )
+    assert meta["weight_versions"] == [{"version": "v2", "start": 0, "end": 1},
+                                       {"version": "v3", "start": 1, "end": 2}]  # fmt: skip
+    old = response(spec, done, "ab", reported_version="v2", caps=Capabilities.of("0.5.4"))
+    assert "weight_versions" not in old["meta_info"] and old["meta_info"]["weight_version"] == "v2"
     no_trim = parse_sampling_params({"stop": "##", "no_stop_trim": True})
     assert trim_text("ab##cd", no_trim, "##") == "ab##cd"
 
 
+def test_version_spans_as_sglang_computes_them() -> None:
+    assert version_spans([], "3", 4) == [("3", 0, 4)]
+    assert version_spans([], "3", 0) == [("3", 0, 0)]
+    # v3 for 2 tokens, then v4 (changed again to v5 before any v4 token, then v5)
+    assert version_spans([("3", 2), ("4", 2)], "5", 6) == [("3", 0, 2), ("5", 2, 6)]
+    assert version_spans([("3", 2)], "4", 2) == [("3", 0, 2)]  # nothing after the change yet
+
+
 def _seq(params: SamplingParams, out: list[int]) -> Seq:
-    s = Seq(spec=SeqSpec("r", "r", (1,), params, False), on_done=lambda c: None, t0=0.0)
+    s = Seq(spec=SeqSpec("r", (1,), params, False), on_done=lambda c: None, t0=0.0)
     s.output_ids = out
     return s
 

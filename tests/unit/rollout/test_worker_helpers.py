@@ -1,8 +1,11 @@
-"""Rollout worker helpers: engine versions and loads as SGLang reports them."""
+"""Rollout worker helpers: engine versions, loads, request ids, a sample's versions."""
 
 from __future__ import annotations
 
-from services.rollout.worker import load_counts, parse_version
+from proto.messages import PromptTask, VersionSpan
+from services.common.engine_client import GenerateResult, Load, load_of
+from services.common.engine_client import VersionSpan as EngineSpan
+from services.rollout.worker import parse_version, request_id, sample_versions
 
 
 def test_engine_versions() -> None:
@@ -12,8 +15,30 @@ def test_engine_versions() -> None:
     assert parse_version(None) == 0
 
 
-def test_loads_sum_over_ranks() -> None:
-    loads = {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1},
-                       {"num_running_reqs": 2, "num_waiting_reqs": 0}]}  # fmt: skip
-    assert load_counts(loads) == (5, 1)
-    assert load_counts({}) == (0, 0)
+def test_loads_sum_over_ranks_in_both_formats() -> None:
+    v1 = {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1},
+                    {"num_running_reqs": 2, "num_waiting_reqs": 0}]}  # fmt: skip
+    assert load_of(v1) == Load(5, 1)
+    get_load = [{"num_reqs": 4, "num_waiting_reqs": 1}, {"num_reqs": 2, "num_waiting_reqs": 2}]
+    assert load_of(get_load) == Load(3, 3)  # /get_load before 0.5.8: num_reqs = both
+    assert load_of({}) == Load(0, 0)
+
+
+def test_every_delivery_gets_its_own_request_id() -> None:
+    task = PromptTask(run="r", task_id="r:e0:i1", epoch=0, index=1, env="arithmetic",
+                      prompt="1+1=", n=2)  # fmt: skip
+    ids = {request_id(task, 1), request_id(task, 1), request_id(task, 2)}
+    assert len(ids) == 3 and all(i.startswith("r:e0:i1:a0:d") for i in ids)
+
+
+def _result(version: str, spans: tuple[EngineSpan, ...]) -> GenerateResult:
+    return GenerateResult("id", "", [1, 2, 3], [0.0] * 3, "length", {}, 1, 3, version, 0.1, spans)
+
+
+def test_sample_versions_from_spans_or_a_lower_bound() -> None:
+    spans = (EngineSpan("3", 0, 1), EngineSpan("4", 1, 3))
+    want = (VersionSpan(version=3, start=0, end=1), VersionSpan(version=4, start=1, end=3))
+    assert sample_versions(_result("4", spans), before=3) == (3, 4, want)
+    # No spans (SGLang < 0.5.19): the version when the task began bounds the first token.
+    assert sample_versions(_result("4", ()), before=3) == (3, 4, ())
+    assert sample_versions(_result("default", ()), before=0) == (0, 0, ())

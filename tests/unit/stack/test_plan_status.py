@@ -21,7 +21,7 @@ def test_plan_orders_services_and_wires_each_worker_to_its_engine(tmp_path: Path
     for w in (p for p in specs if p.kind == "rollout"):
         url = w.env["FLYWHEEL_ROLLOUT_ENGINE_URL"]
         eid = w.env["FLYWHEEL_ROLLOUT_ENGINE_ID"]
-        assert engines[eid].ready_url == f"{url}/health"
+        assert engines[eid].ready_url == f"{url}/health_generate"  # a real generation
         assert w.env["FLYWHEEL_ROLLOUT_NATS__URL"] == "nats://127.0.0.1:4222"
         assert w.ready_url is not None and w.ready_url.endswith("/readyz")
     ports = [p.ready_url for p in specs]

@@ -1,0 +1,278 @@
+"""The SGLang contract: the CPU engine and the engine client against the same fixtures.
+
+See contract_support.py for the fixture format. The CPU engine runs in this
+process (one per engine configuration a case needs, sharing one tiny model)
+on a real port; the client talks to a real HTTP server that replays the
+fixture's answer and records what the client sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contract_support import Case, check_body, load_cases, substitute
+
+from services.common.engine_client import EngineClient, EngineHTTPError
+from services.common.tiny_model import TinyModelSpec, write_tiny_model
+from services.common.weights import write_weights_dir
+
+CASES = load_cases()
+ENGINE_CASES = [c for c in CASES if c.engine]
+CLIENT_CASES = [c for c in CASES if c.client is not None]
+
+
+# ── the CPU engine, in this process ───────────────────────────────────────────
+class Engines:
+    """One CPU engine state (model + scheduler thread) per configuration, made on demand."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.states: dict[tuple[Any, ...], Any] = {}
+
+    def get(self, case: Case) -> Any:
+        from services.common.settings import load_settings
+        from services.rollout.engine.server import create_state
+        from services.rollout.engine.settings import EngineSettings
+
+        g = case.given
+        options: dict[str, Any] = {"model": self.model, "weight_version": case.weight_version,
+                                   "sglang_version": case.version}  # fmt: skip
+        for key in ("api_key", "health_generation", "health_check_timeout_s"):
+            if key in g:
+                options[key] = g[key]
+        key = tuple(sorted((k, str(v)) for k, v in options.items()))
+        if key not in self.states:
+            self.states[key] = create_state(load_settings(EngineSettings, **options))
+        return self.states[key]
+
+    def close(self) -> None:
+        for state in self.states.values():
+            state.scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("contract") / "model", TinyModelSpec())
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A valid update target: a weights directory with the manifest an update checks."""
+    out = tmp_path_factory.mktemp("contract") / "v4"
+    write_weights_dir(out, lambda tmp: write_tiny_model(tmp, TinyModelSpec(seed=4)))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path) -> Iterator[Engines]:
+    e = Engines(model_dir)
+    yield e
+    e.close()
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def send(
+    s: aiohttp.ClientSession, url: str, req: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    async with s.request(req["method"], url + req["path"], json=req.get("body"),
+                         headers={**(headers or {}), **req.get("headers", {})}) as r:  # fmt: skip
+        text = await r.text()
+        if r.content_type == "application/json":
+            return r.status, await r.json()
+        return r.status, text
+
+
+async def prepare(s: aiohttp.ClientSession, url: str, case: Case, auth: dict[str, str]) -> Any:
+    """`given`: a slowed in-flight generation, then a pause; returns the in-flight task."""
+    task = None
+    g = case.given
+    if "in_flight" in g:
+        await send(s, url, {"method": "POST", "path": "/slow_down",
+                            "body": {"forward_sleep_time": 0.05}}, auth)  # fmt: skip
+        task = asyncio.create_task(send(s, url, {"method": "POST", "path": "/generate",
+                                                 "body": g["in_flight"]}, auth))  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            _, loads = await send(s, url, {"method": "GET", "path": "/v1/loads"}, auth)
+            if loads["loads"][0]["num_running_reqs"] >= 1:
+                break
+            assert time.monotonic() < deadline, "in-flight request never started"
+            await asyncio.sleep(0.02)
+    if "paused" in g:
+        status, _ = await send(s, url, {"method": "POST", "path": "/pause_generation",
+                                        "body": {"mode": g["paused"]}}, auth)  # fmt: skip
+        assert status == 200
+    return task
+
+
+async def cleanup(s: aiohttp.ClientSession, url: str, task: Any, auth: dict[str, str]) -> None:
+    for path, body in (("/slow_down", {"forward_sleep_time": None}),
+                       ("/abort_request", {"abort_all": True}),
+                       ("/continue_generation", {})):  # fmt: skip
+        await send(s, url, {"method": "POST", "path": path, "body": body}, auth)
+    if task is not None:
+        await asyncio.wait_for(task, 20)
+
+
+@pytest.mark.parametrize("case", ENGINE_CASES, ids=[c.id for c in ENGINE_CASES])
+def test_cpu_engine_answers_like_sglang(
+    case: Case, engines: Engines, weights_dir: str, run_async: Any
+) -> None:
+    from services.rollout.engine.server import build_app
+
+    state = engines.get(case)
+    key = case.given.get("api_key")
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def body() -> None:
+        async with serving(build_app(state)) as url, aiohttp.ClientSession() as s:
+            task = await prepare(s, url, case, auth)
+            try:
+                t0 = time.monotonic()
+                status, answer = await send(s, url, substitute(case.request, weights_dir))
+                took = time.monotonic() - t0
+            finally:
+                await cleanup(s, url, task, auth)
+        where = f"{case.id} ({case.source})"
+        assert status == case.response["status"], f"{where}: status {status}: {answer!r}"
+        problems = check_body(case, answer)
+        assert not problems, f"{where}: " + "; ".join(problems) + f"\nanswer: {answer!r}"
+        if case.min_seconds is not None:
+            assert took >= case.min_seconds, f"{where}: answered in {took:.2f}s"
+        if case.max_seconds is not None:
+            assert took <= case.max_seconds, f"{where}: took {took:.2f}s"
+
+    run_async(body(), timeout_s=60)
+
+
+# ── the client, against the fixture replayed ──────────────────────────────────
+def replay_app(case: Case, seen: list[tuple[str, str, Any]]) -> web.Application:
+    """Answers the case's request with its example, and detection with the release's own."""
+    same_release = [c for c in CASES if c.version == case.version and not c.given]
+    info = {c.request["path"]: c for c in same_release
+            if c.request["path"] in ("/server_info", "/get_server_info")}  # fmt: skip
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        seen.append((request.method, request.path, body))
+        chosen = case if request.path == case.request["path"] else info.get(request.path)
+        if chosen is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        resp = chosen.response
+        if "body" not in resp:
+            return web.json_response({"detail": "Not Found"}, status=resp["status"])
+        if isinstance(resp["body"], str):
+            return web.Response(text=resp["body"], status=resp["status"])
+        return web.json_response(resp["body"], status=resp["status"])
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def check_sent(case: Case, seen: list[tuple[str, str, Any]], weights_dir: str) -> None:
+    want = substitute(case.request, weights_dir)
+    sent = [b for m, p, b in seen if (m, p) == (want["method"], want["path"])]
+    assert sent, f"{case.id}: the client never sent {want['method']} {want['path']}: {seen}"
+    for k, v in (want.get("body") or {}).items():
+        assert sent[-1].get(k) == v, f"{case.id}: sent {k}={sent[-1].get(k)!r}, fixture {v!r}"
+    for k in case.absent_in_request:
+        assert k not in sent[-1], f"{case.id}: sent {k}, which SGLang {case.version} lacks"
+
+
+async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None:
+    spec = case.client or {}
+    call = spec["call"]
+    req = substitute(case.request, weights_dir)
+    body = req.get("body") or {}
+    if call == "detect":
+        caps = await c.detect()
+        assert list(caps.version) == spec["version"]
+    elif call == "weight_version":
+        assert await c.weight_version() == spec["weight_version"]
+    elif call == "loads":
+        load = await c.loads()
+        assert (load.running, load.queued) == (spec["running"], spec["queued"])
+    elif call == "generate":
+        results = await c.generate(
+            body["input_ids"], sampling_params=body["sampling_params"], rid=body["rid"],
+            return_logprob=body.get("return_logprob", True),
+        )  # fmt: skip
+        assert len(results) == len(spec["results"])
+        for r, want in zip(results, spec["results"], strict=True):
+            assert r.rid == want["rid"]
+            assert len(r.output_ids) == len(r.logprobs) == want["n_tokens"]
+            assert r.finish_type == want["finish_type"]
+            assert r.weight_version == want["weight_version"]
+            assert [list(s) for s in r.weight_versions] == want["spans"]
+    elif call in ("generate_error", "detect_error", "update_error"):
+        with pytest.raises(EngineHTTPError) as err:
+            if call == "generate_error":
+                await c.generate(body["input_ids"], sampling_params=body["sampling_params"],
+                                 rid=body.get("rid"))  # fmt: skip
+            elif call == "detect_error":
+                await c.detect()
+            else:
+                await c.update_weights_from_disk(body["model_path"], body.get("weight_version"))
+        assert err.value.status == spec["status"]
+        if "message" in spec:
+            assert err.value.message == spec["message"]
+        if "message_prefix" in spec:
+            assert err.value.message.startswith(spec["message_prefix"])
+    elif call == "health":
+        assert await c.health() is spec["ok"]
+    elif call == "pause":
+        await c.pause_generation(spec["mode"])
+    elif call == "continue":
+        await c.continue_generation()
+    elif call == "update":
+        res = await c.update_weights_from_disk(body["model_path"], body.get("weight_version"),
+                                               update_mode=spec["mode"])  # fmt: skip
+        assert res.success is spec["success"]
+        assert res.num_paused_requests == spec["num_paused_requests"]
+    else:
+        raise AssertionError(f"unknown client call {call!r}")
+
+
+@pytest.mark.parametrize("case", CLIENT_CASES, ids=[c.id for c in CLIENT_CASES])
+def test_client_reads_sglang_answers(case: Case, run_async: Any) -> None:
+    weights_dir = "/models/flywheel-v4"
+
+    async def body() -> None:
+        seen: list[tuple[str, str, Any]] = []
+        async with serving(replay_app(case, seen)) as url, EngineClient(url, retries=0) as c:
+            await run_client_call(c, case, weights_dir)
+        if (case.client or {}).get("call") not in ("detect", "detect_error"):
+            check_sent(case, seen, weights_dir)
+
+    run_async(body(), timeout_s=30)
+
+
+def test_every_case_names_its_source_and_release() -> None:
+    assert {c.version for c in CASES} >= {"0.5.4", "0.5.23"}
+    for c in CASES:
+        assert "::" in c.source or ":" in c.source, c.id
+        assert c.engine or c.client is not None, f"{c.id} checks nothing"
