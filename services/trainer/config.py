@@ -77,10 +77,11 @@ class ModelConfig(BaseModel):
         "for Qwen2/Qwen3/Llama/Mistral heads); 'full': the model's own logits (any model).",
     )
     logits_chunk_mib: float = Field(
-        64.0,
+        256.0,
         gt=0,
-        description="'chunked' logprobs: MiB of float32 logits per chunk (rows = this / "
-        "(4 · vocab)); smaller saves memory, larger launches fewer kernels.",
+        description="'chunked' logprobs: MiB of float32 logits held at once (forward: "
+        "rows = this / (4 · vocab); backward: the same number of elements, sliced over the "
+        "vocabulary). Smaller saves memory, larger runs fewer, larger matmuls.",
     )
     entropy_every: int = Field(
         1,

@@ -40,7 +40,7 @@ class ForwardSpec:
     """How forwards run: logprob implementation, chunk size, autocast, varlen attention."""
 
     logprobs: str = "chunked"  # 'chunked' | 'full'
-    chunk_mib: float = 64.0
+    chunk_mib: float = 256.0
     autocast: torch.dtype | None = None  # bf16 in one process; None: run as the params are
     varlen: bool = False  # packed rows carry cu_seqlens for the varlen attention kernel
 

@@ -10,9 +10,11 @@ ratio is off by a temperature-dependent factor. From the raw logits z
 
 Entropy is written as a sum of non-negative terms: lse ≥ max(z / T) holds
 exactly in floating point (logsumexp adds log of a sum ≥ 1 to the max), so
-every d_v ≥ 0 and H ≥ 0. The textbook `lse - sum(p · z)` subtracts two
-numbers of the size of the logits and goes negative on peaked rows of
-large logits (~1% of LLM-like rows in float32).
+every d_v ≥ 0 and H ≥ 0 (the chunked version below uses the equivalent
+H = log s + sum(e · (m - z)) / s with m = max z, e = exp(z - m), s = sum e).
+The textbook `lse - sum(p · z)` subtracts two numbers of the size of the
+logits and goes negative on peaked rows of large logits (~1% of LLM-like
+rows in float32).
 
 Two implementations of the same quantities:
 
@@ -118,6 +120,62 @@ def _chunk_logits(
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
+def _chunk_forward(
+    z: torch.Tensor, targets: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(lse, logp, H) [C] of one chunk of z [C, V] (consumed).
+
+    With m = max z, z' = z - m ≤ 0, e = exp(z'), s = sum e ≥ 1:
+        lse = m + log s,  logp = z'[y] - log s,  H = log s + sum(e · -z') / s,
+    H as a sum of two non-negative terms (nothing cancels, H ≥ 0 exactly).
+    """
+    m = z.amax(dim=-1, keepdim=True)  # [C, 1]
+    zs = z.sub_(m)  # [C, V] ≤ 0
+    e = torch.exp(zs)  # [C, V]
+    total = e.sum(-1)  # [C] ≥ 1
+    log_s = total.log()  # [C] ≥ 0
+    logp = zs.gather(1, targets[:, None]).squeeze(1) - log_s
+    ent = None
+    if want_entropy:
+        dot = torch.bmm(e[:, None, :], zs[:, :, None]).view(-1)  # sum(e · z') ≤ 0, no temp
+        ent = log_s - dot / total
+    return m.squeeze(1) + log_s, logp, ent
+
+
+def _chunk_grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    hits: tuple[torch.Tensor, torch.Tensor],
+    g: torch.Tensor,
+    entropy: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """dloss/dlogits [N, Vc] for one slice of the vocabulary, over z = logits / T (consumed).
+
+    With log p = z - lse:  g_z = g_logp · (onehot(y) - p) - g_H · p · (log p + H);
+    `g` and the entropy's g_H arrive already multiplied by dz/dlogits = 1/T.
+    `hits` = (column of each row's target in this slice, clamped; g where
+    the target falls in the slice, else 0): the onehot part, without a sync.
+    """
+    logp = z.sub_(lse[:, None])  # [N, Vc] log p
+    if entropy is None:
+        grad = logp.exp_().mul_(-g[:, None])  # -g · p
+    else:
+        ent, g_h = entropy
+        p = torch.exp(logp)  # [N, Vc]
+        coef = logp.mul_(-g_h[:, None]).sub_((g + g_h * ent)[:, None])  # -(g + g_H (log p + H))
+        grad = p.mul_(coef)
+    cols, vals = hits
+    return grad.scatter_add_(1, cols[:, None], vals[:, None])
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b; in place (no temporary) when the dtypes agree."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += a @ b
+
+
 class _ChunkedTokenStats(torch.autograd.Function):
     """Forward: per-token lse, logp, H chunk by chunk. Backward: recompute, analytic grads."""
 
@@ -145,12 +203,9 @@ class _ChunkedTokenStats(torch.autograd.Function):
             for s in range(0, n, rows):
                 e = min(s + rows, n)
                 z = _chunk_logits(hidden[s:e].to(compute_dtype), w, b, inv_t, sd)  # [C, V]
-                lse_c = torch.logsumexp(z, dim=-1)  # [C], ≥ max(z) exactly
-                lse[s:e] = lse_c
-                logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse_c
-                if want_entropy:
-                    d = z.neg_().add_(lse_c[:, None])  # [C, V] lse - z ≥ 0, in place
-                    ent[s:e] = (torch.exp(-d).mul_(d)).sum(-1)
+                lse[s:e], logp[s:e], ent_c = _chunk_forward(z, targets[s:e], want_entropy)
+                if ent_c is not None:
+                    ent[s:e] = ent_c
         ctx.save_for_backward(hidden, w, b, targets, lse, ent)
         ctx.inv_t, ctx.rows, ctx.compute_dtype = inv_t, rows, compute_dtype
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
@@ -163,67 +218,41 @@ class _ChunkedTokenStats(torch.autograd.Function):
     def backward(
         ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
+        """Chunked over the vocabulary: each slice's weight gradient is one matmul, written once.
+
+        (Chunking the backward over tokens would add a [V × H] partial weight
+        gradient per chunk into an accumulator: V·H·12 bytes of traffic per
+        chunk, more than the chunk itself at a 150k vocabulary.) lse and H
+        from the forward make any vocabulary slice's softmax computable alone.
+        """
         hidden, w, b, targets, lse, ent = ctx.saved_tensors
+        n, vocab = hidden.shape[0], w.shape[0]
+        sd, cd, wd = lse.dtype, ctx.compute_dtype, ctx.weight_dtype
+        need = ctx.needs_input_grad
+        grad_h = torch.zeros(hidden.shape, dtype=sd, device=hidden.device) if need[0] else None
+        grad_w = torch.zeros(w.shape, dtype=wd, device=w.device) if need[1] else None  # n = 0
+        need_b = ctx.has_bias and need[2]
+        grad_b = torch.zeros(vocab, dtype=wd, device=w.device) if need_b else None
         if ent.numel() == 0:
             g_ent = None
-        sd, cd = lse.dtype, ctx.compute_dtype
-        need = ctx.needs_input_grad
-        grad_h = torch.zeros_like(hidden) if need[0] else None
-        grad_w = torch.zeros(w.shape, dtype=sd, device=w.device) if need[1] else None
-        grad_b = (
-            torch.zeros(w.shape[0], dtype=sd, device=w.device) if ctx.has_bias and need[2] else None
-        )
-        if g_logp is not None or g_ent is not None:
-            with torch.autocast(hidden.device.type, enabled=False):
-                for s in range(0, hidden.shape[0], ctx.rows):
-                    e = min(s + ctx.rows, hidden.shape[0])
-                    h = hidden[s:e].to(cd)
-                    gz = _chunk_grad(
-                        _chunk_logits(h, w, b, ctx.inv_t, sd),
-                        lse[s:e],
-                        targets[s:e],
-                        None if g_logp is None else g_logp[s:e].to(sd),
-                        None if g_ent is None else (ent[s:e], g_ent[s:e].to(sd)),
-                        ctx.inv_t,
-                    ).to(cd)  # [C, V] dloss/dlogits
-                    if grad_h is not None:
-                        grad_h[s:e] = (gz @ w).to(hidden.dtype)
-                    if grad_w is not None:
-                        grad_w += (gz.t() @ h).to(sd)
-                    if grad_b is not None:
-                        grad_b += gz.sum(0, dtype=sd)
-        wd = ctx.weight_dtype
-        return grad_h, _cast(grad_w, wd), _cast(grad_b, wd), None, None, None, None, None
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
-
-
-def _chunk_grad(
-    z: torch.Tensor,
-    lse: torch.Tensor,
-    targets: torch.Tensor,
-    g_logp: torch.Tensor | None,
-    entropy: tuple[torch.Tensor, torch.Tensor] | None,
-    inv_t: float,
-) -> torch.Tensor:
-    """dloss/dlogits for one chunk, in place over z [C, V] (z = logits / T, consumed).
-
-    With log p = z - lse:  g_z = g_logp · (onehot(y) - p) - g_H · p · (log p + H),
-    then · 1/T for z = logits / T.
-    """
-    logp = z.sub_(lse[:, None])  # [C, V] log p
-    p = torch.exp(logp)  # [C, V]
-    if entropy is not None:
-        ent, g_ent = entropy
-        coef = logp.add_(ent[:, None]).mul_(g_ent[:, None])  # g_H · (log p + H)
-        if g_logp is not None:
-            coef.add_(g_logp[:, None])
-        grad = p.mul_(coef).neg_()
-    else:
-        assert g_logp is not None
-        grad = p.mul_(g_logp[:, None]).neg_()
-    if g_logp is not None:
-        grad.scatter_add_(1, targets[:, None], g_logp[:, None])
-    return grad.mul_(inv_t) if inv_t != 1.0 else grad
+        if (g_logp is None and g_ent is None) or n == 0:
+            return grad_h, grad_w, grad_b, None, None, None, None, None
+        h = hidden.to(cd)  # [N, H]
+        g = (torch.zeros_like(lse) if g_logp is None else g_logp.to(sd)) * ctx.inv_t  # [N]
+        entropy = None if g_ent is None else (ent, g_ent.to(sd) * ctx.inv_t)
+        cols = max(1, ctx.rows * vocab // n)  # the forward's element budget
+        with torch.autocast(hidden.device.type, enabled=False):
+            for v0 in range(0, vocab, cols):
+                v1 = min(v0 + cols, vocab)
+                inside = (targets >= v0) & (targets < v1)
+                hits = ((targets - v0).clamp(0, v1 - v0 - 1), torch.where(inside, g, 0.0))
+                z = _chunk_logits(h, w[v0:v1], None if b is None else b[v0:v1], ctx.inv_t, sd)
+                gz = _chunk_grad(z, lse, hits, g, entropy).to(cd)  # [N, Vc] dloss/dlogits
+                if grad_h is not None:
+                    _accumulate_mm(grad_h, gz, w[v0:v1])
+                if grad_w is not None:
+                    grad_w[v0:v1] = gz.t() @ h
+                if grad_b is not None:
+                    grad_b[v0:v1] = gz.sum(0, dtype=sd)
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
