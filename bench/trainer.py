@@ -429,6 +429,9 @@ def memory_main(args) -> None:
                 }
                 rows += run_memory_job(job)
                 print(rows[-1], flush=True)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['path']} fsdp={r['fsdp']} size={r['size']}: {r['error']}", flush=True)
     lines = memory_table(rows, shape, lengths, args.workload)
     lines += ["", *packing_table(sizes)]
     text = "\n".join(lines)
