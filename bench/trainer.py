@@ -335,6 +335,7 @@ def measure_memory(job: dict) -> list[dict]:
             extra = meter.peak_above_base() - grad_bytes
         except torch.OutOfMemoryError:
             out.append({**row, "oom": True})
+            print("ROW " + json.dumps(out[-1]), flush=True)
             break
         tokens = sum(
             p.numel() + r.numel() for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)

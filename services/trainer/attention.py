@@ -13,6 +13,7 @@ forward down to every attention call; that is where the boundaries come from.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -40,14 +41,12 @@ def register_varlen() -> str:
     return VARLEN
 
 
-def _kernel_kwargs() -> dict[str, Any]:
-    """Causality as this torch's `varlen_attn` spells it (the API is young)."""
+@functools.cache
+def _kernel_params() -> frozenset[str]:
+    """The keyword arguments this torch's `varlen_attn` takes (the API is young)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    if "is_causal" in params:
-        return {"is_causal": True}
-    return {"window_size": (-1, 0)}
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _varlen_attention(
@@ -68,10 +67,16 @@ def _varlen_attention(
     if sliding_window is not None or dropout:
         raise ValueError(f"{VARLEN} supports neither sliding windows nor attention dropout")
     cu, max_len = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, H, D]
-    extra = _kernel_kwargs()
+    # Under autocast, RoPE leaves q and k in float32 (sdpa would be cast by autocast;
+    # this custom op is not), and the kernel takes half precision only.
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else value.dtype
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [S, H, D]
+    params = _kernel_params()
+    extra: dict[str, Any] = (
+        {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    )
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        if "enable_gqa" in params:
             extra["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]

@@ -60,16 +60,19 @@ def token_stats(
     downstream reads them: their weight and mask are 0).
     """
     inputs = model_inputs(mb, device, spec.varlen)
-    targets = mb["targets"].to(device)
     with _autocast(device, spec.autocast):
         if spec.logprobs == "full":
+            targets = mb["targets"].to(device)
             logits = model(**inputs).logits
             if logits.shape[1] != targets.shape[1]:  # padded: position j predicts token j + 1
                 logits = logits[:, :-1]
             logp = token_logprobs(logits, targets, temperature)
             return logp, (token_entropy(logits, temperature) if entropy else None)
-        return _chunked(model, inputs, targets, mb["loss_mask"].to(device) > 0, temperature,
-                        entropy, spec.chunk_mib)  # fmt: skip
+        # Which positions reach the head is decided on the CPU copy: no device sync.
+        select = mb["loss_mask"] > 0
+        return _chunked(
+            model, inputs, mb["targets"], select, device, temperature, entropy, spec.chunk_mib
+        )
 
 
 def model_inputs(mb: MicroBatch, device: torch.device, varlen: bool) -> dict:
@@ -83,16 +86,18 @@ def model_inputs(mb: MicroBatch, device: torch.device, varlen: bool) -> dict:
     if varlen:
         cu = mb["cu_seqlens"].to(device)
         longest = int(mb["max_len"])
-        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                      max_length_k=longest)  # fmt: skip
+        inputs.update(
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest
+        )
     return inputs
 
 
 def _chunked(
     model: torch.nn.Module,
     inputs: dict,
-    targets: torch.Tensor,  # [B, T'] with T' = T (packed) or T - 1 (padded)
-    select: torch.Tensor,  # [B, T'] bool: positions whose logprob is needed
+    targets: torch.Tensor,  # [B, T'] on CPU, T' = T (packed) or T - 1 (padded)
+    select: torch.Tensor,  # [B, T'] bool on CPU: positions whose logprob is needed
+    device: torch.device,
     temperature: float,
     entropy: bool,
     chunk_mib: float,
@@ -102,8 +107,9 @@ def _chunked(
     if width != t:  # padded: the last position predicts nothing
         select = torch.nn.functional.pad(select, (0, t - width))
         targets = torch.nn.functional.pad(targets, (0, t - width))
-    idx = select.reshape(-1).nonzero().squeeze(1)  # [N] flat positions that carry loss
-    picked = targets.reshape(-1).index_select(0, idx)  # [N]
+    flat_idx = select.reshape(-1).nonzero().squeeze(1)  # [N] flat positions that carry loss
+    picked = targets.reshape(-1).index_select(0, flat_idx).to(device, non_blocking=True)  # [N]
+    idx = flat_idx.to(device, non_blocking=True)
     head = model.get_output_embeddings()  # type: ignore[operator]
     got: dict[str, torch.Tensor | None] = {}
 

@@ -118,10 +118,8 @@ class Trainer:
         )
         ref = None
         if cfg.loss.kl_coef > 0:  # frozen: no float32 master copy needed
-            ref = prepare_model(
-                load_model(model_dir, dtype=dtype), info, dtype=dtype, trainable=False,
-                attention=attention,
-            )  # fmt: skip
+            frozen = load_model(model_dir, dtype=dtype)
+            ref = prepare_model(frozen, info, dtype=dtype, trainable=False, attention=attention)
         return cls(model, load_tokenizer(model_dir), cfg, info, ref)
 
     # ---- the algorithm -------------------------------------------------------------
