@@ -62,6 +62,7 @@ from services.trainer.checkpoint import (
     snapshot,
 )
 from services.trainer.distributed import DistInfo
+from services.trainer.loggers import open_loggers
 from services.trainer.service_settings import TrainerSettings
 from services.trainer.trainer import Trainer
 from services.trainer.wire import batch_stats, to_core_batch
@@ -301,6 +302,15 @@ class TrainerService:
         self.busy = 0.0
         self.started = time.time()
         self.finishing: asyncio.Task[None] | None = None
+        self.loggers = open_loggers(
+            s.loggers,
+            run=s.run,
+            metrics_file=s.metrics_file,
+            log_dir=s.log_dir,
+            wandb_project=s.wandb_project,
+            wandb_mode=s.wandb_mode,
+            config=s.model_dump(mode="json", include={"loss", "optim", "runtime", "model"}),
+        )
 
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
         """Announce a saved version; over NATS, its chunks are all stored first."""
@@ -381,11 +391,9 @@ class TrainerService:
         ).accuracy
 
     def write_row(self, row: dict[str, Any]) -> None:
-        if self.s.metrics_file is None:
-            return
-        self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.s.metrics_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.loggers.write(
+            row
+        )  # metrics_file (jsonl), TensorBoard, W&B: services/trainer/loggers.py
 
     def reconcile_rows(self) -> None:
         """Make the metrics file agree with the checkpoint we resumed from.
@@ -423,6 +431,7 @@ class TrainerService:
             await self._run()
         finally:
             await self.reader.close()
+            self.loggers.close()
 
     async def _run(self) -> None:
         await self.announce_pending()
