@@ -85,6 +85,17 @@ class CrossFieldError(ValueError):
         self.field = field
 
 
+def _check_finite(logprobs: bytes) -> None:
+    """Every logprob finite. One NaN or infinity, even on a token the loss mask drops
+    (weight 0 · NaN = NaN), turns a train step's loss and every parameter into NaN, so
+    it is refused where it enters: the sample (the buffer dead-letters its group, the
+    trainer a batch that carries it), naming the field."""
+    lp = unpack_f32(logprobs)
+    if lp.size and not np.isfinite(lp).all():
+        bad = int(np.flatnonzero(~np.isfinite(lp))[0])
+        raise CrossFieldError("logprobs", f"logprob of response token {bad} is {float(lp[bad])}")
+
+
 Id = Annotated[str, Field(min_length=1, max_length=512)]
 Version = Annotated[int, Field(ge=0)]
 
@@ -169,7 +180,7 @@ class Sample(Message):
     response_ids: PackedI32
     logprobs: PackedF32 = Field(description="Rollout (behaviour) logprob of each response token.")
     loss_mask: PackedU8 = Field(description="1 per response token trained on, 0 for env tokens.")
-    reward: float
+    reward: float = Field(allow_inf_nan=False)
     reward_parts: dict[str, float] = Field(default_factory=dict)
     finish_reason: FinishReason
     weight_version: Version = Field(description="Version of the first generated token.")
@@ -202,6 +213,7 @@ class Sample(Message):
         if self.weight_version_spans:
             _check_spans(self.weight_version_spans, n, self.weight_version,
                          self.weight_version_last)  # fmt: skip
+        _check_finite(self.logprobs)
         return self
 
     @property
@@ -237,7 +249,10 @@ class SampleGroup(Message):
     worker_id: Id
     samples: tuple[Sample, ...] = Field(min_length=1)
     temperature: float = Field(
-        1.0, gt=0.0, description="Sampling temperature; the trainer's logprobs use the same."
+        1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Sampling temperature; the trainer's logprobs use the same.",
     )
     created_at: float = 0.0
 

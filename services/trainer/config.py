@@ -6,10 +6,15 @@ them as nested tables of their settings (`[sft.optim]`, `[trainer.loss]`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.trainer.core.config import LossConfig
 from services.trainer.core.schedule import ScheduleKind
+
+Precision = Literal["auto", "bf16", "fp32"]
+LogprobImpl = Literal["chunked", "full"]
 
 
 class OptimConfig(BaseModel):
@@ -39,18 +44,50 @@ class OptimConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    """How the policy is loaded and sharded."""
+    """How the policy is loaded, sharded and run (precision, layout, logprobs)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     micro_batch_tokens: int = Field(
-        8192, ge=1, description="Padded tokens (rows × longest row) per micro-batch."
+        8192,
+        ge=1,
+        description="Tokens per micro-batch: packed, the sum of the sequence lengths; "
+        "padded, rows × longest row. A longer sequence gets a micro-batch of its own.",
+    )
+    packing: bool = Field(
+        True,
+        description="Pack sequences into one row per micro-batch (position ids restart per "
+        "sequence; attention never crosses sequences). False: one padded row per sequence.",
+    )
+    precision: Precision = Field(
+        "auto",
+        description="'bf16': bf16 compute with float32 master weights, gradients and "
+        "optimizer state (autocast in one process, FSDP2 mixed precision with float32 "
+        "gradient reduction under torchrun); 'fp32': float32 throughout; 'auto': bf16 on a "
+        "GPU that supports it, fp32 on CPU (CPU bf16 matmuls are no faster than fp32 on "
+        "most CPUs, bench/results_trainer.md).",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute decoder-layer activations in backward (saves memory)."
     )
-    mixed_precision: bool = Field(
-        True, description="On GPU: bf16 parameters/compute with fp32 gradient reduction."
+    logprobs: LogprobImpl = Field(
+        "chunked",
+        description="'chunked': logprobs/entropy from the hidden states and the LM head a "
+        "chunk of tokens at a time, never materialising [tokens × vocab] logits (verified "
+        "for Qwen2/Qwen3/Llama/Mistral heads); 'full': the model's own logits (any model).",
+    )
+    logits_chunk_mib: float = Field(
+        256.0,
+        gt=0,
+        description="'chunked' logprobs: MiB of float32 logits held at once (forward: "
+        "rows = this / (4 · vocab); backward: the same number of elements, sliced over the "
+        "vocabulary). Smaller saves memory, larger runs fewer, larger matmuls.",
+    )
+    entropy_every: int = Field(
+        1,
+        ge=0,
+        description="Compute the token entropy metric every this many steps (0: never). "
+        "With loss.entropy_coef > 0 it is computed on every step regardless.",
     )
     seed: int = Field(0, description="Seed of torch's RNG at start-up.")
     cpu_threads: int | None = Field(

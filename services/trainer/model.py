@@ -1,12 +1,20 @@
-"""Loading a local Hugging Face causal LM and sharding it with FSDP2.
+"""Loading a local Hugging Face causal LM, its precision, and sharding it with FSDP2.
 
 FSDP2 (`fully_shard`) wraps each decoder layer, then the root, so each
 layer's parameters are all-gathered just before it runs and freed after:
 peak memory is one layer's full parameters plus the shards. Decoder layers
 are found by the model's own `_no_split_modules` class names (what
 transformers uses for device maps), so Qwen2, Llama, Mistral, … need no
-per-architecture code. On GPU a MixedPrecisionPolicy computes in bf16 and
-reduces gradients in fp32; on CPU everything stays fp32 (gloo).
+per-architecture code.
+
+Precision. Parameters, gradients and AdamW state are float32 (the master
+copy) in every configuration. With bf16 compute, FSDP2's
+MixedPrecisionPolicy all-gathers bf16 parameters and reduces gradients in
+float32 (CPU/gloo and GPU/NCCL alike); a single process gets the same
+from autocast (services/trainer/forward.py), which casts each matmul's
+inputs to bf16 and leaves norms, softmax statistics and the optimizer in
+float32. A frozen reference model needs no master copy and is held in the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -70,16 +78,65 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The matmul dtype of a `precision` setting ('auto', 'bf16', 'fp32') on `device`."""
+    if precision == "fp32":
+        return torch.float32
+    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "bf16":
+        if device.type == "cuda" and not gpu_bf16:
+            raise ModelLoadError(f"precision='bf16' but {device} has no bf16", path=Path("."))
+        return torch.bfloat16
+    if precision == "auto":
+        return torch.bfloat16 if gpu_bf16 else torch.float32
+    raise ValueError(f"unknown precision {precision!r}")
+
+
+# Causal LMs whose forward is exactly `logits = lm_head(final hidden states)`
+# (read in transformers' modeling code): the chunked logprobs may stand in for
+# the head. Others (Gemma's soft-capping, Cohere's logit_scale, …) post-process.
+PLAIN_HEAD_MODELS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
+
+
+def check_plain_head(model: torch.nn.Module) -> None:
+    """Raise unless the chunked logprobs compute exactly what the model's head does."""
+    name = type(model).__name__.removeprefix("FSDP")
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if name not in PLAIN_HEAD_MODELS or not isinstance(head, torch.nn.Linear):
+        raise ModelLoadError(
+            f"logprobs='chunked' is verified for {', '.join(sorted(PLAIN_HEAD_MODELS))}; "
+            f"{name} may post-process its logits: set [trainer.runtime] logprobs = 'full'",
+            path=Path("."),
+        )
+
+
 def prepare_model(
     model: torch.nn.Module,
     info: DistInfo,
     *,
     activation_checkpointing: bool = False,
-    mixed_precision: bool = True,
+    dtype: torch.dtype = torch.float32,
     trainable: bool = True,
+    attention: str | None = None,
 ) -> torch.nn.Module:
-    """Move to the device, optionally checkpoint activations, and FSDP2-shard if distributed."""
+    """Move to the device, set attention, checkpoint activations, and FSDP2-shard if distributed.
+
+    `dtype` is the compute dtype; parameters stay float32 when `trainable`.
+    `attention`: a transformers attention implementation name (None: keep).
+    """
     model.to(info.device)
+    if attention is not None:
+        model.set_attn_implementation(attention)  # type: ignore[operator]
     if activation_checkpointing and trainable:
         enable = model.gradient_checkpointing_enable  # a transformers PreTrainedModel method
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
@@ -90,9 +147,9 @@ def prepare_model(
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy()  # fp32 everywhere (CPU, or mixed precision off)
-    if mixed_precision and info.device.type == "cuda":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy()  # the parameters' dtype everywhere
+    if dtype != torch.float32:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

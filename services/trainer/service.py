@@ -63,6 +63,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.distributed import DistInfo
 from services.trainer.heldout import HeldOut, eval_line, reward_parts
+from services.trainer.loggers import open_loggers
 from services.trainer.service_settings import TrainerSettings
 from services.trainer.trainer import Trainer
 from services.trainer.wire import batch_stats, to_core_batch
@@ -308,6 +309,15 @@ class TrainerService:
         self.started = time.time()
         self.finishing: asyncio.Task[None] | None = None
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
+        self.loggers = open_loggers(
+            s.loggers,
+            run=s.run,
+            metrics_file=s.metrics_file,
+            log_dir=s.log_dir,
+            wandb_project=s.wandb_project,
+            wandb_mode=s.wandb_mode,
+            config=s.model_dump(mode="json", include={"loss", "optim", "runtime", "model"}),
+        )
 
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
         """Announce a saved version; over NATS, its chunks are all stored first."""
@@ -384,11 +394,8 @@ class TrainerService:
             self.metrics.gauges["eval_pass_at_k"].set(report.pass_at_k)
 
     def write_row(self, row: dict[str, Any]) -> None:
-        if self.s.metrics_file is None:
-            return
-        self.s.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.s.metrics_file.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        # metrics_file (jsonl), TensorBoard, W&B: services/trainer/loggers.py
+        self.loggers.write(row)
 
     def reconcile_rows(self) -> None:
         """Make the metrics file agree with the checkpoint we resumed from.
@@ -427,6 +434,7 @@ class TrainerService:
                 await self._run()
         finally:
             await self.reader.close()
+            self.loggers.close()
 
     async def _run(self) -> None:
         await self.announce_pending()

@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from services.common.settings import ServiceSettings
 from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
 from services.trainer.core.config import LossConfig
+from services.trainer.loggers import LoggerName, WandbMode
 
 
 class TrainerSettings(ServiceSettings):
@@ -47,6 +48,23 @@ class TrainerSettings(ServiceSettings):
         "this many steps, and at step 0 (0: never).",
     )  # fmt: skip
     metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
+    loggers: list[LoggerName] = Field(
+        ["jsonl"],
+        description="Where each step's metrics row goes: 'jsonl' (metrics_file), "
+        "'tensorboard' (event files), 'wandb' (a W&B run). The last two are extras: "
+        "pip install 'flywheel[tensorboard]' / 'flywheel[wandb]'.",
+    )
+    log_dir: Path | None = Field(
+        None,
+        description="TensorBoard event files (<dir>/tensorboard/<run>/) and W&B runs "
+        "(<dir>/wandb/) go here; None: beside metrics_file, else runs/logs.",
+    )
+    wandb_project: str = Field("flywheel", min_length=1, description="W&B project name.")
+    wandb_mode: WandbMode = Field(
+        "offline",
+        description="'offline': W&B writes locally, no network ('wandb sync' uploads later); "
+        "'online': streams to the W&B server.",
+    )
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime)

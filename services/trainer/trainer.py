@@ -34,11 +34,18 @@ from services.trainer.core.batching import (
     shard_for_ranks,
     split_groups,
 )
-from services.trainer.core.logprobs import token_entropy, token_logprobs
 from services.trainer.core.loss import LossOutput, policy_loss, sample_weights
+from services.trainer.core.packing import collate_packed, plan_packed
 from services.trainer.core.schedule import lr_multiplier
 from services.trainer.distributed import DistInfo, all_reduce, barrier
-from services.trainer.model import load_model, load_tokenizer, prepare_model
+from services.trainer.forward import ForwardSpec, token_stats
+from services.trainer.model import (
+    check_plain_head,
+    compute_dtype,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+)
 
 Row = dict[str, torch.Tensor]
 MicroBatch = dict[str, torch.Tensor]
@@ -86,6 +93,9 @@ class Trainer:
         self.step = 0
         self.weight_version = 0
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.forward_spec = forward_spec(cfg, info)
+        if cfg.model.logprobs == "chunked":
+            check_plain_head(model)
 
     @classmethod
     def from_pretrained(
@@ -97,17 +107,19 @@ class Trainer:
         if m.cpu_threads is not None and info.device.type == "cpu":
             torch.set_num_threads(m.cpu_threads)
         torch.manual_seed(m.seed)
+        dtype = compute_dtype(m.precision, info.device)
+        attention = attention_for(cfg, info)
         model = prepare_model(
             load_model(model_dir),
             info,
             activation_checkpointing=m.activation_checkpointing,
-            mixed_precision=m.mixed_precision,
+            dtype=dtype,
+            attention=attention,
         )
         ref = None
-        if cfg.loss.kl_coef > 0:
-            ref = prepare_model(
-                load_model(model_dir), info, mixed_precision=m.mixed_precision, trainable=False
-            )
+        if cfg.loss.kl_coef > 0:  # frozen: no float32 master copy needed
+            frozen = load_model(model_dir, dtype=dtype)
+            ref = prepare_model(frozen, info, dtype=dtype, trainable=False, attention=attention)
         return cls(model, load_tokenizer(model_dir), cfg, info, ref)
 
     # ---- the algorithm -------------------------------------------------------------
@@ -132,8 +144,14 @@ class Trainer:
             self._fill_logprobs(micro, "old_logprobs", self.model, batch.temperature)
         if self.ref_model is not None:
             self._fill_logprobs(micro, "ref_logprobs", self.ref_model, batch.temperature)
-        t = batch.temperature
-        return self._accumulate_and_step(micro, lambda mb: self._rl_loss(mb, t))
+        t, entropy = batch.temperature, self._wants_entropy()
+        return self._accumulate_and_step(micro, lambda mb: self._rl_loss(mb, t, entropy))
+
+    def _wants_entropy(self) -> bool:
+        """Entropy costs a pass over every chunk of logits: only as a bonus or when logged."""
+        every = self.cfg.model.entropy_every
+        logged = every > 0 and (self.step + 1) % every == 0  # self.step + 1: the step trained
+        return self.cfg.loss.entropy_coef > 0 or logged
 
     def sft_step(self, examples: list[SftExample]) -> dict[str, float]:
         """One optimizer step of token-mean negative log-likelihood over `examples`."""
@@ -198,8 +216,11 @@ class Trainer:
         """This rank's rows in micro-batches; every rank gets the same count (FSDP needs it)."""
         lengths = [r["input_ids"].numel() for r in rows]
         mine = shard_for_ranks(lengths, self.info.world_size)[self.info.rank]
-        plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.model.micro_batch_tokens)
-        micro = [collate([rows[mine[j]] for j in group], self.pad_id) for group in plan]
+        budget = self.cfg.model.micro_batch_tokens
+        packed = self.cfg.model.packing
+        plan = (plan_packed if packed else plan_micro_batches)([lengths[i] for i in mine], budget)
+        join = collate_packed if packed else collate
+        micro = [join([rows[mine[j]] for j in group], self.pad_id) for group in plan]
         count = int(all_reduce(torch.tensor([len(micro)]), self.info, "max").item())
         while len(micro) < count:  # a zero-weight row keeps the collectives in step
             micro.append(self._dummy_micro_batch(rows[0]))
@@ -210,30 +231,29 @@ class Trainer:
         row.update(
             {k: torch.zeros(1, dtype=v.dtype) for k, v in template.items() if k != "input_ids"}
         )
-        return collate([row], self.pad_id)
+        return (collate_packed if self.cfg.model.packing else collate)([row], self.pad_id)
 
     # ---- forward / loss ----------------------------------------------------------
 
-    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        dev = self.info.device
-        out = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev))
-        return out.logits[:, :-1]  # [B, T-1, V]: position j predicts token j + 1
+    def _token_stats(
+        self, model: torch.nn.Module, mb: MicroBatch, temperature: float, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_stats(
+            model, mb, self.forward_spec, self.info.device, temperature, entropy=entropy
+        )
 
     @torch.no_grad()
     def _fill_logprobs(
         self, micro: list[MicroBatch], key: str, model: torch.nn.Module, temperature: float
     ) -> None:
         for mb in micro:
-            logits = self._logits(model, mb)
-            mb[key] = token_logprobs(logits, mb["targets"].to(logits.device), temperature).cpu()
+            mb[key] = self._token_stats(model, mb, temperature)[0].float().cpu()
 
-    def _rl_loss(self, mb: MicroBatch, temperature: float) -> LossOutput:
+    def _rl_loss(self, mb: MicroBatch, temperature: float, entropy: bool = True) -> LossOutput:
         dev = self.info.device
-        logits = self._logits(self.model, mb)
-        logp = token_logprobs(logits, mb["targets"].to(dev), temperature)  # [B, T-1]
-        entropy = token_entropy(logits, temperature)
-        if self.cfg.loss.entropy_coef == 0:
-            entropy = entropy.detach()
+        logp, ent = self._token_stats(self.model, mb, temperature, entropy)  # [B, T']
+        if ent is not None and self.cfg.loss.entropy_coef == 0:
+            ent = ent.detach()
         on = {k: v.to(dev) for k, v in mb.items()}
         old = (
             on["old_logprobs"]
@@ -249,13 +269,13 @@ class Trainer:
             self.cfg.loss,
             rollout_logprobs=on["rollout_logprobs"],
             ref_logprobs=on.get("ref_logprobs"),
-            entropy=entropy,
+            entropy=ent,
+            segment_ids=on.get("seq_ids"),
         )
 
     def _sft_loss(self, mb: MicroBatch) -> LossOutput:
         dev = self.info.device
-        logits = self._logits(self.model, mb)
-        logp = token_logprobs(logits, mb["targets"].to(dev))  # [B, T-1]
+        logp, _ = self._token_stats(self.model, mb, 1.0)  # [B, T']
         w, m = mb["weights"].to(dev), mb["loss_mask"].to(dev)
         return LossOutput(loss=-(logp * w).sum(), tokens=m.sum())
 
@@ -328,3 +348,26 @@ class Trainer:
             manifest = write_weights_dir(out_dir, write, overwrite=overwrite)
         barrier(self.info)
         return manifest
+
+
+def forward_spec(cfg: TrainConfig, info: DistInfo) -> ForwardSpec:
+    """How this trainer's forwards run (see services/trainer/forward.py)."""
+    m = cfg.model
+    dtype = compute_dtype(m.precision, info.device)
+    one_process_mixed = dtype != torch.float32 and not info.distributed
+    return ForwardSpec(
+        logprobs=m.logprobs,
+        chunk_mib=m.logits_chunk_mib,
+        autocast=dtype if one_process_mixed else None,
+        varlen=attention_for(cfg, info) is not None,
+    )
+
+
+def attention_for(cfg: TrainConfig, info: DistInfo) -> str | None:
+    """The varlen kernel for packed rows on a GPU in half precision; None: the model's own."""
+    from services.trainer.attention import register_varlen, varlen_supported
+
+    m = cfg.model
+    if m.packing and varlen_supported(info.device, compute_dtype(m.precision, info.device)):
+        return register_varlen()
+    return None

@@ -7,8 +7,9 @@ advantages) therefore lives on the T - 1 *target positions*, and response
 token k sits at target position P - 1 + k. Prompt positions carry mask 0.
 
 Planning. Samples are split over ranks (balanced by tokens, longest first)
-and each rank's share into micro-batches whose *padded* size
-(rows × longest row) stays under a token budget. Because aggregation is a
+and each rank's share into micro-batches under a token budget: packed into
+one row each (core/packing.py, the default), or here as padded rows whose
+size rows × longest row stays under the budget. Because aggregation is a
 fixed per-token weight computed from the whole batch (see `loss.py`), how
 samples are split never changes the loss or gradient, only the rounding.
 """

@@ -101,15 +101,35 @@ def kl_penalty(
 
 
 def importance_ratio(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, sequence_level: bool
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    sequence_level: bool,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """pi / pi_old per token [B, T]; GSPO's sequence ratio when `sequence_level`."""
+    """pi / pi_old per token [B, T]; GSPO's sequence ratio when `sequence_level`.
+
+    A sequence is a row, or, for packed rows, the positions sharing a
+    `segment_ids` value [B, T].
+    """
     log_ratio = logprobs - old_logprobs  # [B, T]
     if sequence_level:
         m = mask.float()
-        seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        if segment_ids is None:
+            seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        else:
+            seq = _segment_mean(log_ratio * m, m, segment_ids)
         log_ratio = seq.detach() + logprobs - logprobs.detach()  # value s_i, grad s_i·∇logp
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _segment_mean(values: torch.Tensor, weights: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """sum(values) / sum(weights) over each segment, broadcast back to [B, T]."""
+    flat = seg.reshape(-1).long()
+    n = flat.numel()  # an upper bound on the segment count that needs no device sync
+    num = values.new_zeros(n).index_add_(0, flat, values.reshape(-1))
+    den = weights.new_zeros(n).index_add_(0, flat, weights.reshape(-1))
+    return (num / den.clamp(min=1))[flat].view_as(values)
 
 
 def clipped_surrogate(
@@ -157,6 +177,7 @@ def policy_loss(
     rollout_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> LossOutput:
     """The RL loss of one micro-batch. All tensors are [B, T] over target positions.
 
@@ -166,11 +187,14 @@ def policy_loss(
     0 off the mask; rollout_logprobs: the engine's logprobs (TIS when
     cfg.old_logprobs == 'recompute'); ref_logprobs: the frozen reference
     (needed when cfg.kl_coef > 0); entropy: per-token entropy (metric; a
-    bonus when cfg.entropy_coef > 0, then it must carry gradient).
+    bonus when cfg.entropy_coef > 0, then it must carry gradient);
+    segment_ids: the sequence of each position in packed rows (GSPO's
+    sequence ratio; None: one sequence per row).
     """
     m = mask.float()
     old = old_logprobs.detach()
-    ratio = importance_ratio(logprobs, old, m, sequence_level=cfg.policy_loss == "gspo")
+    gspo = cfg.policy_loss == "gspo"
+    ratio = importance_ratio(logprobs, old, m, sequence_level=gspo, segment_ids=segment_ids)
     pg = clipped_surrogate(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
 
     r = ratio.detach()

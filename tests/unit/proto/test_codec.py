@@ -421,3 +421,32 @@ def test_weights_chunk_rejects_paths_outside_its_directory(bad: str) -> None:
     body["file"] = bad
     with pytest.raises(SchemaViolation):
         codec.decode(msgpack.packb(body, use_bin_type=True), WeightsChunk)
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "field"),
+    [
+        ("logprob", float("nan"), "groups.0.samples.1.logprobs"),
+        ("logprob", float("-inf"), "groups.0.samples.1.logprobs"),
+        ("reward", float("inf"), "groups.0.samples.1.reward"),
+    ],
+)
+def test_train_batch_with_non_finite_values_names_the_field(where, value, field) -> None:
+    ex = EXAMPLES["TrainBatch"]
+    group = ex.groups[0]
+    sample = group.samples[0]
+    n = sample.num_response_tokens
+    bad = sample.model_copy(
+        update={"logprobs": pack_f32([value] + [-1.0] * (n - 1)), "loss_mask": pack_u8([0] * n)}
+        if where == "logprob"  # on a masked position: weight 0 · NaN is still NaN
+        else {"reward": value}
+    )
+    batch = ex.model_copy(update={"groups": (group.model_copy(update={"samples": (sample, bad)}),)})
+    data = codec.encode(batch)  # model_copy skips validation: the bytes a faulty producer sends
+    with pytest.raises(SchemaViolation) as e:
+        codec.decode(data, TrainBatch)
+    assert e.value.field == field and e.value.reason == "schema"
+    with pytest.raises(SchemaViolation) as e:  # the buffer refuses the sample group already
+        codec.decode(codec.encode(batch.groups[0]), SampleGroup)
+    assert e.value.field == field.removeprefix("groups.0.")
+    assert codec.decode(codec.encode(ex), TrainBatch) == ex
