@@ -50,7 +50,8 @@ SLOW_S = 0.03  # engine sleep after each decode step: a generation takes ~0.5 s
 def modes_config() -> str:
     return run_file(
         RUN,
-        buffer={"source": "arithmetic", "digits": 1, "samples_per_prompt": 4,
+        task={"source": {"type": "arithmetic", "digits": 1}},
+        buffer={"samples_per_prompt": 4,
                 "groups_per_step": 2, "max_new_tokens": 16, "max_staleness": STALENESS,
                 "oversample": 0.0, "filter_zero_variance": False},
         rollout={"concurrency": 4, "heartbeat_s": 0.3, "weights_poll_s": 0.5,

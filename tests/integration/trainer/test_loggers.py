@@ -70,8 +70,9 @@ def test_wandb_offline_run_holds_the_rows(tmp_path, monkeypatch):
 
 
 def test_settings_default_to_jsonl_and_name_the_extra_when_missing(monkeypatch):
-    assert TrainerSettings().loggers == ["jsonl"]
-    s = TrainerSettings(loggers=["jsonl", "tensorboard", "wandb"], wandb_mode="offline")
+    task = {"source": {"type": "arithmetic"}}
+    assert TrainerSettings(task=task).loggers == ["jsonl"]
+    s = TrainerSettings(task=task, loggers=["jsonl", "tensorboard", "wandb"], wandb_mode="offline")
     assert s.loggers == ["jsonl", "tensorboard", "wandb"]
     import builtins
 
