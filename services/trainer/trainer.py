@@ -94,6 +94,7 @@ class Trainer:
         self.weight_version = 0
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.forward_spec = forward_spec(cfg, info)
+        self.packing = packs(cfg, info)
         if cfg.model.logprobs == "chunked":
             check_plain_head(model)
 
@@ -217,7 +218,7 @@ class Trainer:
         lengths = [r["input_ids"].numel() for r in rows]
         mine = shard_for_ranks(lengths, self.info.world_size)[self.info.rank]
         budget = self.cfg.model.micro_batch_tokens
-        packed = self.cfg.model.packing
+        packed = self.packing
         plan = (plan_packed if packed else plan_micro_batches)([lengths[i] for i in mine], budget)
         join = collate_packed if packed else collate
         micro = [join([rows[mine[j]] for j in group], self.pad_id) for group in plan]
@@ -231,7 +232,7 @@ class Trainer:
         row.update(
             {k: torch.zeros(1, dtype=v.dtype) for k, v in template.items() if k != "input_ids"}
         )
-        return (collate_packed if self.cfg.model.packing else collate)([row], self.pad_id)
+        return (collate_packed if self.packing else collate)([row], self.pad_id)
 
     # ---- forward / loss ----------------------------------------------------------
 
@@ -371,3 +372,13 @@ def attention_for(cfg: TrainConfig, info: DistInfo) -> str | None:
     if m.packing and varlen_supported(info.device, compute_dtype(m.precision, info.device)):
         return register_varlen()
     return None
+
+
+def packs(cfg: TrainConfig, info: DistInfo) -> bool:
+    """Whether micro-batches are packed rows (`packing = "auto"`: where varlen runs)."""
+    from services.trainer.attention import varlen_supported
+
+    m = cfg.model
+    if m.packing == "auto":
+        return varlen_supported(info.device, compute_dtype(m.precision, info.device))
+    return m.packing
