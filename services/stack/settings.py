@@ -6,16 +6,12 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 
 
 class StackSettings(ServiceSettings):
     section: ClassVar[str] = "stack"
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_STACK_", env_nested_delimiter="__", extra="forbid"
-    )
 
     run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
     model: Path = Field(Path("runs/demo/model"), description="Initial model directory.")

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
@@ -17,9 +16,6 @@ from services.trainer.loggers import LoggerName, WandbMode
 class TrainerSettings(ServiceSettings):
     section: ClassVar[str] = "trainer"
     needs_task: ClassVar[bool] = True
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_TRAINER_", env_nested_delimiter="__", extra="forbid"
-    )
 
     model: Path = Field(Path("runs/demo/model"), description="Initial policy (HF directory).")
     weights_root: Path = Field(

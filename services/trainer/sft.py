@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
@@ -27,9 +26,6 @@ class SftSettings(ServiceSettings):
     """`[sft]` of the run file; env overrides FLYWHEEL_SFT_<FIELD>."""
 
     section: ClassVar[str] = "sft"
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_SFT_", env_nested_delimiter="__", extra="forbid"
-    )
 
     model_dir: Path = Field(Path("model"), description="Local HF model directory to start from.")
     train_file: Path = Field(Path("train.jsonl"), description="Training JSONL (chat or p/c).")

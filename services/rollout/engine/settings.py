@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 from services.common.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
@@ -23,9 +22,6 @@ class EngineSettings(ServiceSettings):
     """The CPU engine: which model, where to listen, how much to batch."""
 
     section: ClassVar[str] = "engine"
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_ENGINE_", env_nested_delimiter="__", extra="forbid"
-    )
 
     model: Path | None = Field(None, description="Hugging Face model directory to serve.")
     host: str = Field("127.0.0.1", description="Bind address (loopback unless told otherwise).")
