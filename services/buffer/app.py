@@ -67,7 +67,7 @@ from services.buffer.core import (
 from services.buffer.settings import BufferSettings
 from services.common.errors import ConfigError, FlywheelError, PermanentError, RunHalted
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import REASON_HEADER, Delivery, dead_letter, transient_errors
+from services.common.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
 from services.common.nats_conn import ensure_consumer, ensure_kv
 from services.common.publish import publish
 from services.common.tasks.prompts import format_row
@@ -269,6 +269,14 @@ class BufferService:
         self.metrics = BufferMetrics(ctx.registry)
         self.lock = asyncio.Lock()  # one state change (and its persist) at a time
         self.wake = asyncio.Event()  # admission may have changed
+        self.dead_letters = DeadLetterPublisher(
+            ctx.js,
+            run=settings.run,
+            service="buffer",
+            max_payload=ctx.max_payload,
+            registry=ctx.registry,
+            subject=self.subjects.tasks,
+        )
         self._order_epoch = -1
         self._order: list[int] = []
         self._fill_started: float | None = None
@@ -473,14 +481,15 @@ class BufferService:
             task = self.make_task(epoch, offset)
         except (ConfigError, ValueError) as e:
             tid = task_id(self.s.run, epoch, offset)
-            _, data = dead_letter(
-                run=self.s.run, reason="bad_row", error=f"{type(e).__name__}: {e}",
-                subject=self.subjects.tasks, payload=tid.encode(), service="buffer",
-                delivered=0, max_payload=self.ctx.max_payload, where=tid,
-            )  # fmt: skip
-            log.warning("buffer: row of task %s dead-lettered: %s", tid, e)
-            await self.ctx.js.publish(self.subjects.dlq("bad_row"), data, headers={
-                REASON_HEADER: "bad_row", "Nats-Msg-Id": f"dlq:buffer:{tid}"})  # fmt: skip
+            await self.dead_letters.publish(
+                reason="bad_row",
+                error=f"{type(e).__name__}: {e}",
+                subject=self.subjects.tasks,
+                payload=tid.encode(),
+                delivered=0,
+                origin=f"buffer:{tid}",
+                where=tid,
+            )
             self._failed("bad_row", str(e))
             return False
         await publish(self.ctx.js, self.subjects.tasks, task, self.ctx.max_payload)
@@ -513,14 +522,7 @@ class BufferService:
                 # the next round re-publishes the same task ids (de-duplicated).
                 # Found by tests/chaos: this used to kill the buffer.
                 log.warning("buffer: dispatch failed (%s: %s); retrying", type(e).__name__, e)
-            wake = asyncio.create_task(self.wake.wait())
-            stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait(
-                {wake, stopped}, timeout=self.s.dispatch_interval_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
-            wake.cancel()
-            stopped.cancel()
+            await pause(stop, self.s.dispatch_interval_s, self.wake)
 
 
 async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:

@@ -18,7 +18,6 @@ directory is emptied at start and the newest version is fetched again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
@@ -30,6 +29,7 @@ from proto.errors import ProtocolError
 from proto.messages import WeightsPublished
 from proto.streams import parse_weights_nats_uri, stream_name
 from proto.subjects import Subjects
+from services.common.msgloop import pause
 from services.common.weights_nats import WeightsTransferError, download
 
 log = logging.getLogger(__name__)
@@ -147,18 +147,6 @@ class WeightsFetcher:
                 except (WeightsTransferError, NatsError, EngineError, OSError, TimeoutError) as e:
                     # NATS reconnecting, engine restarting, a bad download: try again later.
                     log.warning("rollout: weights fetch failed (will retry): %r", e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        _first(stop.wait(), self._wake.wait()), timeout=self.poll_s
-                    )
+                await pause(stop, self.poll_s, self._wake)
         finally:
             await sub.unsubscribe()
-
-
-async def _first(*aws: Awaitable[Any]) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()

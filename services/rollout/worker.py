@@ -32,7 +32,6 @@ and the newest one it has (services/rollout/weights_fetch.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -61,7 +60,7 @@ from services.common.engine_client import (
 )
 from services.common.errors import ConfigError, PermanentError, RetryableError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery, transient_errors
+from services.common.msgloop import Delivery, pause, transient_errors
 from services.common.publish import publish
 from services.common.sglang_api import UnsupportedEngine
 from services.common.tasks.prompts import encode
@@ -346,8 +345,7 @@ class RolloutWorker:
                 log.info("rollout: engine %s runs SGLang %s", self.s.engine_url,
                          ".".join(map(str, caps.version)))  # fmt: skip
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            await pause(stop, delay)
             delay = min(delay * 2, 5.0)
 
     # heartbeat
@@ -380,7 +378,4 @@ class RolloutWorker:
                     # NATS away: skip this beat. Raising here ended the loop for
                     # good, and sync then dropped a healthy engine.
                     log.warning("rollout: heartbeat not sent (%s: %s)", type(e).__name__, e)
-            try:
-                await asyncio.wait_for(stop.wait(), self.s.heartbeat_s)
-            except TimeoutError:
-                pass
+            await pause(stop, self.s.heartbeat_s)

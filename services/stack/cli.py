@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 import time
@@ -48,6 +47,7 @@ async def up(
     """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
     (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
     from services.common import local_run
+    from services.common.msgloop import pause
     from services.common.nats_cluster import embedded_nats
     from services.stack.plan import plan
     from services.stack.status import render_line, scrape, summarise
@@ -83,8 +83,7 @@ async def up(
         before = None
         deadline = time.monotonic() + max_seconds if max_seconds else None
         while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), s.status_interval_s)
+            await pause(stop, s.status_interval_s)
             now = summarise(await scrape(urls))
             line = render_line(now, before)
             before = now

@@ -48,7 +48,7 @@ from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
 from services.common.errors import ConfigError, PermanentError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery
+from services.common.msgloop import Delivery, pause
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
 from services.common.sglang_api import Capabilities, UnsupportedEngine
@@ -322,10 +322,7 @@ class SyncService:
             if self.fatal is not None:
                 raise self.fatal
             await self.reconcile()
-            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.wake.wait())]
-            await asyncio.wait(waits, timeout=self.s.tick_s, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+            await pause(stop, self.s.tick_s, self.wake)
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=self.s.update_timeout_s)
 

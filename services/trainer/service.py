@@ -52,7 +52,7 @@ from proto.streams import stream_name, weights_nats_uri
 from proto.subjects import Subjects
 from services.common.errors import FlywheelError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import REASON_HEADER, dead_letter
+from services.common.msgloop import DeadLetterPublisher, stored_origin
 from services.common.publish import publish
 from services.trainer.checkpoint import (
     Snapshot,
@@ -181,6 +181,14 @@ class BatchReader:
         self.subjects = Subjects(run)
         self.reassembler = Reassembler()
         self.sub: Any = None
+        self.dead_letters = DeadLetterPublisher(
+            ctx.js,
+            run=run,
+            service="trainer",
+            max_payload=ctx.max_payload,
+            registry=ctx.registry,
+            subject=self.subjects.batches,
+        )
 
     async def open(self) -> None:
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -231,16 +239,15 @@ class BatchReader:
 
     async def _dead_letter(self, msg: Any, e: ProtocolError) -> None:
         meta = msg.metadata
-        _, data = dead_letter(
-            run=self.run, reason=e.reason, error=str(e), subject=msg.subject, payload=msg.data,
-            service="trainer", delivered=meta.num_delivered, max_payload=self.ctx.max_payload,
-            where=f"stream {meta.stream} seq {meta.sequence.stream}",
-        )  # fmt: skip
-        log.warning("trainer: dead-lettering batch-stream message %d: %s", meta.sequence.stream, e)
-        await self.ctx.js.publish(
-            self.subjects.dlq(e.reason),
-            data,
-            headers={REASON_HEADER: e.reason, "Nats-Msg-Id": f"dlq:trainer:{meta.sequence.stream}"},
+        stream, seq = meta.stream, meta.sequence.stream
+        await self.dead_letters.publish(
+            reason=e.reason,
+            error=str(e),
+            subject=msg.subject,
+            payload=msg.data,
+            delivered=meta.num_delivered,
+            origin=stored_origin(stream, "trainer", seq),
+            where=f"stream {stream} seq {seq}",
         )
 
 
