@@ -132,8 +132,11 @@ def plot(metrics: Path, out: Path) -> Path | None:
 
 
 def latest_weights(run_dir: Path, run: str) -> Path | None:
-    versions = sorted((run_dir / "weights" / run).glob("v[0-9]*"))
-    return versions[-1] if versions else None
+    """The newest version `flywheel up` published in `run_dir` (its trainer's weights root)."""
+    from services.common.weights import published_dir, versions_in
+
+    versions = versions_in(run_dir / "weights" / run)
+    return published_dir(run_dir / "weights", run, versions[-1]) if versions else None
 
 
 def demo_main(argv: list[str] | None = None) -> int:
@@ -178,7 +181,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         return code or 1
     after = held_out_accuracy(tasks, final, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    steps = int(final.name[1:])
+    steps = int(final.name.removeprefix("v"))
     summary = {"accuracy_before": before, "accuracy_after": after, "rl_seconds": rl_s,
                "rl_steps": steps, "weights": str(final)}  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -27,31 +27,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto.codec import decode
 from proto.errors import ProtocolError
 from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
-from proto.streams import (
-    NATS_WEIGHTS_SCHEME,
-    consumers_for,
-    parse_weights_nats_uri,
-    stream_name,
-)
+from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
-from services.common.errors import ConfigError, PermanentError
+from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery, pause
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
 from services.common.sglang_api import Capabilities, UnsupportedEngine
+from services.common.weights import Transports, Wiring
 from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.settings import SyncSettings
 
@@ -91,30 +84,6 @@ class SyncMetrics:
         )
 
 
-def local_path(uri: str, root: Path) -> Path | None:
-    """The directory a `file://` weights URI names, confined to `root`.
-
-    None for a `nats://` URI: each engine then loads its own downloaded copy.
-    """
-    parsed = urlparse(uri)
-    if parsed.scheme == NATS_WEIGHTS_SCHEME:
-        try:
-            parse_weights_nats_uri(uri)
-        except ValueError as e:
-            raise PermanentError(str(e), reason="bad_uri") from e
-        return None
-    if parsed.scheme != "file":
-        raise PermanentError(f"unsupported weights uri {uri!r}", reason="bad_uri")
-    path = Path(parsed.path).resolve()
-    if not path.is_relative_to(root.resolve()):
-        raise PermanentError(f"weights uri {uri!r} is outside {root}", reason="bad_uri")
-    return path
-
-
-def version_dir(root: Path, run: str, version: int) -> Path:
-    return root / run / f"v{version:06d}"
-
-
 class SyncService:
     def __init__(self, ctx: ServiceContext, s: SyncSettings) -> None:
         self.ctx = ctx
@@ -126,7 +95,9 @@ class SyncService:
         self.metrics = SyncMetrics(ctx.registry)
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self.over_nats = False  # a version came over NATS: purge old chunks from the stream
+        # the transports announced URIs name; the disk one always (it prunes weights_root)
+        wiring = Wiring(s.run, s.weights_root, ctx.js, ctx.max_payload)
+        self.weights = Transports(wiring, eager=("disk",))
         self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
         self.resumed: set[str] = set()  # engine URLs this process told to continue
         self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop
@@ -165,15 +136,12 @@ class SyncService:
         self.wake.set()
 
     async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
-        path = local_path(msg.uri, self.s.weights_root)
-        p = Published(msg.version, None if path is None else str(path),
-                      msg.published_at or time.time())  # fmt: skip
-        if path is None:
-            self.over_nats = True
+        source = self.weights.for_uri(msg.uri).source(msg.uri, msg.version)
+        p = Published(msg.version, source, msg.published_at or time.time())
         if self.reg.publish(p):
             self.sizes[msg.version] = msg.size_bytes
             self.metrics.published.set(msg.version)
-            log.info("sync: version %d published at %s", msg.version, path or msg.uri)
+            log.info("sync: version %d published at %s", msg.version, msg.uri)
             self.wake.set()
 
     async def update(self, e: Engine, p: Published) -> None:
@@ -273,48 +241,14 @@ class SyncService:
             if self.reg.latest is not None and self.reg.latest.version == v:
                 self.metrics.latency.observe(max(0.0, time.time() - self.reg.latest.published_at))
             log.info("sync: v%d ready on %s", v, ", ".join(engines))
-            floor = self.cleanup(v)
-            if self.over_nats:
-                await self.purge_chunks(floor)
+            await self.cleanup(v)
 
-    def cleanup(self, ready: int) -> int:
-        """Delete version directories older than the newest `keep_last`, never a served one.
-
-        Returns that floor: every version below it is no longer needed.
-        """
+    async def cleanup(self, ready: int) -> None:
+        """Drop the versions below the newest `keep_last`, never one still served."""
         served = min((e.version for e in self.reg.engines.values()), default=ready)
         floor = min(ready - self.s.keep_last + 1, served)
-        run_dir = self.s.weights_root / self.s.run
-        if not run_dir.is_dir():
-            return floor
-        for d in run_dir.glob("v[0-9]*"):
-            try:
-                v = int(d.name[1:])
-            except ValueError:
-                continue
-            if v < floor and d.is_dir():
-                shutil.rmtree(d, ignore_errors=False)
-                log.info("sync: deleted old weights %s", d)
-        return floor
-
-    async def purge_chunks(self, floor: int) -> None:
-        """Drop the NATS chunks of versions below `floor` (the WEIGHTDATA stream's subjects)."""
-        from nats.errors import Error as NatsError
-
-        from services.common.weights_nats import purge
-
-        stream = stream_name(self.s.run, "WEIGHTDATA")
-        try:
-            info = await self.ctx.js.stream_info(
-                stream, subjects_filter=self.subjects.weightdata_all
-            )
-            for subject in info.state.subjects or {}:
-                v = subject.rsplit(".", 1)[-1][1:]
-                if v.isdigit() and int(v) < floor:
-                    await purge(self.ctx.js, self.s.run, int(v))
-                    log.info("sync: purged NATS chunks of v%s", v)
-        except (NatsError, TimeoutError) as e:  # the stream's max_age is the backstop
-            log.warning("sync: cannot purge old weight chunks: %r", e)
+        for transport in self.weights.opened():
+            await transport.cleanup(floor)
 
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

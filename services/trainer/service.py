@@ -48,12 +48,13 @@ from proto.codec import decode, encode
 from proto.errors import ProtocolError
 from proto.messages import TrainBatch as WireBatch
 from proto.messages import WeightsPublished
-from proto.streams import stream_name, weights_nats_uri
+from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.common.errors import FlywheelError
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import DeadLetterPublisher, stored_origin
 from services.common.publish import publish
+from services.common.weights import Wiring, open_transport, published_dir
 from services.trainer.checkpoint import (
     Snapshot,
     latest_checkpoint,
@@ -75,10 +76,6 @@ STOP = -1  # broadcast length that tells the other ranks to stop
 
 class BatchStreamError(FlywheelError, RuntimeError):
     """The batch stream skips a step: training it would break the run's order."""
-
-
-def version_dir(root: Path, run: str, version: int) -> Path:
-    return root / run / f"v{version:06d}"
 
 
 # ── rank 0 → all ranks ───────────────────────────────────────────────────────
@@ -138,7 +135,7 @@ def persist(
     trains; otherwise from the live trainer, on every rank in step.
     """
     t = time.perf_counter()
-    out = version_dir(s.weights_root, s.run, r.step)
+    out = published_dir(s.weights_root, s.run, r.step)
     manifest = trainer.save_weights(out, overwrite=True, state_dict=snap.weights if snap else None)
     save_checkpoint(trainer, s.checkpoint_dir, {"seq": seq, "batch_id": batch.batch_id}, snap)
     if trainer.info.is_main:
@@ -315,6 +312,10 @@ class TrainerService:
         self.busy = 0.0
         self.started = time.time()
         self.finishing: asyncio.Task[None] | None = None
+        wiring = Wiring(
+            s.run, s.weights_root, ctx.js, ctx.max_payload, upload_window=s.weights_upload_window
+        )
+        self.transport = open_transport(s.weights_transport, wiring)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
         self.loggers = open_loggers(
             s.loggers,
@@ -327,25 +328,19 @@ class TrainerService:
         )
 
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
-        """Announce a saved version; over NATS, its chunks are all stored first."""
-        uri = path.resolve().as_uri()
-        if self.s.weights_transport == "nats":
-            from services.common.weights_nats import upload
-
-            sent = await upload(
-                self.ctx.js, self.s.run, version, path, max_payload=self.ctx.max_payload,
-                window=self.s.weights_upload_window,
-            )  # fmt: skip
+        """Announce a saved version once its transport made it reachable."""
+        sent = await self.transport.publish(version, path)
+        if sent.bytes:
             self.metrics.upload_bytes.inc(sent.bytes)
             self.metrics.phase.labels(phase="upload").inc(sent.seconds)
             log.info(
-                "trainer: v%d sent over NATS: %d chunks, %.1f MB in %.2fs (%.0f MB/s)",
-                version, sent.chunks, sent.bytes / 1e6, sent.seconds, sent.mb_per_s,
+                "trainer: v%d sent (%s): %d chunks, %.1f MB in %.2fs (%.0f MB/s)",
+                version, self.transport.kind, sent.chunks, sent.bytes / 1e6, sent.seconds,
+                sent.mb_per_s,
             )  # fmt: skip
-            uri = weights_nats_uri(self.s.run, version)
         msg = WeightsPublished(
             run=self.s.run, version=version, step=version,
-            uri=uri, sha256=sha256, size_bytes=size, published_at=time.time(),
+            uri=sent.uri, sha256=sha256, size_bytes=size, published_at=time.time(),
         )  # fmt: skip
         await publish(self.ctx.js, self.subjects.weights_published, msg, self.ctx.max_payload)
         log.info("trainer: published v%d (%s)", version, path)
@@ -357,7 +352,7 @@ class TrainerService:
         v = self.trainer.weight_version
         if v == 0:
             return
-        path = version_dir(self.s.weights_root, self.s.run, v)
+        path = published_dir(self.s.weights_root, self.s.run, v)
         try:
             m = read_manifest(path)
         except WeightsError as e:

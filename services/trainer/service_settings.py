@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from pydantic import Field
 
 from services.common.settings import ServiceSettings
+from services.common.weights import TransportKind
 from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
 from services.trainer.core.config import LossConfig
 from services.trainer.loggers import LoggerName, WandbMode
@@ -21,7 +22,7 @@ class TrainerSettings(ServiceSettings):
     weights_root: Path = Field(
         Path("runs/weights"), description="Published weights go to <root>/<run>/v000012/."
     )
-    weights_transport: Literal["disk", "nats"] = Field(
+    weights_transport: TransportKind = Field(
         "disk",
         description="How engines get weights: 'disk' announces the shared directory; 'nats' "
         "also sends it as chunks into JetStream (no shared storage needed).",
