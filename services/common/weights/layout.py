@@ -13,18 +13,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-PREFIX = "v"
-
-
 def version_name(version: int) -> str:
     """`v000012`: zero-padded so that names sort like versions."""
-    return f"{PREFIX}{version:06d}"
+    return f"v{version:06d}"
 
 
 def version_of(name: str) -> int | None:
     """The version a directory name stands for (`v000012` → 12), None for any other name."""
-    digits = name[len(PREFIX) :]
-    return int(digits) if name.startswith(PREFIX) and digits.isdigit() else None
+    digits = name[1:]
+    return int(digits) if name.startswith("v") and digits.isdigit() else None
 
 
 def version_dir(parent: str | Path, version: int) -> Path:
