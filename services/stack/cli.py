@@ -114,7 +114,7 @@ async def up(
 SETTINGS = {
     "buffer": "services.buffer.settings:BufferSettings",
     "rollout": "services.rollout.settings:RolloutSettings",
-    "trainer": "services.trainer.service_settings:TrainerSettings",
+    "trainer": "services.trainer.settings:TrainerSettings",
     "sync": "services.sync.settings:SyncSettings",
     "engine": "services.rollout.engine.settings:EngineSettings",
 }

@@ -52,9 +52,9 @@ def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
 
 def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
     from services.common.tiny_model import write_tiny_model
-    from services.trainer.config import ModelConfig, OptimConfig
-    from services.trainer.sft import SftSettings, run_sft
-    from services.trainer.sft_data import write_arithmetic_jsonl
+    from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
+    from services.trainer.sft.data import write_arithmetic_jsonl
+    from services.trainer.sft.loop import run_sft
 
     init = write_tiny_model(run_dir / "model-init")
     data = write_arithmetic_jsonl(

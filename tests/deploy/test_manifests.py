@@ -80,7 +80,7 @@ def _settings_class(section: str) -> type[Any]:
     from services.rollout.engine.settings import EngineSettings
     from services.rollout.settings import RolloutSettings
     from services.sync.settings import SyncSettings
-    from services.trainer.service_settings import TrainerSettings
+    from services.trainer.settings import TrainerSettings
 
     return {
         "buffer": BufferSettings, "rollout": RolloutSettings, "sync": SyncSettings,

@@ -41,7 +41,7 @@ def service_registries() -> dict[str, object]:
     from services.common.msgloop import LoopMetrics
     from services.rollout.worker import RolloutMetrics
     from services.sync.app import SyncMetrics
-    from services.trainer.service import TrainerMetrics
+    from services.trainer.metrics import TrainerMetrics
 
     out: dict[str, object] = {}
     for name, cls in (("buffer", BufferMetrics), ("rollout", RolloutMetrics),

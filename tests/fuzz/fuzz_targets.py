@@ -103,7 +103,7 @@ def _settings_classes() -> list[type[ServiceSettings]]:
     from services.rollout.settings import RolloutSettings
     from services.stack.settings import StackSettings
     from services.sync.settings import SyncSettings
-    from services.trainer.service_settings import TrainerSettings
+    from services.trainer.settings import TrainerSettings
 
     return [
         BufferSettings,

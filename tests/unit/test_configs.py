@@ -12,7 +12,7 @@ from services.rollout.engine.settings import EngineSettings
 from services.rollout.settings import RolloutSettings
 from services.stack.settings import StackSettings
 from services.sync.settings import SyncSettings
-from services.trainer.service_settings import TrainerSettings
+from services.trainer.settings import TrainerSettings
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("**/*.toml"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+
 def version_name(version: int) -> str:
     """`v000012`: zero-padded so that names sort like versions."""
     return f"v{version:06d}"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.trainer.core.config import AggregationMode, KlEstimator, LossConfig
+from services.trainer.settings import AggregationMode, KlEstimator, LossConfig
 
 LOG_RATIO_CLAMP = 20.0
 

@@ -12,7 +12,7 @@ from proto.messages import DeadLetter, TrainBatch, pack_f32
 from proto.streams import streams_for
 from proto.subjects import Subjects
 from services.common.nats_conn import connect, ensure_streams
-from services.trainer.service import BatchReader
+from services.trainer.batches import BatchReader
 
 RUN = "nanrun"
 

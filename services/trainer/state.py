@@ -1,4 +1,5 @@
-"""Checkpoint and resume: model, optimizer, LR schedule, trainer state, RNG.
+"""The trainer's persisted state: checkpoints (model, optimizer, LR schedule, trainer
+state, RNG, stream position), and the metrics file made to agree with them on resume.
 
 Layout of one checkpoint (`<root>/step-00000042/`):
 
@@ -19,6 +20,10 @@ Atomicity: all ranks write into `.step-N.tmp/`; after a barrier rank 0
 renames it to `step-N/` and then atomically replaces `latest`. A crash at
 any point leaves the previous `latest` valid. `input_position` is opaque
 here (the trainer service records the stream sequence of the last batch).
+
+The metrics file holds one row per trained step, in order, and a row is
+appended only once its step is checkpointed; `reconcile_rows` restores that
+contract after a crash (its docstring says how).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +47,8 @@ import torch
 from services.common.errors import FlywheelError
 from services.trainer.distributed import barrier
 from services.trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 
@@ -231,3 +240,47 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
         rng = path / "rng-rank0.pt"
     _set_rng_state(torch.load(rng, weights_only=True))
     return dict(doc["input_position"])
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (rank 0, after a save)."""
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=False)
+
+
+def reconcile_rows(metrics_file: Path | None, checkpoint_dir: Path) -> None:
+    """Make the metrics file agree with the checkpoint we resumed from.
+
+    A row is appended after its step's checkpoint, so a crash between the
+    two leaves the checkpointed step without a row; rows of steps after
+    the checkpoint (publish_every > 1) describe training that died with
+    the process and is done again. Both would break the file's contract
+    of one row per trained step, in order (tests/chaos checks it): drop
+    rows past the checkpoint, and add a `recovered` row for its step.
+    """
+    ckpt = latest_checkpoint(checkpoint_dir)
+    if metrics_file is None or ckpt is None or not metrics_file.is_file():
+        return
+    doc = json.loads((ckpt / "trainer-state.json").read_text())
+    step, batch_id = int(doc["step"]), doc["input_position"].get("batch_id")
+    lines = metrics_file.read_text().splitlines()
+    rows = [(ln, _json_row(ln)) for ln in lines]
+    # An unparsable line is a row cut by the crash itself: dropped too.
+    keep = [ln for ln, r in rows if r is not None and int(r.get("step", 0)) <= step]
+    if batch_id and not any((_json_row(ln) or {}).get("batch_id") == batch_id for ln in keep):
+        row = {"step": step, "batch_id": batch_id, "time": time.time(), "recovered": True}
+        keep.append(json.dumps(row))
+        log.warning("trainer: metrics row of step %d was lost in a crash; recovered", step)
+    if keep != lines:
+        tmp = metrics_file.with_name(f".{metrics_file.name}.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(metrics_file)
+
+
+def _json_row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None

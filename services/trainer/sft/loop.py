@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: JSONL in, an HF weights directory out.
+"""The SFT loop: JSONL in, an HF weights directory out.
 
 The loop is the RL trainer's machinery (same Trainer, micro-batching, FSDP2
 path, weights writer) with token-mean negative log-likelihood over the
@@ -13,41 +13,9 @@ import math
 import random
 import sys
 import time
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from pydantic import Field
-
-from services.common.settings import ServiceSettings
-from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
-
-
-class SftSettings(ServiceSettings):
-    """`[sft]` of the run file; env overrides FLYWHEEL_SFT_<FIELD>."""
-
-    section: ClassVar[str] = "sft"
-
-    model_dir: Path = Field(Path("model"), description="Local HF model directory to start from.")
-    train_file: Path = Field(Path("train.jsonl"), description="Training JSONL (chat or p/c).")
-    eval_file: Path | None = Field(None, description="Held-out JSONL for the eval loss.")
-    output_dir: Path = Field(Path("sft-out"), description="Where the trained HF dir is written.")
-    overwrite: bool = Field(False, description="Replace output_dir if it exists.")
-    epochs: float = Field(1.0, gt=0, description="Passes over the data (ignored if steps set).")
-    steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")
-    max_time_s: float | None = Field(
-        None, gt=0, description="Stop early (then save) after this much wall time."
-    )
-    batch_size: int = Field(64, ge=1, description="Examples per optimizer step (all ranks).")
-    max_seq_len: int = Field(2048, ge=2, description="Truncate examples to this many tokens.")
-    eval_every: int = Field(0, ge=0, description="Eval loss every N steps; 0: only at the end.")
-    log_every: int = Field(10, ge=1, description="Log metrics every N steps (no TTY).")
-    progress: bool | None = Field(None, description="Progress bar; None: when stderr is a TTY.")
-    seed: int = Field(0, description="Seed of the data order.")
-    optim: OptimConfig = Field(
-        default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"),
-        description="Optimizer and LR schedule (total_steps is set to the run's steps).",
-    )
-    model: ModelConfig = Field(default_factory=ModelConfig)
+from services.trainer.settings import SftSettings, TrainConfig
 
 
 def _batches(n: int, batch_size: int, seed: int):
@@ -75,7 +43,7 @@ def run_sft(settings: SftSettings, log=print) -> dict[str, Any]:
 
     from services.trainer.distributed import DistInfo, all_reduce, init_distributed
     from services.trainer.model import load_tokenizer
-    from services.trainer.sft_data import load_sft_file
+    from services.trainer.sft.data import load_sft_file
     from services.trainer.trainer import Trainer
 
     info: DistInfo = init_distributed()
