@@ -127,7 +127,7 @@ async def gather_status(settings: Any) -> dict[str, Any]:
         out["engines"] = engines
         try:
             kv = await js.key_value(kv_bucket(run, "buffer"))
-            from services.buffer.app import load_state
+            from services.buffer.state import load_state
 
             state, pending = load_state((await kv.get("state")).value or b"")
             out["buffer"] = {"next_step": state.next_step, "dispatched": state.dispatched,

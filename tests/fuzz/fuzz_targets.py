@@ -35,8 +35,8 @@ from proto.codec import decode, decode_any, encode
 from proto.errors import ProtocolError
 from proto.examples import EXAMPLES
 from proto.messages import MESSAGE_TYPES
-from services.buffer.app import BufferStateError, dump_state, load_state
 from services.buffer.core import BufferState, Cursor
+from services.buffer.state import BufferStateError, dump_state, load_state
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings, load_settings
 from services.rollout.engine.protocol import RequestError, parse_generate
