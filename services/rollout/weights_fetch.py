@@ -38,16 +38,9 @@ from services.common.weights import (
     versions_in,
 )
 from services.common.weights.layout import remove_versions
+from services.rollout.core import prunable
 
 log = logging.getLogger(__name__)
-
-
-def prunable(held: list[int], serving: int, keep: int) -> list[int]:
-    """Local versions to delete: older than both the served one and the newest `keep`."""
-    if not held:
-        return []
-    floor = min(serving, sorted(held)[-keep] if len(held) >= keep else min(held))
-    return [v for v in held if v < floor]
 
 
 class WeightsFetcher:

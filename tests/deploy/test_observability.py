@@ -39,8 +39,8 @@ def service_registries() -> dict[str, object]:
 
     from services.buffer.metrics import BufferMetrics
     from services.common.msgloop import LoopMetrics
-    from services.rollout.worker import RolloutMetrics
-    from services.sync.app import SyncMetrics
+    from services.rollout.metrics import RolloutMetrics
+    from services.sync.metrics import SyncMetrics
     from services.trainer.metrics import TrainerMetrics
 
     out: dict[str, object] = {}

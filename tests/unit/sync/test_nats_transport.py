@@ -6,7 +6,7 @@ import pytest
 
 from proto.streams import parse_weights_nats_uri, weights_nats_uri
 from services.common.weights import LocalCopy, SharedDir
-from services.rollout.weights_fetch import prunable
+from services.rollout.core import prunable
 from services.sync.core import Published, Registry, path_for
 
 
