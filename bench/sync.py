@@ -190,7 +190,7 @@ async def engine_for(b: Bench, model: Path, name: str, check: str, tmp: Path, lo
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine_id = f"engine-{name}-{check}"
-    engine = spawn([sys.executable, "-m", "services.rollout.engine", "--model", str(model),
+    engine = spawn([sys.executable, "-m", "services.engine", "--model", str(model),
                     "--port", str(port), "--weight-version", str(b.version)],
                    {"FLYWHEEL_ENGINE_NUM_THREADS": "4", "FLYWHEEL_ENGINE_WEIGHTS_CHECK": check},
                    log_dir / f"{engine_id}.log")  # fmt: skip

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "sft": ("services.trainer.sft.cli:sft_main", "supervised fine-tuning from JSONL"),
     "nats": ("services.common.nats_cli:main", "run an embedded nats-server with JetStream"),
-    "engine": ("services.rollout.engine.__main__:main", "run the CPU engine server (SGLang API)"),
+    "engine": ("services.engine.cli:main", "run the CPU engine server (SGLang API)"),
     "rollout": ("services.rollout.cli:main", "run a rollout worker (beside one engine)"),
     "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),
     "trainer": ("services.trainer.cli:main", "run the RL trainer service"),

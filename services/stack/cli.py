@@ -116,7 +116,7 @@ SETTINGS = {
     "rollout": "services.rollout.settings:RolloutSettings",
     "trainer": "services.trainer.settings:TrainerSettings",
     "sync": "services.sync.settings:SyncSettings",
-    "engine": "services.rollout.engine.settings:EngineSettings",
+    "engine": "services.engine.settings:EngineSettings",
 }
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.rollout.engine.sglang_launcher import SGLangOptions, command
+from services.engine.sglang_launcher import SGLangOptions, command
 from services.stack.settings import StackSettings
 
 ORDER = ("engine", "rollout", "sync", "trainer", "buffer")
@@ -61,7 +61,7 @@ def engine_spec(
         )  # fmt: skip
         return tuple(command(opts)), {**_visible(gpus), "HF_HUB_OFFLINE": "1"}, gpus
     argv = _py(
-        "services.rollout.engine", "--config", str(config), "--model", str(s.model),
+        "services.engine", "--config", str(config), "--model", str(s.model),
         "--port", str(port), "--weight-version", "0",
     )  # fmt: skip
     if key:

@@ -8,7 +8,7 @@ import pytest
 
 from services.buffer.settings import BufferSettings
 from services.common.settings import load_settings
-from services.rollout.engine.settings import EngineSettings
+from services.engine.settings import EngineSettings
 from services.rollout.settings import RolloutSettings
 from services.stack.settings import StackSettings
 from services.sync.settings import SyncSettings

@@ -34,8 +34,8 @@ from services.common.errors import ConfigError
 from services.common.settings import load_settings
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import SharedDir, write_weights_dir
-from services.rollout.engine.server import build_app, create_state
-from services.rollout.engine.settings import EngineSettings
+from services.engine.app import build_app, create_state
+from services.engine.settings import EngineSettings
 from services.sync.app import SyncService
 from services.sync.core import Engine, Published
 from services.sync.settings import SyncSettings

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.errors import PermanentError
 from services.common.weights import Transports, Wiring
-from services.rollout.engine.settings import EngineSettings
+from services.engine.settings import EngineSettings
 
 
 def local_path(uri: str, root: Path) -> Path | None:

@@ -43,21 +43,21 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from services.common.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
-from services.rollout.engine.batch import Batch
-from services.rollout.engine.protocol import Completion, SeqSpec, version_spans
-from services.rollout.engine.runner import WeightsLoadError
-from services.rollout.engine.sequence import (
+from services.engine.batch import Batch
+from services.engine.core.protocol import Completion, SeqSpec, version_spans
+from services.engine.core.sequence import (
     PAUSE_MODES,
     SchedulerCrashed,
     SchedulerStopped,
     Seq,
     Update,
 )
+from services.engine.runner import WeightsLoadError
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerCrashed", "SchedulerStopped", "Seq"]
 
 if TYPE_CHECKING:
-    from services.rollout.engine.runner import ModelRunner
+    from services.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.rollout.engine.state import STATE
+from services.engine.state import STATE
 
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "

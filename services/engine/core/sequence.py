@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import FlywheelError
-from services.rollout.engine.protocol import Completion, SeqSpec
+from services.engine.core.protocol import Completion, SeqSpec
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 

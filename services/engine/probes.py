@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from services.common.sglang_api import Capabilities
-from services.rollout.engine.protocol import Completion, SamplingParams, SeqSpec
+from services.engine.core.protocol import Completion, SamplingParams, SeqSpec
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

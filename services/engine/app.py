@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from services.rollout.engine import info, probes
-from services.rollout.engine.protocol import (
+from services.engine import info, probes
+from services.engine.core.protocol import (
     Completion,
     ParsedGenerate,
     RequestError,
@@ -32,9 +32,9 @@ from services.rollout.engine.protocol import (
     response,
     trim_text,
 )
-from services.rollout.engine.scheduler import PAUSE_MODES, Scheduler, SchedulerStopped
-from services.rollout.engine.settings import EngineSettings
-from services.rollout.engine.state import STATE, EngineState
+from services.engine.scheduler import PAUSE_MODES, Scheduler, SchedulerStopped
+from services.engine.settings import EngineSettings
+from services.engine.state import STATE, EngineState
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ def create_state(settings: EngineSettings) -> EngineState:
     """Load the model and tokenizer and start the scheduler thread (heavy imports here)."""
     from transformers import AutoTokenizer
 
-    from services.rollout.engine.runner import ModelRunner, eos_ids
+    from services.engine.runner import ModelRunner, eos_ids
 
     if settings.model is None:
         raise RequestError("no model directory given (--model or [engine] model)")

@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from services.rollout.engine import kvbatch
-from services.rollout.engine.sampling import sample_rows, uniform_noise
-from services.rollout.engine.sequence import Seq, stop_reason
+from services.engine.core import kvbatch
+from services.engine.core.sampling import sample_rows, uniform_noise
+from services.engine.core.sequence import Seq, stop_reason
 
 if TYPE_CHECKING:
     import torch
 
-    from services.rollout.engine.runner import ModelRunner
+    from services.engine.runner import ModelRunner
 
 Finish = Callable[[Seq, dict[str, Any]], None]
 """Called with a sequence that ended and its finish reason."""

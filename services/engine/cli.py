@@ -1,4 +1,4 @@
-"""`python -m services.rollout.engine --model DIR [--host H] [--port N]` (and `flywheel engine`).
+"""`python -m services.engine --model DIR [--host H] [--port N]` (and `flywheel engine`).
 
 A handful of flags for the common overrides; everything else comes from the
 run file's `[engine]` table or FLYWHEEL_ENGINE_* variables (EngineSettings).
@@ -14,12 +14,12 @@ from typing import Any
 
 from services.common.errors import ConfigError
 from services.common.settings import load_settings, render
-from services.rollout.engine.settings import EngineSettings
+from services.engine.settings import EngineSettings
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m services.rollout.engine",
+        prog="python -m services.engine",
         description="Flywheel's CPU engine server (SGLang HTTP API subset).",
     )
     p.add_argument("-c", "--config", help="TOML run file ([engine] table)")
@@ -49,7 +49,7 @@ def settings_from(args: argparse.Namespace) -> EngineSettings:
 
 async def _amain(settings: EngineSettings) -> None:
     from services.common.lifecycle import install_signal_handlers
-    from services.rollout.engine.server import serve
+    from services.engine.app import serve
 
     stop = asyncio.Event()
     remove = install_signal_handlers(asyncio.get_running_loop(), stop)
@@ -77,7 +77,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("engine", settings.log_level)
     asyncio.run(_amain(settings))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.errors import FlywheelError
-from services.rollout.engine.kvbatch import KVBatch, left_pad_ids, positions, zero_padding
+from services.engine.core.kvbatch import KVBatch, left_pad_ids, positions, zero_padding
 
 if TYPE_CHECKING:
     import torch

@@ -10,9 +10,9 @@ from typing import Any
 from aiohttp import web
 
 from services.common.sglang_api import Capabilities
-from services.rollout.engine.probes import Health
-from services.rollout.engine.scheduler import Scheduler
-from services.rollout.engine.settings import EngineSettings
+from services.engine.probes import Health
+from services.engine.scheduler import Scheduler
+from services.engine.settings import EngineSettings
 
 
 @dataclass
