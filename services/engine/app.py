@@ -15,9 +15,11 @@ against). A client that goes away mid-generation aborts its sequences
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -60,6 +62,26 @@ async def _json_body(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"request body is not valid JSON: {e}") from e
+
+
+Route = Callable[[web.Request], Awaitable[web.Response]]
+JsonHandler = Callable[[web.Request, EngineState, Any], Awaitable[web.Response]]
+
+
+def json_route(handler: JsonHandler) -> Route:
+    """What every route with a JSON body starts with, written once: the engine's state
+    and the parsed body in, and a `RequestError` (raised anywhere in the handler) out as
+    the 400 SGLang gives for it (`refusal`)."""
+
+    @functools.wraps(handler)
+    async def route(request: web.Request) -> web.Response:
+        state = request.app[STATE]
+        try:
+            return await handler(request, state, await _json_body(request))
+        except RequestError as e:
+            return refusal(state, e)
+
+    return route
 
 
 async def run_seqs(state: EngineState, seqs: list[SeqSpec]) -> list[Completion]:
@@ -107,16 +129,15 @@ def claim_rids(state: EngineState, parsed: ParsedGenerate) -> dict[str, asyncio.
     return mine
 
 
-async def generate(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    try:
-        body = await _json_body(request)
-        parsed = parse_generate(
-            body, state.encode, state.vocab_size, state.context_len,
-            state.settings.default_max_new_tokens,
-        )  # fmt: skip
-    except RequestError as e:
-        return refusal(state, e)
+@json_route
+async def generate(request: web.Request, state: EngineState, body: Any) -> web.Response:
+    parsed = parse_generate(
+        body,
+        state.encode,
+        state.vocab_size,
+        state.context_len,
+        state.settings.default_max_new_tokens,
+    )
     mine = claim_rids(state, parsed)
     if isinstance(mine, str):
         return error(mine)
@@ -141,18 +162,16 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out if parsed.as_list else out[0])
 
 
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    try:
-        body = await _json_body(request)
-    except RequestError as e:
-        return error(str(e))
+@json_route
+async def update_weights_from_disk(
+    request: web.Request, state: EngineState, body: Any
+) -> web.Response:
     path = body.get("model_path") if isinstance(body, dict) else None
     if not isinstance(path, str) or not path:
-        return error("model_path (a string) is required")
+        raise RequestError("model_path (a string) is required")
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
-        return error("weight_version must be a string")
+        raise RequestError("weight_version must be a string")
     abort_all = bool(body.get("abort_all_requests", False))
     # Before 0.5.6 there is no flush_cache field: the scheduler always flushes.
     flush = bool(body.get("flush_cache", True)) if state.caps.has_flush_cache_field else True
@@ -172,17 +191,13 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return web.json_response(content, status=200 if ok else 400)
 
 
-async def pause_generation(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    try:
-        body = await _json_body(request)
-    except RequestError as e:
-        return error(str(e))
+@json_route
+async def pause_generation(request: web.Request, state: EngineState, body: Any) -> web.Response:
     mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
     if len(state.caps.pause_modes) == 1:
         mode = "abort"  # before 0.5.6 the endpoint reads no body: it always aborts
     elif mode not in PAUSE_MODES:
-        return error(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        raise RequestError(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
     await asyncio.wrap_future(state.scheduler.pause(mode))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -192,34 +207,29 @@ async def continue_generation(request: web.Request) -> web.Response:
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
-async def abort_request(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    try:
-        body = await _json_body(request)
-    except RequestError as e:
-        return error(str(e))
+@json_route
+async def abort_request(request: web.Request, state: EngineState, body: Any) -> web.Response:
     if not isinstance(body, dict):
-        return error("request body must be a JSON object")
+        raise RequestError("request body must be a JSON object")
     rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
     if not abort_all and not isinstance(rid, str):
-        return error("rid (a string) or abort_all=true is required")
+        raise RequestError("rid (a string) or abort_all=true is required")
     await asyncio.wrap_future(state.scheduler.abort(rid, abort_all))
     return web.Response(status=200)
 
 
-async def slow_down(request: web.Request) -> web.Response:
+@json_route
+async def slow_down(request: web.Request, state: EngineState, body: Any) -> web.Response:
     """SGLang's testing hook: {"forward_sleep_time": seconds | null} after every decode step."""
-    state = request.app[STATE]
-    try:
-        body = await _json_body(request)
-    except RequestError as e:
-        return error(str(e))
     seconds = body.get("forward_sleep_time") if isinstance(body, dict) else None
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float)
-                                or not 0 <= seconds <= 10):  # fmt: skip
-        return error("forward_sleep_time must be a number of seconds in [0, 10] or null")
+    if seconds is not None and not _seconds_ok(seconds):
+        raise RequestError("forward_sleep_time must be a number of seconds in [0, 10] or null")
     await asyncio.wrap_future(state.scheduler.slow_down(seconds))
     return web.Response(status=200)
+
+
+def _seconds_ok(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value <= 10
 
 
 async def health(request: web.Request) -> web.Response:
