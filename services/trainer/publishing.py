@@ -19,6 +19,7 @@ from proto.subjects import Subjects
 from services.common.lifecycle import ServiceContext
 from services.common.publish import publish
 from services.common.weights import (
+    Transfer,
     WeightsError,
     Wiring,
     open_transport,
@@ -55,18 +56,8 @@ class Publisher:
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
         """Announce a saved version once its transport made it reachable."""
         sent = await self.transport.publish(version, path)
-        if sent.bytes:
-            self.metrics.upload_bytes.inc(sent.bytes)
-            self.metrics.phase.labels(phase="upload").inc(sent.seconds)
-            log.info(
-                "trainer: v%d sent (%s): %d chunks, %.1f MB in %.2fs (%.0f MB/s)",
-                version,
-                self.transport.kind,
-                sent.chunks,
-                sent.bytes / 1e6,
-                sent.seconds,
-                sent.mb_per_s,
-            )
+        if sent.transfer is not None:
+            self._sent(sent.transfer)
         msg = WeightsPublished(
             run=self.s.run,
             version=version,
@@ -78,6 +69,19 @@ class Publisher:
         )
         await publish(self.ctx.js, self.subjects.weights_published, msg, self.ctx.max_payload)
         log.info("trainer: published v%d (%s)", version, path)
+
+    def _sent(self, t: Transfer) -> None:
+        self.metrics.upload_bytes.inc(t.bytes)
+        self.metrics.phase.labels(phase="upload").inc(t.seconds)
+        log.info(
+            "trainer: v%d sent (%s): %d chunks, %.1f MB in %.2fs (%.0f MB/s)",
+            t.version,
+            self.transport.kind,
+            t.chunks,
+            t.bytes / 1e6,
+            t.seconds,
+            t.mb_per_s,
+        )
 
     async def announce_pending(self) -> None:
         """After a restart: announce the checkpointed version if it never was."""

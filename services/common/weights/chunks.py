@@ -54,7 +54,7 @@ from services.common.weights.manifest import (
     read_manifest,
     verify_weights_dir,
 )
-from services.common.weights.transport import WeightsTransferError
+from services.common.weights.transport import Transfer, WeightsTransferError
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -108,18 +108,6 @@ def _read_pieces(root: Path, pieces: list[Piece]) -> Iterator[tuple[Piece, bytes
     finally:
         for fd in handles.values():
             os.close(fd)
-
-
-@dataclass(frozen=True)
-class Transfer:
-    version: int
-    chunks: int
-    bytes: int
-    seconds: float
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / 1e6
 
 
 async def upload(

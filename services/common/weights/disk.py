@@ -19,9 +19,9 @@ from urllib.parse import urlparse
 from services.common.weights.layout import remove_versions, versions_in
 from services.common.weights.transport import (
     BadWeightsUri,
-    Received,
     Sent,
     SharedDir,
+    Transfer,
     Wiring,
 )
 
@@ -63,7 +63,7 @@ class DiskTransport:
 
     async def receive(
         self, msg: WeightsPublished, into: Path, newer_than: int | None
-    ) -> Received | None:
+    ) -> Transfer | None:
         return None  # the engine reads the shared directory itself
 
     async def cleanup(self, below: int) -> None:

@@ -19,7 +19,7 @@ from proto.streams import NATS_WEIGHTS_SCHEME, parse_weights_nats_uri, stream_na
 from proto.subjects import Subjects
 from services.common.weights.chunks import download, purge, upload
 from services.common.weights.layout import version_dir, version_of
-from services.common.weights.transport import BadWeightsUri, LocalCopy, Received, Sent, Wiring
+from services.common.weights.transport import BadWeightsUri, LocalCopy, Sent, Transfer, Wiring
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
@@ -48,7 +48,7 @@ class NatsTransport:
         sent = await upload(
             w.js, self.run, version, directory, max_payload=w.max_payload, window=w.upload_window
         )
-        return Sent(weights_nats_uri(self.run, version), sent.bytes, sent.chunks, sent.seconds)
+        return Sent(weights_nats_uri(self.run, version), sent)
 
     def source(self, uri: str, version: int) -> LocalCopy:
         uri_version(uri)
@@ -56,11 +56,11 @@ class NatsTransport:
 
     async def receive(
         self, msg: WeightsPublished, into: Path, newer_than: int | None
-    ) -> Received | None:
+    ) -> Transfer | None:
         version = uri_version(msg.uri)
         if newer_than is not None and version <= newer_than:
             return None
-        got = await download(
+        return await download(
             self.wiring.js,
             self.run,
             version,
@@ -68,7 +68,6 @@ class NatsTransport:
             version_dir(into, version),
             idle_timeout_s=self.wiring.idle_timeout_s,
         )
-        return Received(version, got.bytes, got.seconds)
 
     async def cleanup(self, below: int) -> None:
         from nats.errors import Error as NatsError

@@ -61,13 +61,13 @@ class BadWeightsUri(PermanentError):
 
 
 @dataclass(frozen=True)
-class Sent:
-    """What `publish` did: the URI to announce, and what went over the wire for it."""
+class Transfer:
+    """What went over the wire for one version."""
 
-    uri: str
-    bytes: int = 0  # 0: nothing was sent (the engines read the shared directory)
-    chunks: int = 0
-    seconds: float = 0.0
+    version: int
+    chunks: int
+    bytes: int
+    seconds: float
 
     @property
     def mb_per_s(self) -> float:
@@ -75,16 +75,11 @@ class Sent:
 
 
 @dataclass(frozen=True)
-class Received:
-    """A version `receive` brought into an engine's local directory."""
+class Sent:
+    """What `publish` did: the URI to announce, and what went over the wire for it."""
 
-    version: int
-    bytes: int
-    seconds: float
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9) / 1e6
+    uri: str
+    transfer: Transfer | None = None  # None: nothing was sent (engines read the directory)
 
 
 class WeightsSource(Protocol):
@@ -153,7 +148,7 @@ class WeightsTransport(Protocol):
 
     async def receive(
         self, msg: WeightsPublished, into: Path, newer_than: int | None
-    ) -> Received | None:
+    ) -> Transfer | None:
         """Beside an engine: bring the version into `into`/v000012 if this transport needs
         a local copy and it is newer than `newer_than`; None when there is nothing to do."""
         ...
