@@ -211,8 +211,9 @@ class Sample(Message):
         if self.weight_version_last < self.weight_version:
             raise CrossFieldError("weight_version_last", "weight_version_last < weight_version")
         if self.weight_version_spans:
-            _check_spans(self.weight_version_spans, n, self.weight_version,
-                         self.weight_version_last)  # fmt: skip
+            _check_spans(
+                self.weight_version_spans, n, self.weight_version, self.weight_version_last
+            )
         _check_finite(self.logprobs)
         return self
 

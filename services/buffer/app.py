@@ -161,8 +161,11 @@ class BufferService:
             self.pending_seqs[gid] = seq
         log.info(
             "buffer: resumed at step %d, cursor %s, %d pending groups, %d in flight",
-            state.next_step, state.cursor, len(pending), state.in_flight,
-        )  # fmt: skip
+            state.next_step,
+            state.cursor,
+            len(pending),
+            state.in_flight,
+        )
         await self._flush_outbox()
 
     async def _flush_outbox(self) -> None:
@@ -178,8 +181,10 @@ class BufferService:
         for step, created_at, seqs in outbox:
             if step >= self.asm.state.next_step:
                 continue  # the state never counted it: it will be decided again
-            groups = [decode((await self.ctx.js.get_msg(stream, q)).data or b"", SampleGroup)
-                      for q in seqs]  # fmt: skip
+            groups = [
+                decode((await self.ctx.js.get_msg(stream, q)).data or b"", SampleGroup)
+                for q in seqs
+            ]
             await self._publish_batch(step, groups, created_at)
             log.info("buffer: re-published batch %d from the outbox", step)
         if outbox:
@@ -229,8 +234,10 @@ class BufferService:
         while (batch := self.asm.take_batch()) is not None:
             batches.append((batch[0], time.time(), batch[1]))
         if batches:
-            outbox = [(step, at, [self.pending_seqs[g.group_id] for g in groups])
-                      for step, at, groups in batches]  # fmt: skip
+            outbox = [
+                (step, at, [self.pending_seqs[g.group_id] for g in groups])
+                for step, at, groups in batches
+            ]
             await self.kv.put(OUTBOX_KEY, dump_outbox(outbox))
             await self.persist()
         for step, at, groups in batches:

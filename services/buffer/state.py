@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 STATE_KEY = "state"
 OUTBOX_KEY = "outbox"
+STATE_FIELDS = "cursor dispatched answered next_step ready_version settled pending".split()
 
 
 async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
@@ -84,8 +85,7 @@ def load_state(data: bytes) -> tuple[BufferState, list[tuple[str, int]]]:
         raise BufferStateError(f"buffer state is not MessagePack: {e}") from e
     if not isinstance(d, dict):
         raise BufferStateError(f"buffer state must be a map, got {type(d).__name__}")
-    missing = {"cursor", "dispatched", "answered", "next_step", "ready_version", "settled",
-               "pending"} - set(d)  # fmt: skip
+    missing = set(STATE_FIELDS) - set(d)
     if missing:
         raise BufferStateError(f"buffer state lacks {sorted(missing)}")
     epoch, offset = _pair(d["cursor"], "cursor")

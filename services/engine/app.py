@@ -156,8 +156,11 @@ async def generate(request: web.Request, state: EngineState, body: Any) -> web.R
     reported = state.scheduler.weight_version
     out = []
     for spec, c in zip(parsed.seqs, done, strict=True):
-        text = trim_text(state.decode(c.output_ids, spec.params.skip_special_tokens),
-                         spec.params, c.matched_stop_str)  # fmt: skip
+        text = trim_text(
+            state.decode(c.output_ids, spec.params.skip_special_tokens),
+            spec.params,
+            c.matched_stop_str,
+        )
         out.append(response(spec, c, text, reported_version=reported, caps=state.caps))
     return web.json_response(out if parsed.as_list else out[0])
 
@@ -351,8 +354,13 @@ async def serve(settings: EngineSettings, stop: asyncio.Event) -> None:
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else settings.port
-    log.info("engine serving %s on http://%s:%d as SGLang %s", settings.model, settings.host,
-             port, settings.sglang_version)  # fmt: skip
+    log.info(
+        "engine serving %s on http://%s:%d as SGLang %s",
+        settings.model,
+        settings.host,
+        port,
+        settings.sglang_version,
+    )
     try:
         await stop.wait()
     finally:

@@ -50,17 +50,17 @@ class SGLangOptions:
 
 def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
     """The argv that starts SGLang with these options (pure)."""
-    argv = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", str(opts.model_path),
-        "--host", opts.host,
-        "--port", str(opts.port),
-        "--weight-version", opts.weight_version,
-        "--mem-fraction-static", str(opts.mem_fraction_static),
-        "--tp-size", str(opts.tp_size),
-        "--dtype", opts.dtype,
-        "--random-seed", str(opts.random_seed),
-    ]  # fmt: skip
+    flags = {
+        "--model-path": str(opts.model_path),
+        "--host": opts.host,
+        "--port": str(opts.port),
+        "--weight-version": opts.weight_version,
+        "--mem-fraction-static": str(opts.mem_fraction_static),
+        "--tp-size": str(opts.tp_size),
+        "--dtype": opts.dtype,
+        "--random-seed": str(opts.random_seed),
+    }
+    argv = [python, "-m", "sglang.launch_server", *(x for kv in flags.items() for x in kv)]
     if opts.enable_metrics:
         argv.append("--enable-metrics")
     if opts.api_key:

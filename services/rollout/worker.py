@@ -112,9 +112,11 @@ class RolloutWorker:
         """`task.n` finished completions; aborted ones are generated again."""
         rid = request_id(task, d.delivered)
         results = await self.client.generate(
-            ids, sampling_params=sampling_params(task, task.n), rid=rid,
+            ids,
+            sampling_params=sampling_params(task, task.n),
+            rid=rid,
             timeout_s=self.s.generate_timeout_s,
-        )  # fmt: skip
+        )
         for attempt in range(self.s.max_abort_retries + 1):
             aborted = [i for i, r in enumerate(results) if r.aborted]
             if not aborted:
@@ -125,9 +127,11 @@ class RolloutWorker:
             await d.in_progress()
             for i in aborted:
                 again = await self.client.generate(
-                    ids, sampling_params=sampling_params(task, 1),
-                    rid=f"{rid}:s{i}:r{attempt + 1}", timeout_s=self.s.generate_timeout_s,
-                )  # fmt: skip
+                    ids,
+                    sampling_params=sampling_params(task, 1),
+                    rid=f"{rid}:s{i}:r{attempt + 1}",
+                    timeout_s=self.s.generate_timeout_s,
+                )
                 results[i] = again[0]
         raise RetryableError(f"task {task.task_id}: generation aborted {attempt + 1} times")
 
@@ -140,8 +144,13 @@ class RolloutWorker:
             # reward fails every sample: the buffer stops the run on that, not the console).
             level = logging.DEBUG if r.error in self.warned_errors else logging.WARNING
             self.warned_errors.add(r.error)
-            log.log(level, "rollout: task %s: verifier failed: %s (repeats: counted in "
-                    "flywheel_rollout_verifier_errors_total)", task.task_id, r.error)  # fmt: skip
+            log.log(
+                level,
+                "rollout: task %s: verifier failed: %s (repeats: counted in "
+                "flywheel_rollout_verifier_errors_total)",
+                task.task_id,
+                r.error,
+            )
         return r
 
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
@@ -166,8 +175,9 @@ class RolloutWorker:
             except PermanentError:
                 raise  # a task this worker's run file does not have (unknown_task)
             except (TypeError, ValueError) as e:
-                raise PermanentError(f"cannot tokenize task {task.task_id}: {e}",
-                                     reason="bad_task") from e  # fmt: skip
+                raise PermanentError(
+                    f"cannot tokenize task {task.task_id}: {e}", reason="bad_task"
+                ) from e
             started = time.time()
             results = await self.generate(task, ids, d)
         except EngineError as e:
@@ -209,8 +219,11 @@ class RolloutWorker:
                 self.ctx.readiness.set("engine", "unreachable")
                 log.info("rollout: waiting for the engine at %s (%s)", self.s.engine_url, e)
             else:
-                log.info("rollout: engine %s runs SGLang %s", self.s.engine_url,
-                         ".".join(map(str, caps.version)))  # fmt: skip
+                log.info(
+                    "rollout: engine %s runs SGLang %s",
+                    self.s.engine_url,
+                    ".".join(map(str, caps.version)),
+                )
                 return
             await pause(stop, delay)
             delay = min(delay * 2, 5.0)
@@ -233,12 +246,17 @@ class RolloutWorker:
                 running, queued = load.running, load.queued
                 f = self.fetcher
                 hb = EngineHeartbeat(
-                    run=self.s.run, engine_id=self.s.engine_id, url=self.s.engine_url,
-                    worker_id=self.s.worker_id, weight_version=version, running=running,
-                    queued=queued, sent_at=time.time(),
+                    run=self.s.run,
+                    engine_id=self.s.engine_id,
+                    url=self.s.engine_url,
+                    worker_id=self.s.worker_id,
+                    weight_version=version,
+                    running=running,
+                    queued=queued,
+                    sent_at=time.time(),
                     local_weights_dir=str(f.local_dir) if f is not None else None,
                     downloaded_version=f.downloaded if f is not None else None,
-                )  # fmt: skip
+                )
                 try:
                     await publish(self.ctx.js, subject, hb, self.ctx.max_payload)
                 except transient as e:

@@ -35,9 +35,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
     p.add_argument("--print-config", action="store_true", help="print [stack] settings and exit")
     p.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="print each process's GPUs, command and environment; start nothing",
-    )  # fmt: skip
+    )
     return p
 
 

@@ -25,8 +25,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("model", nargs="?", help="weights directory (same as --weights)")
     p.add_argument("-c", "--config", help="run file: its [task] (default: the arithmetic task)")
-    p.add_argument("--weights", help="HF model directory (default: the run's newest weights, "
-                   "else [stack] model)")  # fmt: skip
+    p.add_argument(
+        "--weights",
+        help="HF model directory (default: the run's newest weights, else [stack] model)",
+    )
     p.add_argument("-n", type=int, help="held-out rows (default: [task] eval.size)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     args = p.parse_args(argv)
@@ -40,13 +42,15 @@ def eval_main(argv: list[str] | None = None) -> int:
         print(f"flywheel eval: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": str(model_dir), **report.metrics(), "accuracy":
-                          report.pass_at_1, "total": report.total}))  # fmt: skip
+        doc = {"model": str(model_dir), **report.metrics(), "accuracy": report.pass_at_1}
+        print(json.dumps({**doc, "total": report.total}))
         return 0
     for name, t in report.tasks.items():
         k = f", pass@{t.k} {t.pass_at_k:.3f}" if t.pass_at_k is not None else ""
-        print(f"{model_dir}: {name}: held-out pass@1 {t.pass_at_1:.3f}{k} "
-              f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})")  # fmt: skip
+        print(
+            f"{model_dir}: {name}: held-out pass@1 {t.pass_at_1:.3f}{k} "
+            f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})"
+        )
         for prompt, completion, answer in t.examples:
             print(f"  {prompt[-60:]!r} -> {completion[:80]!r}  (answer {answer!r})")
     return 0
@@ -63,8 +67,9 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
 
     if config is None:
         held_out = ArithmeticSource(type="arithmetic", seed=1_000_003)
-        spec = TaskSpec(source=ArithmeticSource(type="arithmetic"),
-                        eval=EvalSpec(source=held_out, size=500))  # fmt: skip
+        spec = TaskSpec(
+            source=ArithmeticSource(type="arithmetic"), eval=EvalSpec(source=held_out, size=500)
+        )
         tasks, model_dir = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"}), None
     else:
         s = load_settings(StackSettings, config)
@@ -244,9 +249,11 @@ def render_status(s: dict[str, Any]) -> str:
     lines = [f"run {s['run']}"]
     b = s.get("buffer")
     if b:
-        lines.append(f"  buffer: next step {b['next_step']}, {b['dispatched']} tasks dispatched, "
-                     f"{b['in_flight']} in flight, {b['pending_groups']} groups pending, "
-                     f"epoch {b['epoch']}")  # fmt: skip
+        lines.append(
+            f"  buffer: next step {b['next_step']}, {b['dispatched']} tasks dispatched, "
+            f"{b['in_flight']} in flight, {b['pending_groups']} groups pending, "
+            f"epoch {b['epoch']}"
+        )
     t = s.get("tasks")
     if t:
         lines.append(f"  tasks queue: {t['pending']} waiting, {t['in_progress']} being generated")
@@ -254,8 +261,10 @@ def render_status(s: dict[str, Any]) -> str:
         f"  weights: published v{s.get('published')}, ready on every engine v{s.get('ready')}"
     )
     for eid, e in sorted(s.get("engines", {}).items()):
-        lines.append(f"  engine {eid}: v{e['version']} at {e['url']}, {e['running']} running, "
-                     f"heartbeat {e['age_s']:.0f}s ago")  # fmt: skip
+        lines.append(
+            f"  engine {eid}: v{e['version']} at {e['url']}, {e['running']} running, "
+            f"heartbeat {e['age_s']:.0f}s ago"
+        )
     dl = s.get("dead_letters") or {}
     lines.append(
         "  dead letters: " + (", ".join(f"{k} {v}" for k, v in sorted(dl.items())) or "none")

@@ -94,8 +94,10 @@ class StackSettings(ServiceSettings):
         if any(not gpus for gpus in self.engine_gpus):
             raise ValueError("engine_gpus: an engine has an empty GPU list")
         if self.trainer_gpus and len(self.trainer_gpus) != self.trainer_nproc:
-            raise ValueError(f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
-                             f"{self.trainer_nproc} ranks")  # fmt: skip
+            raise ValueError(
+                f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
+                f"{self.trainer_nproc} ranks"
+            )
         used = [g for gpus in self.engine_gpus for g in gpus] + list(self.trainer_gpus)
         shared = sorted({g for g in used if used.count(g) > 1})
         if shared:

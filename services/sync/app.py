@@ -96,9 +96,13 @@ class SyncService:
 
     def on_heartbeat(self, hb: EngineHeartbeat) -> None:
         self.reg.heartbeat(
-            hb.engine_id, hb.url, hb.weight_version, time.time(),
-            weights_dir=hb.local_weights_dir, downloaded=hb.downloaded_version,
-        )  # fmt: skip
+            hb.engine_id,
+            hb.url,
+            hb.weight_version,
+            time.time(),
+            weights_dir=hb.local_weights_dir,
+            downloaded=hb.downloaded_version,
+        )
         self.wake.set()
 
     async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
@@ -121,8 +125,13 @@ class SyncService:
         mode = self.s.update_mode
         key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
         try:
-            client = EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2,
-                                  api_key=key, capabilities=self.releases.get(e.url))  # fmt: skip
+            client = EngineClient(
+                e.url,
+                timeout_s=self.s.update_timeout_s,
+                retries=2,
+                api_key=key,
+                capabilities=self.releases.get(e.url),
+            )
             async with client as c:
                 release = self.releases[e.url] = await c.capabilities()
                 release.check_update_mode(mode)
@@ -140,16 +149,22 @@ class SyncService:
         except UnsupportedEngine as err:
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
-            self.fatal = ConfigError(f"[sync] update_mode = {mode!r}: engine {e.engine_id} "
-                                     f"at {e.url}: {err}")  # fmt: skip
+            self.fatal = ConfigError(
+                f"[sync] update_mode = {mode!r}: engine {e.engine_id} at {e.url}: {err}"
+            )
             log.error("sync: %s", self.fatal)
             return
         except (EngineError, TimeoutError) as err:
             self.releases.pop(e.url, None)  # it may have restarted as another release
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
-            log.warning("sync: engine %s failed to load v%d (failure %d): %s",
-                        e.engine_id, p.version, e.failures, err)  # fmt: skip
+            log.warning(
+                "sync: engine %s failed to load v%d (failure %d): %s",
+                e.engine_id,
+                p.version,
+                e.failures,
+                err,
+            )
             return
         self.reg.succeeded(e, p.version)
         self.metrics.update_seconds.observe(time.monotonic() - started)

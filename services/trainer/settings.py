@@ -219,10 +219,11 @@ class TrainerSettings(ServiceSettings):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     runtime: ModelConfig = Field(default_factory=ModelConfig)
     eval_every: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="Evaluate the task's held-out split ([task] eval: pass@1, pass@k) every "
         "this many steps, and at step 0 (0: never).",
-    )  # fmt: skip
+    )
     metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
     loggers: list[LoggerName] = Field(
         ["jsonl"],

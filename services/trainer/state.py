@@ -106,8 +106,14 @@ def _copy_to_cpu(tree: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     identity).
     """
     if isinstance(tree, torch.Tensor):
-        key = (tree.untyped_storage().data_ptr(), tree.storage_offset(), tuple(tree.shape),
-               tuple(tree.stride()), tree.dtype, tree.device)  # fmt: skip
+        key = (
+            tree.untyped_storage().data_ptr(),
+            tree.storage_offset(),
+            tuple(tree.shape),
+            tuple(tree.stride()),
+            tree.dtype,
+            tree.device,
+        )
         if key not in memo:
             memo[key] = tree.detach().to("cpu", copy=True)
         return memo[key]

@@ -135,9 +135,15 @@ async def upload(
     try:
         for p, data in _read_pieces(root, pieces):
             msg = WeightsChunk(
-                run=run, version=version, sha256=manifest.sha256, file=p.file, offset=p.offset,
-                index=p.index, count=len(pieces), data=data,
-            )  # fmt: skip
+                run=run,
+                version=version,
+                sha256=manifest.sha256,
+                file=p.file,
+                offset=p.offset,
+                index=p.index,
+                count=len(pieces),
+                data=data,
+            )
             payload = encode(msg, max_payload)
             headers = {"Nats-Msg-Id": message_id(msg) or ""}
             pending.add(asyncio.ensure_future(js.publish(subject, payload, headers=headers)))

@@ -268,8 +268,9 @@ def parse_generate(
     parsed = ParsedGenerate(seqs=[], as_list=False)
     params_of = [parse_sampling_params(raw, default_max_new_tokens) for raw in params_list]
     if len({p.n for p in params_of}) > 1:
-        raise RequestError("The parallel_sample_num should be the same for all samples in "
-                           "sample params.")  # fmt: skip
+        raise RequestError(
+            "The parallel_sample_num should be the same for all samples in sample params."
+        )
     if sum(p.n for p in params_of) > MAX_N:
         raise RequestError(f"a request may ask for at most {MAX_N} completions in all")
     for prompt, params, r in zip(prompts, params_of, rids, strict=True):
