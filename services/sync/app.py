@@ -61,9 +61,8 @@ class SyncService:
         self.metrics = SyncMetrics(ctx.registry)
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        # the transports announced URIs name; the disk one always (it prunes weights_root)
-        wiring = Wiring(s.run, s.weights_root, ctx.js, ctx.max_payload)
-        self.weights = Transports(wiring, eager=("disk",))
+        # the transports that announced URIs name (and the version directories to prune)
+        self.weights = Transports(Wiring(s.run, s.weights_root, ctx.js, ctx.max_payload))
         self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
         self.resumed: set[str] = set()  # engine URLs this process told to continue
         self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop
@@ -228,8 +227,7 @@ class SyncService:
         """Drop the versions below the newest `keep_last`, never one still served."""
         served = min((e.version for e in self.reg.engines.values()), default=ready)
         floor = min(ready - self.s.keep_last + 1, served)
-        for transport in self.weights.opened():
-            await transport.cleanup(floor)
+        await self.weights.cleanup(floor)
 
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

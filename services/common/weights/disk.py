@@ -4,19 +4,16 @@
 URI; `source` confines that URI to the reader's weights root (a message off
 the bus must not point engines at an arbitrary directory: not through
 `..`, an absolute path elsewhere, or a symlink that leads out); `receive`
-has nothing to do; `cleanup` deletes the directories of versions no engine
-needs (the trainer writes one per published version, whatever transport
-then carries it, so every reader with a root prunes them here).
+has nothing to do, and neither has `cleanup` (the version directories
+themselves are pruned for every transport: `Transports.cleanup`).
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlparse
 
-from services.common.weights.layout import remove_versions, versions_in
 from services.common.weights.transport import (
     BadWeightsUri,
     Sent,
@@ -27,8 +24,6 @@ from services.common.weights.transport import (
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
-
-log = logging.getLogger(__name__)
 
 
 def shared_path(uri: str, root: Path) -> Path:
@@ -67,7 +62,4 @@ class DiskTransport:
         return None  # the engine reads the shared directory itself
 
     async def cleanup(self, below: int) -> None:
-        run_dir = self.root / self.wiring.run
-        old = [v for v in versions_in(run_dir) if v < below]
-        for path in remove_versions(run_dir, old):
-            log.info("sync: deleted old weights %s", path)
+        return None  # the shared directories are the layout's: Transports.cleanup

@@ -30,16 +30,19 @@ then becomes SGLang's `update_weights_from_distributed`: sync's one call of
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 from urllib.parse import urlparse
 
 from services.common.errors import FlywheelError, PermanentError
-from services.common.weights.layout import version_dir
+from services.common.weights.layout import remove_versions, version_dir, versions_in
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
+
+log = logging.getLogger(__name__)
 
 TransportKind = Literal["disk", "nats"]
 """`[trainer] weights_transport`: the names in `KINDS`."""
@@ -154,7 +157,8 @@ class WeightsTransport(Protocol):
         ...
 
     async def cleanup(self, below: int) -> None:
-        """Sync: no engine needs versions below `below` any more; drop what they hold here."""
+        """Sync: no engine needs versions below `below` any more; drop what this transport
+        holds of them (the version directories themselves: `Transports.cleanup`)."""
         ...
 
 
@@ -173,26 +177,27 @@ def open_transport(kind: str, wiring: Wiring) -> WeightsTransport:
 class Transports:
     """A reader's transports, opened as announced URIs name them (sync, rollout workers)."""
 
-    def __init__(self, wiring: Wiring, *, eager: tuple[str, ...] = ()) -> None:
+    def __init__(self, wiring: Wiring) -> None:
         self.wiring = wiring
         self._open: dict[str, WeightsTransport] = {}
-        for kind in eager:
-            self._opened(_kinds()[kind])
 
     def for_uri(self, uri: str) -> WeightsTransport:
         """The transport that announced `uri`; BadWeightsUri when none did."""
         scheme = urlparse(uri).scheme
-        for cls in _kinds().values():
+        for kind, cls in _kinds().items():
             if cls.scheme == scheme:
-                return self._opened(cls)
+                if kind not in self._open:
+                    self._open[kind] = cls(self.wiring)  # type: ignore[call-arg]
+                return self._open[kind]
         raise BadWeightsUri(f"unsupported weights uri {uri!r}")
 
-    def opened(self) -> list[WeightsTransport]:
-        """Every transport opened so far (what cleanup must visit)."""
-        return list(self._open.values())
-
-    def _opened(self, cls: type[WeightsTransport]) -> WeightsTransport:
-        t = self._open.get(cls.kind)
-        if t is None:
-            t = self._open[cls.kind] = cls(self.wiring)  # type: ignore[call-arg]
-        return t
+    async def cleanup(self, below: int) -> None:
+        """Drop the versions below `below` wherever they are held: the trainer's version
+        directories under the root (whatever carried them), and every opened transport."""
+        if self.wiring.root is not None:
+            run_dir = self.wiring.root / self.wiring.run
+            old = [v for v in versions_in(run_dir) if v < below]
+            for path in remove_versions(run_dir, old):
+                log.info("deleted old weights %s", path)
+        for transport in self._open.values():
+            await transport.cleanup(below)
