@@ -14,9 +14,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from proto.messages import TrainBatch as WireBatch
+from services.common.metrics import MetricSet
 from services.trainer.heldout import eval_line, reward_parts
 from services.trainer.loggers import open_loggers
 from services.trainer.settings import TrainerSettings
@@ -51,33 +52,26 @@ STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 class TrainerMetrics:
     def __init__(self, r: CollectorRegistry) -> None:
-        self.gauges = {
-            k: Gauge(f"flywheel_trainer_{k}", doc, registry=r) for k, doc in GAUGES.items()
-        }
-        self.step = Gauge("flywheel_trainer_step", "Optimizer steps done.", registry=r)
-        self.version = Gauge("flywheel_trainer_weight_version", "Newest version.", registry=r)
-        phases = (
-            "Wall time by phase: waiting for data, compute, publishing (saving), upload (NATS)."
+        m = MetricSet(r, "flywheel_trainer_")
+        self.gauges = {k: m.gauge(k, doc) for k, doc in GAUGES.items()}
+        self.step = m.gauge("step", "Optimizer steps done.")
+        self.version = m.gauge("weight_version", "Newest version.")
+        self.phase = m.counter(
+            "phase_seconds",
+            "Wall time by phase: waiting for data, compute, publishing (saving), upload (NATS).",
+            ["phase"],
         )
-        self.phase = Counter("flywheel_trainer_phase_seconds", phases, ["phase"], registry=r)
-        self.step_seconds = Histogram(
-            "flywheel_trainer_step_seconds",
-            "Compute time of one optimizer step.",
-            buckets=STEP_BUCKETS,
-            registry=r,
+        self.step_seconds = m.histogram(
+            "step_seconds", "Compute time of one optimizer step.", STEP_BUCKETS
         )
-        self.tokens = Counter("flywheel_trainer_tokens", "Tokens trained on.", registry=r)
+        self.tokens = m.counter("tokens", "Tokens trained on.")
         parts = "Mean of each reward part over the last batch."
-        self.reward_part = Gauge("flywheel_trainer_reward_part", parts, ["part"], registry=r)
-        self.upload_bytes = Counter(
-            "flywheel_trainer_weights_upload_bytes", "Weight bytes sent over NATS.", registry=r
-        )
-        self.samples = Counter("flywheel_trainer_samples", "Samples trained on.", registry=r)
-        self.tokens_per_s = Gauge(
-            "flywheel_trainer_tokens_per_second", "Compute tokens/s of the last step.", registry=r
-        )
+        self.reward_part = m.gauge("reward_part", parts, ["part"])
+        self.upload_bytes = m.counter("weights_upload_bytes", "Weight bytes sent over NATS.")
+        self.samples = m.counter("samples", "Samples trained on.")
+        self.tokens_per_s = m.gauge("tokens_per_second", "Compute tokens/s of the last step.")
         idle = "Fraction of wall time spent waiting for data since start."
-        self.idle = Gauge("flywheel_trainer_idle_fraction", idle, registry=r)
+        self.idle = m.gauge("idle_fraction", idle)
 
 
 class Recorder:

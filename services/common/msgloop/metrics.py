@@ -5,6 +5,8 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
+from services.common.metrics import MetricSet
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
@@ -16,33 +18,26 @@ class LoopMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        from prometheus_client import Counter, Histogram
-
+        m = MetricSet(registry, "flywheel_")
         labels = ("service", "subject")
-        self.handled = Counter(
-            "flywheel_messages_handled",
-            "Messages handled successfully (acked).",
-            labels,
-            registry=registry,
+        self.handled = m.counter(
+            "messages_handled", "Messages handled successfully (acked).", labels
         )
-        self.failed = Counter(
-            "flywheel_messages_failed",
+        self.failed = m.counter(
+            "messages_failed",
             "Handler failures, by outcome reason (retryable failures are nak'ed).",
             (*labels, "reason"),
-            registry=registry,
         )
-        self.dead_lettered = Counter(
-            "flywheel_messages_dead_lettered",
+        self.dead_lettered = m.counter(
+            "messages_dead_lettered",
             "Messages sent to the dead-letter subject, by reason.",
             (*labels, "reason"),
-            registry=registry,
         )
-        self.latency = Histogram(
-            "flywheel_handler_seconds",
+        self.latency = m.histogram(
+            "handler_seconds",
             "Handler wall time per message.",
+            (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900),
             labels,
-            registry=registry,
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900),
         )
 
     @classmethod
