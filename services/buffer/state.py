@@ -12,7 +12,7 @@ it over. `flywheel status` reads the same codec (services/stack/inspect.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -59,6 +59,13 @@ class BufferStateError(FlywheelError, ValueError):
     """
 
 
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise BufferStateError(f"{what} is not MessagePack: {e}") from e
+
+
 def _int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BufferStateError(f"buffer state: {what} must be an integer >= 0, got {value!r}")
@@ -79,10 +86,7 @@ def _str(value: object, what: str) -> str:
 
 def load_state(data: bytes) -> tuple[BufferState, list[tuple[str, int]]]:
     """Parse what `dump_state` wrote; BufferStateError names what is wrong."""
-    try:
-        d = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise BufferStateError(f"buffer state is not MessagePack: {e}") from e
+    d = _unpack(data, "buffer state")
     if not isinstance(d, dict):
         raise BufferStateError(f"buffer state must be a map, got {type(d).__name__}")
     missing = set(STATE_FIELDS) - set(d)
@@ -128,10 +132,7 @@ def load_outbox(data: bytes) -> list[tuple[int, float, list[int]]]:
     """Parse what `dump_outbox` wrote (empty bytes: an empty outbox)."""
     if not data:
         return []
-    try:
-        doc = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise BufferStateError(f"buffer outbox is not MessagePack: {e}") from e
+    doc = _unpack(data, "buffer outbox")
     if not isinstance(doc, list):
         raise BufferStateError(f"buffer outbox must be a list, got {type(doc).__name__}")
     out = []

@@ -37,7 +37,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from services.common import nats_jsz
@@ -252,12 +251,7 @@ class NatsCluster:
     def __enter__(self) -> NatsCluster:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- leaders (from /jsz, see nats_jsz) ---------------------------------
