@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from services.common.errors import EXIT_CONFIG, EXIT_HALTED, FlywheelError
+from services.common.msgloop import pause
 from services.stack.plan import ProcSpec
 
 log = logging.getLogger(__name__)
@@ -219,8 +220,7 @@ class Supervisor:
                     self.failed = report
                     stop.set()
                     return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+            await pause(stop, 0.5)
 
     def _cause(self, p: Proc) -> str:
         """The service's last words: its `flywheel <service>: …` lines (its exit error)."""
