@@ -82,7 +82,7 @@ def start_engine(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes]
         [
             sys.executable,
             "-m",
-            "services.rollout.engine",
+            "services.engine",
             "--model",
             str(model_dir),
             "--port",

@@ -96,7 +96,7 @@ async def raw_jetstream_s(js, src: Path, max_payload: int, window: int = 16) -> 
     only counts the bytes: no codec, no files written, no hashing.
     """
     from services.common.weights import read_manifest
-    from services.common.weights_nats import _read_pieces, plan_chunks, purge
+    from services.common.weights.chunks import _read_pieces, plan_chunks, purge
 
     pieces = plan_chunks(read_manifest(src), max_payload)
     version = 10**9 + time.monotonic_ns() % 10**6  # a scratch subject in the same stream
@@ -190,7 +190,7 @@ async def engine_for(b: Bench, model: Path, name: str, check: str, tmp: Path, lo
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine_id = f"engine-{name}-{check}"
-    engine = spawn([sys.executable, "-m", "services.rollout.engine", "--model", str(model),
+    engine = spawn([sys.executable, "-m", "services.engine", "--model", str(model),
                     "--port", str(port), "--weight-version", str(b.version)],
                    {"FLYWHEEL_ENGINE_NUM_THREADS": "4", "FLYWHEEL_ENGINE_WEIGHTS_CHECK": check},
                    log_dir / f"{engine_id}.log")  # fmt: skip
@@ -212,13 +212,13 @@ async def one_version(
     out: dict[str, list[float]],
 ) -> int:  # fmt: skip
     """Publish one version by `transport` and time it to WeightsReady; returns its bytes."""
-    from services.common.weights import read_manifest, write_weights_dir
-    from services.common.weights_nats import download, upload
+    from services.common.weights import published_dir, read_manifest, version_dir, write_weights_dir
+    from services.common.weights.chunks import download, upload
 
     engine_id, url, local = engine
     b.version += 1
     v = b.version
-    target = tmp / "weights" / RUN / f"v{v:06d}"
+    target = published_dir(tmp / "weights", RUN, v)
 
     def save(d: Path, src: Path = model) -> None:
         for p in src.iterdir():
@@ -232,7 +232,7 @@ async def one_version(
         up = await upload(b.js, RUN, v, target, max_payload=b.max_payload)
         await b.announce(v, weights_nats_uri(RUN, v), read_manifest(target))
         t1 = time.perf_counter()
-        await download(b.js, RUN, v, m.sha256, local / f"v{v:06d}")
+        await download(b.js, RUN, v, m.sha256, version_dir(local, v))
         out["up"].append(up.seconds)
         out["down"].append(time.perf_counter() - t1)
         b.beat(engine_id, url, v - 1, local, v)

@@ -54,8 +54,8 @@ def synthetic_batch(rows: int, prompt_len: int, response_len: int):
 
 def measure(model_dir: str, name: str, steps: int, threads: int | None) -> dict:
     """Time `steps` train steps (after one warm-up) in this process; rank 0 returns stats."""
-    from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
     from services.trainer.distributed import init_distributed
+    from services.trainer.settings import ModelConfig, OptimConfig, TrainConfig
     from services.trainer.trainer import Trainer
 
     *_, rows, p, r = MODELS[name]
@@ -298,8 +298,8 @@ def measure_memory(job: dict) -> list[dict]:
     """In this process: the job's path at each micro-batch size; peak extra memory and tokens/s."""
     import torch
 
-    from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
     from services.trainer.distributed import init_distributed
+    from services.trainer.settings import ModelConfig, OptimConfig, TrainConfig
     from services.trainer.trainer import Trainer
 
     info = init_distributed(shard_single=job["fsdp"])
@@ -481,9 +481,9 @@ def check_main(args) -> None:
     """Agreement checks on this device: chunked vs full logprobs, packed vs padded forwards."""
     import torch
 
-    from services.trainer.config import ModelConfig, TrainConfig
     from services.trainer.core.logprobs import chunked_token_stats, token_entropy, token_logprobs
     from services.trainer.distributed import init_distributed
+    from services.trainer.settings import ModelConfig, TrainConfig
     from services.trainer.trainer import Trainer
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

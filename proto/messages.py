@@ -211,8 +211,9 @@ class Sample(Message):
         if self.weight_version_last < self.weight_version:
             raise CrossFieldError("weight_version_last", "weight_version_last < weight_version")
         if self.weight_version_spans:
-            _check_spans(self.weight_version_spans, n, self.weight_version,
-                         self.weight_version_last)  # fmt: skip
+            _check_spans(
+                self.weight_version_spans, n, self.weight_version, self.weight_version_last
+            )
         _check_finite(self.logprobs)
         return self
 
@@ -356,7 +357,7 @@ class Chunk(Message):
 class WeightsChunk(Message):
     """Bytes `[offset, offset + len(data))` of one file of weight version `version`.
 
-    The NATS weights transport (services/common/weights_nats.py): the trainer
+    The NATS weights transport (services/common/weights/nats.py): the trainer
     publishes every file of the weights directory, manifest first, as
     `count` chunks on `weightdata.v<version>`; a receiver has the version
     once it holds all `count` indices, then checks the files against the

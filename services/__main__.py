@@ -1,3 +1,5 @@
+"""`python -m services`: the `flywheel` command."""
+
 import sys
 
 from services.cli import main

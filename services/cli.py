@@ -21,12 +21,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.trainer.cli:init_model_main",
         "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
     ),
-    "sft": ("services.trainer.cli:sft_main", "supervised fine-tuning from JSONL"),
+    "sft": ("services.trainer.sft.cli:sft_main", "supervised fine-tuning from JSONL"),
     "nats": ("services.common.nats_cli:main", "run an embedded nats-server with JetStream"),
-    "engine": ("services.rollout.engine.__main__:main", "run the CPU engine server (SGLang API)"),
+    "engine": ("services.engine.cli:main", "run the CPU engine server (SGLang API)"),
     "rollout": ("services.rollout.cli:main", "run a rollout worker (beside one engine)"),
     "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),
-    "trainer": ("services.trainer.service_main:main", "run the RL trainer service"),
+    "trainer": ("services.trainer.cli:main", "run the RL trainer service"),
     "sync": ("services.sync.cli:main", "run the weight-sync service"),
 }
 

@@ -1,3 +1,5 @@
+"""`python -m services.buffer -c run.toml` (and `flywheel buffer`)."""
+
 import sys
 
 from services.buffer.cli import main

@@ -33,9 +33,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import msgpack
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from proto.codec import decode
 from proto.errors import ProtocolError
 from proto.messages import (
@@ -46,191 +43,46 @@ from proto.messages import (
     TrainBatch,
     WeightsReady,
 )
-from proto.streams import consumers_for, kv_bucket, stream_name
+from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
 from services.buffer.core import (
     Assembler,
     BufferState,
-    Cursor,
     FailureWatch,
     GroupFilter,
     Policy,
+    TaskMaker,
     Verdict,
     admission,
     advance,
-    epoch_order,
     group_failure,
     max_length,
     task_id,
     zero_variance,
 )
+from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
-from services.common.errors import ConfigError, FlywheelError, PermanentError, RunHalted
+from services.buffer.state import (
+    OUTBOX_KEY,
+    STATE_KEY,
+    dump_outbox,
+    dump_state,
+    load_outbox,
+    load_state,
+    open_kv,
+)
+from services.common.errors import ConfigError, PermanentError, RunHalted
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import REASON_HEADER, Delivery, dead_letter, transient_errors
-from services.common.nats_conn import ensure_consumer, ensure_kv
+from services.common.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
+from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
-from services.common.tasks.prompts import format_row
-from services.common.tasks.taskset import TrainOrder
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
 log = logging.getLogger(__name__)
 
-STATE_KEY = "state"
-OUTBOX_KEY = "outbox"
 
-
-# ── state persistence ────────────────────────────────────────────────────────
-def dump_state(state: BufferState, pending: list[tuple[str, int]]) -> bytes:
-    return msgpack.packb(
-        {
-            "cursor": [state.cursor.epoch, state.cursor.offset],
-            "dispatched": state.dispatched,
-            "answered": state.answered,
-            "next_step": state.next_step,
-            "ready_version": state.ready_version,
-            "settled": {k: list(v) for k, v in state.settled.items()},
-            "pending": [list(p) for p in pending],
-        }
-    )
-
-
-class BufferStateError(FlywheelError, ValueError):
-    """The persisted buffer state cannot be read (corrupt, or written by an incompatible version).
-
-    The buffer refuses to start rather than start over: a fresh state would
-    re-dispatch the whole dataset and re-number steps the trainer has done.
-    """
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BufferStateError(f"buffer state: {what} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def _pair(value: object, what: str) -> list[object]:
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise BufferStateError(f"buffer state: {what} must be a pair, got {value!r}")
-    return list(value)
-
-
-def _str(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise BufferStateError(f"buffer state: {what} must be a non-empty string, got {value!r}")
-    return value
-
-
-def load_state(data: bytes) -> tuple[BufferState, list[tuple[str, int]]]:
-    """Parse what `dump_state` wrote; BufferStateError names what is wrong."""
-    try:
-        d = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise BufferStateError(f"buffer state is not MessagePack: {e}") from e
-    if not isinstance(d, dict):
-        raise BufferStateError(f"buffer state must be a map, got {type(d).__name__}")
-    missing = {"cursor", "dispatched", "answered", "next_step", "ready_version", "settled",
-               "pending"} - set(d)  # fmt: skip
-    if missing:
-        raise BufferStateError(f"buffer state lacks {sorted(missing)}")
-    epoch, offset = _pair(d["cursor"], "cursor")
-    if not isinstance(d["settled"], dict):
-        raise BufferStateError("buffer state: settled must be a map")
-    settled: dict[str, tuple[int, str]] = {}
-    for gid, v in d["settled"].items():
-        step, verdict = _pair(v, f"settled[{gid!r}]")
-        settled[_str(gid, "a settled group id")] = (
-            _int(step, "a settled step"),
-            _str(verdict, "a settled verdict"),
-        )
-    if not isinstance(d["pending"], list | tuple):
-        raise BufferStateError("buffer state: pending must be a list")
-    pending = []
-    for p in d["pending"]:
-        gid, seq = _pair(p, "a pending entry")
-        pending.append((_str(gid, "a pending group id"), _int(seq, "a pending sequence")))
-    state = BufferState(
-        cursor=Cursor(_int(epoch, "cursor epoch"), _int(offset, "cursor offset")),
-        dispatched=_int(d["dispatched"], "dispatched"),
-        answered=_int(d["answered"], "answered"),
-        next_step=_int(d["next_step"], "next_step"),
-        ready_version=_int(d["ready_version"], "ready_version"),
-        settled=settled,
-    )
-    if state.answered > state.dispatched:
-        raise BufferStateError(
-            f"buffer state: answered {state.answered} > dispatched {state.dispatched}"
-        )
-    return state, pending
-
-
-def dump_outbox(batches: list[tuple[int, float, list[int]]]) -> bytes:
-    """Batches decided but maybe not yet published: (step, created_at, SAMPLES seqs)."""
-    return msgpack.packb([[step, at, list(seqs)] for step, at, seqs in batches])
-
-
-def load_outbox(data: bytes) -> list[tuple[int, float, list[int]]]:
-    """Parse what `dump_outbox` wrote (empty bytes: an empty outbox)."""
-    if not data:
-        return []
-    try:
-        doc = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise BufferStateError(f"buffer outbox is not MessagePack: {e}") from e
-    if not isinstance(doc, list):
-        raise BufferStateError(f"buffer outbox must be a list, got {type(doc).__name__}")
-    out = []
-    for entry in doc:
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise BufferStateError(f"buffer outbox entry must be a triple, got {entry!r}")
-        step, at, seqs = entry
-        if not isinstance(at, float | int) or not isinstance(seqs, list):
-            raise BufferStateError(f"buffer outbox entry {entry!r} has the wrong types")
-        out.append((_int(step, "outbox step"), float(at), [_int(s, "outbox seq") for s in seqs]))
-    return out
-
-
-# ── metrics ──────────────────────────────────────────────────────────────────
-class BufferMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.dispatched = Counter(
-            "flywheel_buffer_tasks_dispatched", "Tasks published.", registry=r
-        )
-        self.in_flight = Gauge(
-            "flywheel_buffer_tasks_in_flight", "Tasks awaiting a group.", registry=r
-        )
-        self.groups = Counter(
-            "flywheel_buffer_groups", "Sample groups received, by verdict.", ["verdict"], registry=r
-        )
-        self.staleness = Histogram(
-            "flywheel_buffer_staleness_steps",
-            "Steps between a group's weight version and the step it trains at.",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
-            registry=r,
-        )
-        self.batches = Counter("flywheel_buffer_batches_published", "Train batches.", registry=r)
-        self.next_step = Gauge("flywheel_buffer_next_step", "Step of the next batch.", registry=r)
-        self.ready_version = Gauge(
-            "flywheel_buffer_ready_version", "Version every engine serves.", registry=r
-        )
-        self.batches_ahead = Gauge(
-            "flywheel_buffer_batches_ahead",
-            "Batches published whose step is not yet trained into a ready version.",
-            registry=r,
-        )
-        self.epoch = Gauge("flywheel_buffer_dataset_epoch", "Dataset epoch.", registry=r)
-        self.batch_fill = Histogram(
-            "flywheel_buffer_batch_fill_seconds",
-            "Time from a batch's first accepted group to its publication.",
-            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-            registry=r,
-        )
-
-
-# ── wiring ───────────────────────────────────────────────────────────────────
 def import_filter(ref: str) -> GroupFilter:
     module, _, name = ref.partition(":")
     try:
@@ -260,7 +112,19 @@ class BufferService:
         self.subjects = Subjects(settings.run)
         self.tasks = settings.task_set()
         self.loaded = self.tasks.load()  # ConfigError naming the key: exit 2 at start-up
-        self.order = TrainOrder.build(self.loaded)
+        sampling = SamplingParams(
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            max_new_tokens=settings.max_new_tokens,
+            stop=settings.stop,
+        )
+        self.task_maker = TaskMaker(
+            settings.run,
+            self.loaded,
+            seed=settings.seed,
+            n=settings.samples_per_prompt,
+            sampling=sampling,
+        )
         self.watch = FailureWatch(settings.halt_after)
         self.halted: RunHalted | None = None
         self.policy = Policy(settings.groups_per_step, settings.max_staleness, settings.oversample)
@@ -269,8 +133,14 @@ class BufferService:
         self.metrics = BufferMetrics(ctx.registry)
         self.lock = asyncio.Lock()  # one state change (and its persist) at a time
         self.wake = asyncio.Event()  # admission may have changed
-        self._order_epoch = -1
-        self._order: list[int] = []
+        self.dead_letters = DeadLetterPublisher(
+            ctx.js,
+            run=settings.run,
+            service="buffer",
+            max_payload=ctx.max_payload,
+            registry=ctx.registry,
+            subject=self.subjects.tasks,
+        )
         self._fill_started: float | None = None
 
     # state
@@ -291,8 +161,11 @@ class BufferService:
             self.pending_seqs[gid] = seq
         log.info(
             "buffer: resumed at step %d, cursor %s, %d pending groups, %d in flight",
-            state.next_step, state.cursor, len(pending), state.in_flight,
-        )  # fmt: skip
+            state.next_step,
+            state.cursor,
+            len(pending),
+            state.in_flight,
+        )
         await self._flush_outbox()
 
     async def _flush_outbox(self) -> None:
@@ -308,8 +181,10 @@ class BufferService:
         for step, created_at, seqs in outbox:
             if step >= self.asm.state.next_step:
                 continue  # the state never counted it: it will be decided again
-            groups = [decode((await self.ctx.js.get_msg(stream, q)).data or b"", SampleGroup)
-                      for q in seqs]  # fmt: skip
+            groups = [
+                decode((await self.ctx.js.get_msg(stream, q)).data or b"", SampleGroup)
+                for q in seqs
+            ]
             await self._publish_batch(step, groups, created_at)
             log.info("buffer: re-published batch %d from the outbox", step)
         if outbox:
@@ -359,8 +234,10 @@ class BufferService:
         while (batch := self.asm.take_batch()) is not None:
             batches.append((batch[0], time.time(), batch[1]))
         if batches:
-            outbox = [(step, at, [self.pending_seqs[g.group_id] for g in groups])
-                      for step, at, groups in batches]  # fmt: skip
+            outbox = [
+                (step, at, [self.pending_seqs[g.group_id] for g in groups])
+                for step, at, groups in batches
+            ]
             await self.kv.put(OUTBOX_KEY, dump_outbox(outbox))
             await self.persist()
         for step, at, groups in batches:
@@ -430,42 +307,9 @@ class BufferService:
             self.ctx.stop.set()
 
     # dispatch
-    def _slot(self, epoch: int, offset: int) -> int:
-        if epoch != self._order_epoch:
-            self._order = epoch_order(self.s.seed, epoch, len(self.order))
-            self._order_epoch = epoch
-        return self._order[offset]
-
     def make_task(self, epoch: int, offset: int) -> PromptTask:
-        """The task at `offset` of `epoch`: a row of one task, formatted by its spec.
-
-        `env` names the task (its key in the run file's task spec) and
-        `index` the row of that task's source: every service resolves the
-        reward and the formatting from them. ConfigError: a bad row.
-        """
-        name, row_index = self.order.item(epoch, self._slot(epoch, offset))
-        spec = self.loaded[name].spec
-        row = self.loaded[name].rows.row(row_index)
-        prompt, messages = format_row(spec, row)
-        return PromptTask(
-            run=self.s.run,
-            task_id=task_id(self.s.run, epoch, offset),
-            epoch=epoch,
-            index=row_index,
-            env=name,
-            prompt=prompt,
-            messages=messages,
-            answer=row.answer,
-            n=self.s.samples_per_prompt,
-            sampling=SamplingParams(
-                temperature=self.s.temperature,
-                top_p=self.s.top_p,
-                max_new_tokens=self.s.max_new_tokens,
-                stop=self.s.stop,
-            ),
-            min_weight_version=self.asm.state.ready_version,
-            created_at=time.time(),
-        )
+        """The task at `offset` of `epoch` (core.TaskMaker); ConfigError: a bad row."""
+        return self.task_maker.task(epoch, offset, self.asm.state.ready_version, time.time())
 
     async def _dispatch_one(self, epoch: int, offset: int) -> bool:
         """Publish one task; a row that cannot become a task is dead-lettered (False)."""
@@ -473,14 +317,15 @@ class BufferService:
             task = self.make_task(epoch, offset)
         except (ConfigError, ValueError) as e:
             tid = task_id(self.s.run, epoch, offset)
-            _, data = dead_letter(
-                run=self.s.run, reason="bad_row", error=f"{type(e).__name__}: {e}",
-                subject=self.subjects.tasks, payload=tid.encode(), service="buffer",
-                delivered=0, max_payload=self.ctx.max_payload, where=tid,
-            )  # fmt: skip
-            log.warning("buffer: row of task %s dead-lettered: %s", tid, e)
-            await self.ctx.js.publish(self.subjects.dlq("bad_row"), data, headers={
-                REASON_HEADER: "bad_row", "Nats-Msg-Id": f"dlq:buffer:{tid}"})  # fmt: skip
+            await self.dead_letters.publish(
+                reason="bad_row",
+                error=f"{type(e).__name__}: {e}",
+                subject=self.subjects.tasks,
+                payload=tid.encode(),
+                delivered=0,
+                origin=f"buffer:{tid}",
+                where=tid,
+            )
             self._failed("bad_row", str(e))
             return False
         await publish(self.ctx.js, self.subjects.tasks, task, self.ctx.max_payload)
@@ -492,7 +337,7 @@ class BufferService:
             n = admission(st.ready_version, self.asm.filled, st.in_flight, self.policy)
             if n == 0:
                 return 0
-            cursor, taken = advance(st.cursor, len(self.order), n)
+            cursor, taken = advance(st.cursor, len(self.task_maker), n)
             for epoch, offset in taken:
                 if not await self._dispatch_one(epoch, offset):
                     st.answered += 1  # its dead letter is its answer: no group comes
@@ -513,19 +358,7 @@ class BufferService:
                 # the next round re-publishes the same task ids (de-duplicated).
                 # Found by tests/chaos: this used to kill the buffer.
                 log.warning("buffer: dispatch failed (%s: %s); retrying", type(e).__name__, e)
-            wake = asyncio.create_task(self.wake.wait())
-            stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait(
-                {wake, stopped}, timeout=self.s.dispatch_interval_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
-            wake.cancel()
-            stopped.cancel()
-
-
-async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
-    replicas = ctx.settings.nats.replicas
-    return await ensure_kv(ctx.js, kv_bucket(run, "buffer"), replicas=replicas, history=1)
+            await pause(stop, self.s.dispatch_interval_s, self.wake)
 
 
 async def body(ctx: ServiceContext) -> None:

@@ -30,7 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from proto.messages import SampleGroup
+from proto.messages import PromptTask, SampleGroup, SamplingParams
+from services.common.tasks.prompts import format_row
+from services.common.tasks.taskset import LoadedTask, TrainOrder
 
 
 # ── dataset cursor ────────────────────────────────────────────────────────────
@@ -64,6 +66,60 @@ def advance(cursor: Cursor, size: int, n: int) -> tuple[Cursor, list[tuple[int, 
 def task_id(run: str, epoch: int, position: int) -> str:
     """Deterministic task id (proto/README.md): a re-dispatch after a crash is a duplicate."""
     return f"{run}:e{epoch}:i{position}"
+
+
+class TaskMaker:
+    """The task at a dataset position: a row of one task, formatted by its spec.
+
+    `env` names the task (its key in the run file's task spec) and `index`
+    the row of that task's source: every service resolves the reward and
+    the formatting from them. Each epoch visits the rows in its own seeded
+    order (`epoch_order`), computed once per epoch.
+    """
+
+    def __init__(
+        self,
+        run: str,
+        loaded: dict[str, LoadedTask],
+        *,
+        seed: int,
+        n: int,
+        sampling: SamplingParams,
+    ) -> None:
+        self.run, self.loaded, self.seed, self.n, self.sampling = run, loaded, seed, n, sampling
+        self.order = TrainOrder.build(loaded)
+        self._epoch = -1
+        self._slots: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def task(self, epoch: int, offset: int, min_version: int, now: float) -> PromptTask:
+        """The task at `offset` of `epoch`; ConfigError (or ValueError): a bad row."""
+        name, row_index = self.order.item(epoch, self._slot(epoch, offset))
+        spec = self.loaded[name].spec
+        row = self.loaded[name].rows.row(row_index)
+        prompt, messages = format_row(spec, row)
+        return PromptTask(
+            run=self.run,
+            task_id=task_id(self.run, epoch, offset),
+            epoch=epoch,
+            index=row_index,
+            env=name,
+            prompt=prompt,
+            messages=messages,
+            answer=row.answer,
+            n=self.n,
+            sampling=self.sampling,
+            min_weight_version=min_version,
+            created_at=now,
+        )
+
+    def _slot(self, epoch: int, offset: int) -> int:
+        if epoch != self._epoch:
+            self._slots = epoch_order(self.seed, epoch, len(self.order))
+            self._epoch = epoch
+        return self._slots[offset]
 
 
 # ── admission control ─────────────────────────────────────────────────────────

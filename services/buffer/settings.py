@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 
@@ -13,9 +12,6 @@ from services.common.settings import ServiceSettings
 class BufferSettings(ServiceSettings):
     section: ClassVar[str] = "buffer"
     needs_task: ClassVar[bool] = True
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_BUFFER_", env_nested_delimiter="__", extra="forbid"
-    )
 
     # what to generate: the run file's [task] table (services/common/tasks/spec.py)
     seed: int = Field(0, description="Seed of the per-epoch shuffle of the prompts.")

@@ -17,15 +17,18 @@ class ConfigError(FlywheelError, ValueError):
 
     @classmethod
     def from_validation(cls, err: ValidationError, section: str) -> ConfigError:
-        return cls("invalid settings:\n  " + "\n  ".join(
-            error_line(e["loc"], e["msg"], section) for e in err.errors()
-        ))  # fmt: skip
+        return cls(
+            "invalid settings:\n  "
+            + "\n  ".join(error_line(e["loc"], e["msg"], section) for e in err.errors())
+        )
 
 
 # Discriminator tags pydantic puts in an error's location (`task.source.jsonl.path`):
 # not keys of the run file, so left out of the key it names (`[task] source.path`).
-_TAGS = {"jsonl", "hf", "reasoning_gym", "function", "arithmetic", "exact_match", "numeric",
-         "math", "gsm8k", "format", "soft_overlong", "custom"}  # fmt: skip
+_TAGS = set(
+    "jsonl hf reasoning_gym function arithmetic exact_match numeric math gsm8k format "
+    "soft_overlong custom".split()
+)
 
 
 def error_line(loc: tuple[int | str, ...], msg: str, section: str) -> str:

@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -161,9 +161,6 @@ async def run_service(
     """
     from prometheus_client import CollectorRegistry
 
-    from proto.streams import streams_for
-    from services.common.nats_conn import connect, ensure_streams, server_max_payload
-
     registry = registry if registry is not None else CollectorRegistry()
     stop = stop if stop is not None else asyncio.Event()
     readiness = Readiness()
@@ -178,34 +175,49 @@ async def run_service(
     await health.start()
     log.info("%s: metrics and health on %s", service, health.url)
     try:
-        nc = await connect(settings.nats, service)
-        try:
-            readiness.set("nats", None)
-            readiness.check("nats", lambda: None if nc.is_connected else "disconnected")
-            js = nc.jetstream()
-            specs = streams if streams is not None else streams_for(settings.run)
-            await ensure_streams(js, specs, replicas=settings.nats.replicas)
-            readiness.ok("streams")
+        async with _connected(service, settings, readiness, streams) as (nc, max_payload):
             ctx = ServiceContext(
                 service=service,
                 settings=settings,
                 nc=nc,
-                js=js,
+                js=nc.jetstream(),
                 registry=registry,
                 readiness=readiness,
                 health=health,
                 stop=stop,
-                max_payload=server_max_payload(nc, settings.nats.max_payload),
+                max_payload=max_payload,
             )
             await _run_body(body, ctx, grace_s)
-        finally:
-            readiness.set("nats", "draining")
-            await _drain(nc, service)
     finally:
         await health.stop()
         if remove_signals is not None:
             remove_signals()
         log.info("%s: stopped", service)
+
+
+@contextlib.asynccontextmanager
+async def _connected(
+    service: str,
+    settings: ServiceSettings,
+    readiness: Readiness,
+    streams: Sequence[StreamSpec] | None,
+) -> AsyncIterator[tuple[Client, int]]:
+    """Connected, with the run's streams ensured: the client and the max payload; drained
+    on the way out."""
+    from proto.streams import streams_for
+    from services.common.nats_conn import connect, ensure_streams, server_max_payload
+
+    nc = await connect(settings.nats, service)
+    try:
+        readiness.set("nats", None)
+        readiness.check("nats", lambda: None if nc.is_connected else "disconnected")
+        specs = streams if streams is not None else streams_for(settings.run)
+        await ensure_streams(nc.jetstream(), specs, replicas=settings.nats.replicas)
+        readiness.ok("streams")
+        yield nc, server_max_payload(nc, settings.nats.max_payload)
+    finally:
+        readiness.set("nats", "draining")
+        await _drain(nc, service)
 
 
 async def _drain(nc: Client, service: str) -> None:

@@ -34,14 +34,13 @@ Leaders (the meta group's, a stream's) come from the monitoring endpoint
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from services.common import nats_jsz
+from services.common import ports as free_ports
 from services.common.errors import NatsServerError
 from services.common.nats_server import ClusterSpec, NatsPortInUseError, NatsServer
 
@@ -52,13 +51,6 @@ PORT_ATTEMPTS = 5
 
 Node = int | str | NatsServer
 """A member, by index, by server name, or itself."""
-
-
-def probe_free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free just now (see the module docstring for the race)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class NatsCluster:
@@ -173,7 +165,7 @@ class NatsCluster:
     def _probe_ports(self) -> list[int]:
         ports: set[int] = set()
         while len(ports) < self.size:
-            ports.add(probe_free_port(self.host))
+            ports.add(free_ports.free_port(self.host))
         return sorted(ports)
 
     def _members(self, cluster_ports: Sequence[int]) -> list[NatsServer]:
@@ -259,12 +251,7 @@ class NatsCluster:
     def __enter__(self) -> NatsCluster:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- leaders (from /jsz, see nats_jsz) ---------------------------------

@@ -153,27 +153,31 @@ def _callbacks(name: str) -> dict[str, Any]:
     }
 
 
-async def connect(settings: NatsSettings, name: str) -> Client:
-    """Connect to NATS with start-up retries; see the module docstring."""
-    from nats.aio.client import Client
-    from nats.errors import Error as NatsError
-
-    servers = [u.strip() for u in settings.url.split(",") if u.strip()]
-    opts: dict[str, Any] = {
-        "servers": servers,
+def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
+    """nats-py's connect() options for one start-up attempt."""
+    return {
+        "servers": [u.strip() for u in settings.url.split(",") if u.strip()],
         "name": name,
         "connect_timeout": settings.connect_timeout_s,
         "tls": tls_context(settings),
         # One start-up attempt = one quick pass over the servers: nats-py's
         # server selection retries a server until it has failed more than
         # max_reconnect_attempts times (and forever for -1), without waiting
-        # when reconnect_time_wait is 0. Our loop below does the backoff.
+        # when reconnect_time_wait is 0. connect() does the backoff.
         "allow_reconnect": False,
         "max_reconnect_attempts": 1,
         "reconnect_time_wait": 0,
         **auth_options(settings),
         **_callbacks(name),
     }
+
+
+async def connect(settings: NatsSettings, name: str) -> Client:
+    """Connect to NATS with start-up retries; see the module docstring."""
+    from nats.aio.client import Client
+    from nats.errors import Error as NatsError
+
+    opts = connect_options(settings, name)
     last: Exception | None = None
     for attempt in range(1, settings.connect_attempts + 1):
         nc = Client()
@@ -181,19 +185,7 @@ async def connect(settings: NatsSettings, name: str) -> Client:
             await nc.connect(**opts)
         except (OSError, TimeoutError, NatsError) as e:
             await _discard(nc)
-            if isinstance(e, ssl.SSLCertVerificationError):  # a wrong CA will not fix itself
-                raise NatsConnectError(
-                    f"TLS: the certificate of NATS at {settings.url} does not verify "
-                    f"against [nats] tls_ca: {e}",
-                    url=settings.url,
-                    attempts=attempt,
-                ) from e
-            if _is_auth_error(e):
-                raise NatsConnectError(
-                    f"NATS at {settings.url} refused the credentials: {e}",
-                    url=settings.url,
-                    attempts=attempt,
-                ) from e
+            _raise_if_final(e, settings.url, attempt)
             last = e
             if attempt < settings.connect_attempts:
                 delay = connect_backoff(attempt)
@@ -220,6 +212,20 @@ async def connect(settings: NatsSettings, name: str) -> Client:
         url=settings.url,
         attempts=settings.connect_attempts,
     ) from last
+
+
+def _raise_if_final(e: Exception, url: str, attempt: int) -> None:
+    """A failure retrying cannot fix (a certificate, credentials): NatsConnectError now."""
+    if isinstance(e, ssl.SSLCertVerificationError):  # a wrong CA will not fix itself
+        raise NatsConnectError(
+            f"TLS: the certificate of NATS at {url} does not verify against [nats] tls_ca: {e}",
+            url=url,
+            attempts=attempt,
+        ) from e
+    if _is_auth_error(e):
+        raise NatsConnectError(
+            f"NATS at {url} refused the credentials: {e}", url=url, attempts=attempt
+        ) from e
 
 
 def _is_auth_error(e: Exception) -> bool:

@@ -104,6 +104,16 @@ class ServiceSettings(BaseSettings):
         description="A mixture instead of [task]: [tasks.<name>] tables, mixed by weight.",
     )
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Each section's environment prefix follows from its name: `FLYWHEEL_<SECTION>_`.
+
+        Read by pydantic-settings when an instance is built, so setting it
+        here (once per class) is all a subclass needs besides `section`.
+        """
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.model_config = {**cls.model_config, "env_prefix": env_prefix_for(cls.section)}
+
     @model_validator(mode="after")
     def _has_task(self) -> ServiceSettings:
         if self.needs_task:

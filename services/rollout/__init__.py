@@ -1,0 +1,7 @@
+"""A rollout worker: tasks in, scored sample groups out, for the one engine beside it.
+
+`core` (pure: request ids, versions, samples), `worker` (one task, one
+group; heartbeats), `weights_fetch` (the engine's local weight copies),
+`envs/` (multi-turn environments), `app` (wiring), `metrics`, `settings`,
+`cli`.
+"""

@@ -1,3 +1,5 @@
+"""`python -m services.rollout -c run.toml` (and `flywheel rollout`)."""
+
 import sys
 
 from services.rollout.cli import main

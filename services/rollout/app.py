@@ -60,19 +60,27 @@ async def body(ctx: ServiceContext) -> None:
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
         worker.fetcher = WeightsFetcher(
-            ctx.js, ctx.nc, s.run, s.weights_dir / s.run / s.engine_id, poll_s=s.weights_poll_s,
-            keep=s.weights_keep, idle_timeout_s=s.weights_idle_timeout_s,
+            ctx.js,
+            ctx.nc,
+            s.run,
+            s.weights_dir / s.run / s.engine_id,
+            poll_s=s.weights_poll_s,
+            keep=s.weights_keep,
+            idle_timeout_s=s.weights_idle_timeout_s,
             on_download=worker.metrics.downloaded,
-        )  # fmt: skip
+        )
         ctx.readiness.set("engine", "not checked yet")
         await worker.wait_for_engine(ctx.stop)  # its SGLang release decides the routes
         heartbeat = asyncio.create_task(worker.heartbeat_loop(ctx.stop))
         fetch = asyncio.create_task(worker.fetcher.run_loop(ctx.stop, worker.engine_version))
         try:
             await ctx.consume(
-                consumers_for(s.run)["rollout"], PromptTask, worker.on_task,
-                concurrency=s.concurrency, batch=s.concurrency,
-            )  # fmt: skip
+                consumers_for(s.run)["rollout"],
+                PromptTask,
+                worker.on_task,
+                concurrency=s.concurrency,
+                batch=s.concurrency,
+            )
         finally:
             await heartbeat
             await fetch

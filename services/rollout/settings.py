@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field, SecretStr
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 
@@ -15,9 +14,6 @@ from services.common.settings import ServiceSettings
 class RolloutSettings(ServiceSettings):
     section: ClassVar[str] = "rollout"
     needs_task: ClassVar[bool] = True
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_ROLLOUT_", env_nested_delimiter="__", extra="forbid"
-    )
 
     engine_url: str = Field("http://127.0.0.1:30000", description="The engine beside this worker.")
     engine_id: str = Field(

@@ -1,15 +1,15 @@
-"""The engine side of the NATS weights transport: keep the newest version on local disk.
+"""The engine side of the weights transport: keep the newest version on local disk.
 
 Beside each engine, the rollout worker watches the newest `WeightsPublished`
 (the last message on `weights.published`, re-read every `weights_poll_s`
 and at once when a new one is announced — so a worker that starts late, or
-missed a message while disconnected, still finds the newest version) and,
-when it is a `nats://` version newer than what it holds, downloads it into
-`<weights_dir>/<run>/<engine_id>/v000012/` (services/common/weights_nats.py:
-verified, renamed into place). Its heartbeats report that directory and the
-newest downloaded version; sync updates the engine only once the version is
-there, with the engine-local path. File-URI versions are ignored here: the
-engine reads those from the shared directory.
+missed a message while disconnected, still finds the newest version) and
+hands it to the transport its URI names, which brings it into
+`<weights_dir>/<run>/<engine_id>/v000012/` when the engine needs a local
+copy (NATS: downloaded, verified, renamed into place) and does nothing when
+the engine reads a shared directory. Its heartbeats report that directory
+and the newest version received; sync updates the engine only once the
+version is there, with the engine-local path.
 
 Local copies are not trusted across restarts (they are not fsynced): the
 directory is emptied at start and the newest version is fetched again.
@@ -18,7 +18,6 @@ directory is emptied at start and the newest version is fetched again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
@@ -28,23 +27,20 @@ from typing import Any
 from proto.codec import decode
 from proto.errors import ProtocolError
 from proto.messages import WeightsPublished
-from proto.streams import parse_weights_nats_uri, stream_name
+from proto.streams import stream_name
 from proto.subjects import Subjects
-from services.common.weights_nats import WeightsTransferError, download
+from services.common.msgloop import pause
+from services.common.weights import (
+    BadWeightsUri,
+    Transports,
+    WeightsTransferError,
+    Wiring,
+    versions_in,
+)
+from services.common.weights.layout import remove_versions
+from services.rollout.core import prunable
 
 log = logging.getLogger(__name__)
-
-
-def version_name(version: int) -> str:
-    return f"v{version:06d}"
-
-
-def prunable(held: list[int], serving: int, keep: int) -> list[int]:
-    """Local versions to delete: older than both the served one and the newest `keep`."""
-    if not held:
-        return []
-    floor = min(serving, sorted(held)[-keep] if len(held) >= keep else min(held))
-    return [v for v in held if v < floor]
 
 
 class WeightsFetcher:
@@ -69,6 +65,7 @@ class WeightsFetcher:
         self.idle_timeout_s = idle_timeout_s
         self.on_download = on_download  # (version, bytes, seconds), for metrics
         self.downloaded: int | None = None
+        self.transports = Transports(Wiring(run, js=js, idle_timeout_s=idle_timeout_s))
         self._wake = asyncio.Event()
 
     def reset(self) -> None:
@@ -78,11 +75,7 @@ class WeightsFetcher:
         self.local_dir.mkdir(parents=True)
 
     def held(self) -> list[int]:
-        return sorted(
-            int(p.name[1:])
-            for p in self.local_dir.glob("v[0-9]*")
-            if p.is_dir() and p.name[1:].isdigit()
-        )
+        return versions_in(self.local_dir)
 
     async def latest(self) -> WeightsPublished | None:
         from nats.js.errors import NotFoundError
@@ -100,31 +93,33 @@ class WeightsFetcher:
             return None
 
     async def fetch_once(self) -> int | None:
-        """Download the newest published version if it came over NATS and is new here."""
+        """Receive the newest published version if its transport needs a local copy of it."""
         msg = await self.latest()
-        if msg is None or not msg.uri.startswith("nats://"):
+        if msg is None:
             return None
         try:
-            _, version = parse_weights_nats_uri(msg.uri)
-        except ValueError as e:
+            transport = self.transports.for_uri(msg.uri)
+            got = await transport.receive(msg, self.local_dir, newer_than=self.downloaded)
+        except BadWeightsUri as e:
             log.warning("rollout: %s", e)
             return None
-        if self.downloaded is not None and version <= self.downloaded:
+        if got is None:
             return None
-        got = await download(
-            self.js, self.run, version, msg.sha256, self.local_dir / version_name(version),
-            idle_timeout_s=self.idle_timeout_s,
-        )  # fmt: skip
-        self.downloaded = version
-        log.info("rollout: v%d downloaded over NATS: %.1f MB in %.2fs (%.0f MB/s)",
-                 version, got.bytes / 1e6, got.seconds, got.mb_per_s)  # fmt: skip
+        self.downloaded = got.version
+        log.info(
+            "rollout: v%d received (%s): %.1f MB in %.2fs (%.0f MB/s)",
+            got.version,
+            transport.kind,
+            got.bytes / 1e6,
+            got.seconds,
+            got.mb_per_s,
+        )
         if self.on_download is not None:
-            self.on_download(version, got.bytes, got.seconds)
-        return version
+            self.on_download(got.version, got.bytes, got.seconds)
+        return got.version
 
     def prune(self, serving: int) -> None:
-        for v in prunable(self.held(), serving, self.keep):
-            shutil.rmtree(self.local_dir / version_name(v), ignore_errors=True)
+        remove_versions(self.local_dir, prunable(self.held(), serving, self.keep))
 
     async def run_loop(self, stop: asyncio.Event, serving: Callable[[], Awaitable[int]]) -> None:
         """Until `stop`: fetch what is new, prune what the engine no longer needs."""
@@ -147,18 +142,6 @@ class WeightsFetcher:
                 except (WeightsTransferError, NatsError, EngineError, OSError, TimeoutError) as e:
                     # NATS reconnecting, engine restarting, a bad download: try again later.
                     log.warning("rollout: weights fetch failed (will retry): %r", e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        _first(stop.wait(), self._wake.wait()), timeout=self.poll_s
-                    )
+                await pause(stop, self.poll_s, self._wake)
         finally:
             await sub.unsubscribe()
-
-
-async def _first(*aws: Awaitable[Any]) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()

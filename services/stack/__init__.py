@@ -1,0 +1,1 @@
+"""The local stack: `flywheel up` (plan, supervisor, status line), `demo`, `status`, `eval`."""

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
-import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from services.common.ports import free_port
 from services.common.service_main import settings_or_exit
 from services.stack.settings import StackSettings
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+if TYPE_CHECKING:
+    from services.stack.status import Status
+    from services.stack.supervisor import Supervisor
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,9 +35,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
     p.add_argument("--print-config", action="store_true", help="print [stack] settings and exit")
     p.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="print each process's GPUs, command and environment; start nothing",
-    )  # fmt: skip
+    )
     return p
 
 
@@ -54,58 +54,31 @@ async def up(
     """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
     (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
     from services.common import local_run
-    from services.common.nats_cluster import embedded_nats
     from services.stack.plan import plan
-    from services.stack.status import render_line, scrape, summarise
     from services.stack.supervisor import StackError, Supervisor
 
     run_dir = s.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    nats = None
-    url = s.nats.url
-    if s.embedded_nats:
-        nats = embedded_nats(s.nats_cluster, port=s.nats_port, store_dir=run_dir / "nats").start()
-        url = nats.url
-        # `flywheel status -c` and workers added by hand find this NATS here
-        local_run.record(run_dir, url, s.model.resolve())
-        what = "nats-server" if s.nats_cluster == 1 else f"NATS cluster of {s.nats_cluster}"
-        print(f"flywheel up: embedded {what} at {url} (store {run_dir / 'nats'})")
-    specs = plan(s, config.resolve(), url, free_port)
+    nats, url = start_nats(s, run_dir)
     sup = Supervisor(
-        specs, run_dir / "logs", on_failure=s.on_failure, max_restarts=s.max_restarts,
-        ready_timeout_s=s.ready_timeout_s, stop_grace_s=s.stop_grace_s,
-        console=None if quiet else sys.stdout, pids_file=run_dir / "pids.json",
-    )  # fmt: skip
+        plan(s, config.resolve(), url, free_port),
+        run_dir / "logs",
+        on_failure=s.on_failure,
+        max_restarts=s.max_restarts,
+        ready_timeout_s=s.ready_timeout_s,
+        stop_grace_s=s.stop_grace_s,
+        console=None if quiet else sys.stdout,
+        pids_file=run_dir / "pids.json",
+    )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    status_file = run_dir / "status.log"
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    goal = Goal(steps, target_accuracy, max_seconds)
     try:
         await sup.start_all()
         print(f"flywheel up: all services ready; logs in {run_dir / 'logs'}")
         watcher = asyncio.create_task(sup.watch(stop))
-        urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
-        before = None
-        deadline = time.monotonic() + max_seconds if max_seconds else None
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), s.status_interval_s)
-            now = summarise(await scrape(urls))
-            line = render_line(now, before)
-            before = now
-            print(f"flywheel up: {line}", flush=True)
-            with status_file.open("a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-            if steps is not None and now.step is not None and now.step >= steps:
-                print(f"flywheel up: reached {steps} steps; stopping")
-                stop.set()
-            elif target_accuracy is not None and (now.accuracy or 0.0) >= target_accuracy:
-                print(f"flywheel up: held-out accuracy {now.accuracy:.3f} reached; stopping")
-                stop.set()
-            elif deadline is not None and time.monotonic() > deadline:
-                print(f"flywheel up: {max_seconds:.0f}s passed; stopping")
-                stop.set()
+        await show_status(s, sup, run_dir / "status.log", stop, goal)
         await watcher
     except StackError as e:
         print(f"flywheel up: {e}", file=sys.stderr)
@@ -118,12 +91,70 @@ async def up(
     return 1 if sup.failed else 0
 
 
+def start_nats(s: StackSettings, run_dir: Path) -> tuple[Any, str]:
+    """The embedded NATS (one server or a cluster) and its URL; none with an external one."""
+    from services.common import local_run
+    from services.common.nats_cluster import embedded_nats
+
+    if not s.embedded_nats:
+        return None, s.nats.url
+    nats = embedded_nats(s.nats_cluster, port=s.nats_port, store_dir=run_dir / "nats").start()
+    # `flywheel status -c` and workers added by hand find this NATS here
+    local_run.record(run_dir, nats.url, s.model.resolve())
+    what = "nats-server" if s.nats_cluster == 1 else f"NATS cluster of {s.nats_cluster}"
+    print(f"flywheel up: embedded {what} at {nats.url} (store {run_dir / 'nats'})")
+    return nats, nats.url
+
+
+@dataclass(frozen=True)
+class Goal:
+    """When `up` stops by itself: steps trained, held-out accuracy, or wall time."""
+
+    steps: int | None = None
+    accuracy: float | None = None
+    seconds: float | None = None
+
+    def reached(self, now: Status, elapsed_s: float) -> str | None:
+        """Why to stop, given the status `now`, or None to go on."""
+        if self.steps is not None and now.step is not None and now.step >= self.steps:
+            return f"reached {self.steps} steps"
+        if self.accuracy is not None and (now.accuracy or 0.0) >= self.accuracy:
+            return f"held-out accuracy {now.accuracy:.3f} reached"
+        if self.seconds and elapsed_s > self.seconds:
+            return f"{self.seconds:.0f}s passed"
+        return None
+
+
+async def show_status(
+    s: StackSettings, sup: Supervisor, status_file: Path, stop: asyncio.Event, goal: Goal
+) -> None:
+    """A status line every `status_interval_s` (console and status.log) until stop or goal."""
+    from services.common.msgloop import pause
+    from services.stack.status import render_line, scrape, summarise
+
+    urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
+    before = None
+    started = time.monotonic()
+    while not stop.is_set():
+        await pause(stop, s.status_interval_s)
+        now = summarise(await scrape(urls))
+        line = render_line(now, before)
+        before = now
+        print(f"flywheel up: {line}", flush=True)
+        with status_file.open("a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        why = goal.reached(now, time.monotonic() - started)
+        if why is not None:
+            print(f"flywheel up: {why}; stopping")
+            stop.set()
+
+
 SETTINGS = {
     "buffer": "services.buffer.settings:BufferSettings",
     "rollout": "services.rollout.settings:RolloutSettings",
-    "trainer": "services.trainer.service_settings:TrainerSettings",
+    "trainer": "services.trainer.settings:TrainerSettings",
     "sync": "services.sync.settings:SyncSettings",
-    "engine": "services.rollout.engine.settings:EngineSettings",
+    "engine": "services.engine.settings:EngineSettings",
 }
 
 

@@ -22,6 +22,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from services.common.weights import published_dir, version_of, versions_in
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
 
@@ -30,11 +32,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", default=str(DEFAULT_CONFIG), help="run file of the RL stage")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
     p.add_argument("--sft-steps", type=int, default=3000, help="SFT warm-start steps")
-    p.add_argument("--sft-corrupt", type=float, default=0.6,
-                   help="fraction of SFT labels that drop the carry out of the tens")  # fmt: skip
+    p.add_argument(
+        "--sft-corrupt",
+        type=float,
+        default=0.6,
+        help="fraction of SFT labels that drop the carry out of the tens",
+    )
     p.add_argument("--rl-steps", type=int, default=130, help="RL optimizer steps")
-    p.add_argument("--target-accuracy", type=float,
-                   help="stop RL once the trainer's held-out accuracy reaches this")  # fmt: skip
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="stop RL once the trainer's held-out accuracy reaches this",
+    )
     p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
     p.add_argument("--eval-size", type=int, default=500, help="held-out problems")
@@ -52,9 +61,9 @@ def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
 
 def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
     from services.common.tiny_model import write_tiny_model
-    from services.trainer.config import ModelConfig, OptimConfig
-    from services.trainer.sft import SftSettings, run_sft
-    from services.trainer.sft_data import write_arithmetic_jsonl
+    from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
+    from services.trainer.sft.data import write_arithmetic_jsonl
+    from services.trainer.sft.loop import run_sft
 
     init = write_tiny_model(run_dir / "model-init")
     data = write_arithmetic_jsonl(
@@ -62,11 +71,16 @@ def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
     )  # seed 7: not the RL prompts (seed 0) nor the held-out ones
     out = run_dir / "model-sft"
     settings = SftSettings(
-        model_dir=init, train_file=data, output_dir=out, overwrite=True, steps=steps,
-        batch_size=64, log_every=200,
+        model_dir=init,
+        train_file=data,
+        output_dir=out,
+        overwrite=True,
+        steps=steps,
+        batch_size=64,
+        log_every=200,
         optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="cosine"),
         model=ModelConfig(cpu_threads=1),
-    )  # fmt: skip
+    )
     run_sft(settings)
     return out
 
@@ -119,8 +133,12 @@ def plot(metrics: Path, out: Path) -> Path | None:
             [row["reward_mean"] for row in r],
             label="train reward (groups the filter kept)",
         )
-        ax.plot([row[x] for row in a], [row["eval_accuracy"] for row in a], "o-",
-                label="held-out accuracy")  # fmt: skip
+        ax.plot(
+            [row[x] for row in a],
+            [row["eval_accuracy"] for row in a],
+            "o-",
+            label="held-out accuracy",
+        )
         ax.set_xlabel("optimizer step" if x == "step" else "seconds of RL")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -132,8 +150,9 @@ def plot(metrics: Path, out: Path) -> Path | None:
 
 
 def latest_weights(run_dir: Path, run: str) -> Path | None:
-    versions = sorted((run_dir / "weights" / run).glob("v[0-9]*"))
-    return versions[-1] if versions else None
+    """The newest version `flywheel up` published in `run_dir` (its trainer's weights root)."""
+    versions = versions_in(run_dir / "weights" / run)
+    return published_dir(run_dir / "weights", run, versions[-1]) if versions else None
 
 
 def demo_main(argv: list[str] | None = None) -> int:
@@ -146,31 +165,15 @@ def demo_main(argv: list[str] | None = None) -> int:
     base = load_settings(StackSettings, config)
     run_dir = Path(args.run_dir or base.run_dir).resolve()
     tasks = base.task_set()
-    sft_model = run_dir / "model-sft"
-    if not (args.keep and (sft_model / "flywheel-manifest.json").is_file()):
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True)
-        print(f"flywheel demo: SFT warm start, {args.sft_steps} steps "
-              f"({args.sft_corrupt:.0%} of labels drop the carry out of the tens)",
-              flush=True)  # fmt: skip
-        warm_start(run_dir, args.sft_steps, args.sft_corrupt)
-    else:  # keep the SFT model, start RL afresh
-        for sub in ("weights", "checkpoints", "nats", "logs", "metrics.jsonl", "status.log"):
-            p = run_dir / sub
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    sft_model = sft_stage(args, run_dir)
     before = held_out_accuracy(tasks, sft_model, args.eval_size)
     print(f"flywheel demo: held-out accuracy after SFT: {before:.3f}", flush=True)
     rf = run_file(config, run_dir, sft_model, args.max_staleness)
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
     started = time.time()
-    code = asyncio.run(
-        up(
-            settings, rf, steps=args.rl_steps, quiet=args.quiet,
-            target_accuracy=args.target_accuracy, max_seconds=args.rl_seconds,
-        )
-    )  # fmt: skip
+    stop_at = {"target_accuracy": args.target_accuracy, "max_seconds": args.rl_seconds}
+    code = asyncio.run(up(settings, rf, steps=args.rl_steps, quiet=args.quiet, **stop_at))
     rl_s = time.time() - started
     final = latest_weights(run_dir, settings.run)
     if code != 0 or final is None:
@@ -178,13 +181,34 @@ def demo_main(argv: list[str] | None = None) -> int:
         return code or 1
     after = held_out_accuracy(tasks, final, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    steps = int(final.name[1:])
-    summary = {"accuracy_before": before, "accuracy_after": after, "rl_seconds": rl_s,
-               "rl_steps": steps, "weights": str(final)}  # fmt: skip
+    steps = version_of(final.name)
+    summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after}
+    summary |= {"rl_seconds": rl_s, "rl_steps": steps, "weights": str(final)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nflywheel demo: held-out greedy accuracy {before:.3f} → {after:.3f} "
-          f"after {steps} RL steps ({rl_s:.0f}s)")  # fmt: skip
+    print(
+        f"\nflywheel demo: held-out greedy accuracy {before:.3f} → {after:.3f} "
+        f"after {steps} RL steps ({rl_s:.0f}s)"
+    )
     print(
         f"flywheel demo: metrics {run_dir / 'metrics.jsonl'}, plot {png}, logs {run_dir / 'logs'}"
     )
     return 0
+
+
+def sft_stage(args: argparse.Namespace, run_dir: Path) -> Path:
+    """The warm-started model: trained afresh, or (--keep) the one a previous demo left."""
+    sft_model = run_dir / "model-sft"
+    if args.keep and (sft_model / "flywheel-manifest.json").is_file():
+        for sub in ("weights", "checkpoints", "nats", "logs", "metrics.jsonl", "status.log"):
+            p = run_dir / sub
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        return sft_model  # RL starts afresh
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    print(
+        f"flywheel demo: SFT warm start, {args.sft_steps} steps "
+        f"({args.sft_corrupt:.0%} of labels drop the carry out of the tens)",
+        flush=True,
+    )
+    return warm_start(run_dir, args.sft_steps, args.sft_corrupt)

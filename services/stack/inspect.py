@@ -25,8 +25,10 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("model", nargs="?", help="weights directory (same as --weights)")
     p.add_argument("-c", "--config", help="run file: its [task] (default: the arithmetic task)")
-    p.add_argument("--weights", help="HF model directory (default: the run's newest weights, "
-                   "else [stack] model)")  # fmt: skip
+    p.add_argument(
+        "--weights",
+        help="HF model directory (default: the run's newest weights, else [stack] model)",
+    )
     p.add_argument("-n", type=int, help="held-out rows (default: [task] eval.size)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     args = p.parse_args(argv)
@@ -40,13 +42,15 @@ def eval_main(argv: list[str] | None = None) -> int:
         print(f"flywheel eval: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": str(model_dir), **report.metrics(), "accuracy":
-                          report.pass_at_1, "total": report.total}))  # fmt: skip
+        doc = {"model": str(model_dir), **report.metrics(), "accuracy": report.pass_at_1}
+        print(json.dumps({**doc, "total": report.total}))
         return 0
     for name, t in report.tasks.items():
         k = f", pass@{t.k} {t.pass_at_k:.3f}" if t.pass_at_k is not None else ""
-        print(f"{model_dir}: {name}: held-out pass@1 {t.pass_at_1:.3f}{k} "
-              f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})")  # fmt: skip
+        print(
+            f"{model_dir}: {name}: held-out pass@1 {t.pass_at_1:.3f}{k} "
+            f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})"
+        )
         for prompt, completion, answer in t.examples:
             print(f"  {prompt[-60:]!r} -> {completion[:80]!r}  (answer {answer!r})")
     return 0
@@ -63,8 +67,9 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
 
     if config is None:
         held_out = ArithmeticSource(type="arithmetic", seed=1_000_003)
-        spec = TaskSpec(source=ArithmeticSource(type="arithmetic"),
-                        eval=EvalSpec(source=held_out, size=500))  # fmt: skip
+        spec = TaskSpec(
+            source=ArithmeticSource(type="arithmetic"), eval=EvalSpec(source=held_out, size=500)
+        )
         tasks, model_dir = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"}), None
     else:
         s = load_settings(StackSettings, config)
@@ -80,72 +85,130 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
 
 async def gather_status(settings: Any) -> dict[str, Any]:
     """Everything `flywheel status` shows, as a plain dict."""
-    from nats.js.errors import KeyNotFoundError, NotFoundError
+    from services.common.nats_conn import connect
+
+    run = settings.run
+    nc = await connect(settings.nats, "flywheel-status")
+    js = nc.jetstream()
+    try:
+        return {
+            "run": run,
+            "streams": await _streams(js, run),
+            "at": time.time(),
+            **await _task_queue(js, run),
+            **await _weight_versions(js, run),
+            "engines": await _engines(js, run),
+            "buffer": await _buffer(js, run),
+            "dead_letters": await _dead_letters(js, run),
+        }
+    finally:
+        await nc.close()
+
+
+async def _streams(js: Any, run: str) -> dict[str, Any]:
+    from nats.js.errors import NotFoundError
+
+    from proto.streams import streams_for
+
+    out = {}
+    for spec in streams_for(run):
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            continue
+        out[spec.name] = {"messages": info.state.messages, "last_seq": info.state.last_seq}
+    return out
+
+
+async def _task_queue(js: Any, run: str) -> dict[str, Any]:
+    """The rollout work queue's backlog (absent until a worker made its consumer)."""
+    from nats.js.errors import NotFoundError
+
+    from proto.streams import consumers_for
+
+    c = consumers_for(run)["rollout"]
+    try:
+        ci = await js.consumer_info(c.stream, c.durable)
+    except NotFoundError:
+        return {}
+    return {"tasks": {"pending": ci.num_pending, "in_progress": ci.num_ack_pending}}
+
+
+async def _weight_versions(js: Any, run: str) -> dict[str, int | None]:
+    """The newest version published, and the newest ready on every engine."""
+    from nats.js.errors import NotFoundError
 
     from proto.codec import decode
     from proto.errors import ProtocolError
     from proto.messages import WeightsPublished, WeightsReady
-    from proto.streams import consumers_for, kv_bucket, stream_name, streams_for
+    from proto.streams import stream_name
     from proto.subjects import Subjects
-    from services.common.nats_conn import connect
 
-    run, subjects = settings.run, Subjects(settings.run)
-    nc = await connect(settings.nats, "flywheel-status")
-    js = nc.jetstream()
-    out: dict[str, Any] = {"run": run, "streams": {}, "at": time.time()}
-    try:
-        for spec in streams_for(run):
-            try:
-                info = await js.stream_info(spec.name)
-            except NotFoundError:
-                continue
-            out["streams"][spec.name] = {"messages": info.state.messages,
-                                         "last_seq": info.state.last_seq}  # fmt: skip
-        c = consumers_for(run)["rollout"]
+    subjects = Subjects(run)
+    out: dict[str, int | None] = {}
+    for key, subject, cls in (
+        ("published", subjects.weights_published, WeightsPublished),
+        ("ready", subjects.weights_ready, WeightsReady),
+    ):
         try:
-            ci = await js.consumer_info(c.stream, c.durable)
-            out["tasks"] = {"pending": ci.num_pending, "in_progress": ci.num_ack_pending}
-        except NotFoundError:
-            pass
-        for key, subject, cls in (
-            ("published", subjects.weights_published, WeightsPublished),
-            ("ready", subjects.weights_ready, WeightsReady),
-        ):
-            try:
-                raw = await js.get_last_msg(stream_name(run, "WEIGHTS"), subject)
-                out[key] = decode(raw.data or b"", cls).version  # type: ignore[attr-defined]
-            except (NotFoundError, ProtocolError):
-                out[key] = None
-        engines = {}
-        for hb in await last_heartbeats(js, run, subjects.heartbeats_all):
-            engines[hb.engine_id] = {
-                "version": hb.weight_version,
-                "url": hb.url,
-                "running": hb.running,
-                "age_s": time.time() - hb.sent_at,
-            }
-        out["engines"] = engines
-        try:
-            kv = await js.key_value(kv_bucket(run, "buffer"))
-            from services.buffer.app import load_state
-
-            state, pending = load_state((await kv.get("state")).value or b"")
-            out["buffer"] = {"next_step": state.next_step, "dispatched": state.dispatched,
-                             "in_flight": state.in_flight, "pending_groups": len(pending),
-                             "epoch": state.cursor.epoch}  # fmt: skip
-        except (NotFoundError, KeyNotFoundError):
-            out["buffer"] = None
-        reasons: Counter[str] = Counter()
-        try:  # per-subject counts, straight from the server
-            dlq = await js.stream_info(stream_name(run, "DLQ"), subjects_filter=subjects.dlq_all)
-            for subject, count in (dlq.state.subjects or {}).items():
-                reasons[subject.rsplit(".", 1)[-1]] += count
-        except NotFoundError:
-            pass
-        out["dead_letters"] = dict(reasons)
-    finally:
-        await nc.close()
+            raw = await js.get_last_msg(stream_name(run, "WEIGHTS"), subject)
+            out[key] = decode(raw.data or b"", cls).version  # type: ignore[attr-defined]
+        except (NotFoundError, ProtocolError):
+            out[key] = None
     return out
+
+
+async def _engines(js: Any, run: str) -> dict[str, Any]:
+    from proto.subjects import Subjects
+
+    return {
+        hb.engine_id: {
+            "version": hb.weight_version,
+            "url": hb.url,
+            "running": hb.running,
+            "age_s": time.time() - hb.sent_at,
+        }
+        for hb in await last_heartbeats(js, run, Subjects(run).heartbeats_all)
+    }
+
+
+async def _buffer(js: Any, run: str) -> dict[str, Any] | None:
+    """The buffer's persisted state (services/buffer/state.py), None before it wrote one."""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    from proto.streams import kv_bucket
+    from services.buffer.state import STATE_KEY, load_state
+
+    try:
+        kv = await js.key_value(kv_bucket(run, "buffer"))
+        state, pending = load_state((await kv.get(STATE_KEY)).value or b"")
+    except (NotFoundError, KeyNotFoundError):
+        return None
+    return {
+        "next_step": state.next_step,
+        "dispatched": state.dispatched,
+        "in_flight": state.in_flight,
+        "pending_groups": len(pending),
+        "epoch": state.cursor.epoch,
+    }
+
+
+async def _dead_letters(js: Any, run: str) -> dict[str, int]:
+    """Dead letters by reason: per-subject counts, straight from the server."""
+    from nats.js.errors import NotFoundError
+
+    from proto.streams import stream_name
+    from proto.subjects import Subjects
+
+    reasons: Counter[str] = Counter()
+    subjects = Subjects(run)
+    try:
+        dlq = await js.stream_info(stream_name(run, "DLQ"), subjects_filter=subjects.dlq_all)
+    except NotFoundError:
+        return {}
+    for subject, count in (dlq.state.subjects or {}).items():
+        reasons[subject.rsplit(".", 1)[-1]] += count
+    return dict(reasons)
 
 
 async def last_heartbeats(js: Any, run: str, subject: str) -> list[Any]:
@@ -186,9 +249,11 @@ def render_status(s: dict[str, Any]) -> str:
     lines = [f"run {s['run']}"]
     b = s.get("buffer")
     if b:
-        lines.append(f"  buffer: next step {b['next_step']}, {b['dispatched']} tasks dispatched, "
-                     f"{b['in_flight']} in flight, {b['pending_groups']} groups pending, "
-                     f"epoch {b['epoch']}")  # fmt: skip
+        lines.append(
+            f"  buffer: next step {b['next_step']}, {b['dispatched']} tasks dispatched, "
+            f"{b['in_flight']} in flight, {b['pending_groups']} groups pending, "
+            f"epoch {b['epoch']}"
+        )
     t = s.get("tasks")
     if t:
         lines.append(f"  tasks queue: {t['pending']} waiting, {t['in_progress']} being generated")
@@ -196,8 +261,10 @@ def render_status(s: dict[str, Any]) -> str:
         f"  weights: published v{s.get('published')}, ready on every engine v{s.get('ready')}"
     )
     for eid, e in sorted(s.get("engines", {}).items()):
-        lines.append(f"  engine {eid}: v{e['version']} at {e['url']}, {e['running']} running, "
-                     f"heartbeat {e['age_s']:.0f}s ago")  # fmt: skip
+        lines.append(
+            f"  engine {eid}: v{e['version']} at {e['url']}, {e['running']} running, "
+            f"heartbeat {e['age_s']:.0f}s ago"
+        )
     dl = s.get("dead_letters") or {}
     lines.append(
         "  dead letters: " + (", ".join(f"{k} {v}" for k, v in sorted(dl.items())) or "none")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.rollout.engine.sglang_launcher import SGLangOptions, command
+from services.engine.sglang_launcher import SGLangOptions, command
 from services.stack.settings import StackSettings
 
 ORDER = ("engine", "rollout", "sync", "trainer", "buffer")
@@ -55,15 +55,18 @@ def engine_spec(
     if s.engine == "sglang":
         gpus = tuple(s.engine_gpus[i])
         opts = SGLangOptions(
-            model_path=s.model, port=port, weight_version="0", tp_size=len(gpus),
-            mem_fraction_static=s.engine_mem_fraction, api_key=key, enable_metrics=True,
+            model_path=s.model,
+            port=port,
+            weight_version="0",
+            tp_size=len(gpus),
+            mem_fraction_static=s.engine_mem_fraction,
+            api_key=key,
+            enable_metrics=True,
             extra_args=tuple(s.engine_args),
-        )  # fmt: skip
+        )
         return tuple(command(opts)), {**_visible(gpus), "HF_HUB_OFFLINE": "1"}, gpus
-    argv = _py(
-        "services.rollout.engine", "--config", str(config), "--model", str(s.model),
-        "--port", str(port), "--weight-version", "0",
-    )  # fmt: skip
+    argv = _py("services.engine", "--config", str(config), "--model", str(s.model))
+    argv += ("--port", str(port), "--weight-version", "0")
     if key:
         argv += ("--api-key", key)
     env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.engine_threads)}
@@ -79,8 +82,9 @@ def plan(
     key = s.engine_api_key.get_secret_value() if s.engine_api_key else None
     no_gpu = _visible(()) if s.gpu_map else {}
 
-    def service(kind: str, name: str, argv: tuple[str, ...], env: dict[str, str],
-                **extra: object) -> ProcSpec:  # fmt: skip
+    def service(
+        kind: str, name: str, argv: tuple[str, ...], env: dict[str, str], **extra: object
+    ) -> ProcSpec:
         port = free_port()
         prefix = f"FLYWHEEL_{kind.upper()}_"
         env = {
@@ -101,8 +105,9 @@ def plan(
             port = free_port()
             argv, env, gpus = engine_spec(s, i, config, port)
             url = f"http://127.0.0.1:{port}"
-            engines.append(ProcSpec(f"engine-{i}", "engine", argv, env,
-                                    f"{url}/health_generate", None, gpus))  # fmt: skip
+            engines.append(
+                ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health_generate", None, gpus)
+            )
     specs += engines
     if "rollout" in s.services:
         for i, eng in enumerate(engines):
@@ -129,10 +134,8 @@ def trainer_spec(
 ) -> ProcSpec:
     trainer_argv: tuple[str, ...]
     if s.trainer_nproc > 1:
-        trainer_argv = (
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={s.trainer_nproc}", "-m", "services.trainer", "-c", str(config),
-        )  # fmt: skip
+        torchrun = ("torch.distributed.run", "--standalone", f"--nproc_per_node={s.trainer_nproc}")
+        trainer_argv = _py(*torchrun, "-m", "services.trainer", "-c", str(config))
     else:
         trainer_argv = _py("services.trainer", "-c", str(config))
     env = {

@@ -6,16 +6,12 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 
 
 class StackSettings(ServiceSettings):
     section: ClassVar[str] = "stack"
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_STACK_", env_nested_delimiter="__", extra="forbid"
-    )
 
     run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
     model: Path = Field(Path("runs/demo/model"), description="Initial model directory.")
@@ -98,8 +94,10 @@ class StackSettings(ServiceSettings):
         if any(not gpus for gpus in self.engine_gpus):
             raise ValueError("engine_gpus: an engine has an empty GPU list")
         if self.trainer_gpus and len(self.trainer_gpus) != self.trainer_nproc:
-            raise ValueError(f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
-                             f"{self.trainer_nproc} ranks")  # fmt: skip
+            raise ValueError(
+                f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
+                f"{self.trainer_nproc} ranks"
+            )
         used = [g for gpus in self.engine_gpus for g in gpus] + list(self.trainer_gpus)
         shared = sorted({g for g in used if used.count(g) > 1})
         if shared:

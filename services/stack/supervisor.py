@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from services.common.errors import EXIT_CONFIG, EXIT_HALTED, FlywheelError
+from services.common.msgloop import pause
 from services.stack.plan import ProcSpec
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,15 @@ class Supervisor:
             return
         started = [p for p in self.procs if p.proc is not None]
         procs = {
-            p.name: {"pid": p.proc.pid, "restarts": p.restarts, "metrics_url": p.spec.metrics_url,
-                     "ready_url": p.spec.ready_url}
-            for p in started if p.proc is not None
-        }  # fmt: skip
+            p.name: {
+                "pid": p.proc.pid,
+                "restarts": p.restarts,
+                "metrics_url": p.spec.metrics_url,
+                "ready_url": p.spec.ready_url,
+            }
+            for p in started
+            if p.proc is not None
+        }
         _write_json(self.pids_file, {name: d["pid"] for name, d in procs.items()})
         _write_json(self.pids_file.with_name("procs.json"), procs)
 
@@ -205,21 +211,23 @@ class Supervisor:
                 print(f"\nflywheel up: {report}\n", file=sys.stderr)
                 if self.on_failure == "restart" and p.restarts < self.max_restarts:
                     p.restarts += 1
-                    print(f"flywheel up: restarting {p.name} ({p.restarts}/{self.max_restarts})",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"flywheel up: restarting {p.name} ({p.restarts}/{self.max_restarts})",
+                        file=sys.stderr,
+                    )
                     await self.spawn(p)
                 else:
                     self.failed = report
                     stop.set()
                     return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+            await pause(stop, 0.5)
 
     def _cause(self, p: Proc) -> str:
         """The service's last words: its `flywheel <service>: …` lines (its exit error)."""
         lines = list(p.tail)
-        start = next((i for i in range(len(lines) - 1, -1, -1)
-                      if lines[i].startswith("flywheel ")), None)  # fmt: skip
+        start = next(
+            (i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("flywheel ")), None
+        )
         cause = lines[start:] if start is not None else lines[-5:]
         return "\n".join(f"  {line}" for line in cause) + f"\n  (log: {p.log_path})"
 

@@ -27,92 +27,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto.codec import decode
 from proto.errors import ProtocolError
 from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
-from proto.streams import (
-    NATS_WEIGHTS_SCHEME,
-    consumers_for,
-    parse_weights_nats_uri,
-    stream_name,
-)
+from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
 from services.common.engine_client import EngineClient, EngineError
-from services.common.errors import ConfigError, PermanentError
+from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery
+from services.common.msgloop import Delivery, pause
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
 from services.common.sglang_api import Capabilities, UnsupportedEngine
+from services.common.weights import Transports, Wiring
 from services.sync.core import Engine, Published, Registry, path_for
+from services.sync.metrics import SyncMetrics
 from services.sync.settings import SyncSettings
 
 log = logging.getLogger(__name__)
-
-
-class SyncMetrics:
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.latency = Histogram(
-            "flywheel_sync_publish_to_ready_seconds",
-            "From WeightsPublished to WeightsReady of that version.",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
-            registry=r,
-        )
-        self.update_seconds = Histogram(
-            "flywheel_sync_engine_update_seconds", "One engine's weight update.",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r,
-        )  # fmt: skip
-        self.engine_version = Gauge(
-            "flywheel_sync_engine_version", "Weight version each engine serves.", ["engine"],
-            registry=r,
-        )  # fmt: skip
-        self.failures = Counter(
-            "flywheel_sync_update_failures", "Failed engine updates.", ["engine"], registry=r
-        )
-        self.bytes = Counter("flywheel_sync_bytes", "Weight bytes loaded by engines.", registry=r)
-        self.engines = Gauge("flywheel_sync_engines_live", "Engines with a recent heartbeat.",
-                             registry=r)  # fmt: skip
-        self.ready = Gauge("flywheel_sync_ready_version", "Newest version announced ready.",
-                           registry=r)  # fmt: skip
-        self.published = Gauge("flywheel_sync_published_version", "Newest published version.",
-                               registry=r)  # fmt: skip
-        self.awaiting = Gauge(
-            "flywheel_sync_engines_awaiting_download",
-            "Engines behind only because their worker has not received the version over NATS.",
-            registry=r,
-        )
-
-
-def local_path(uri: str, root: Path) -> Path | None:
-    """The directory a `file://` weights URI names, confined to `root`.
-
-    None for a `nats://` URI: each engine then loads its own downloaded copy.
-    """
-    parsed = urlparse(uri)
-    if parsed.scheme == NATS_WEIGHTS_SCHEME:
-        try:
-            parse_weights_nats_uri(uri)
-        except ValueError as e:
-            raise PermanentError(str(e), reason="bad_uri") from e
-        return None
-    if parsed.scheme != "file":
-        raise PermanentError(f"unsupported weights uri {uri!r}", reason="bad_uri")
-    path = Path(parsed.path).resolve()
-    if not path.is_relative_to(root.resolve()):
-        raise PermanentError(f"weights uri {uri!r} is outside {root}", reason="bad_uri")
-    return path
-
-
-def version_dir(root: Path, run: str, version: int) -> Path:
-    return root / run / f"v{version:06d}"
 
 
 class SyncService:
@@ -126,7 +61,8 @@ class SyncService:
         self.metrics = SyncMetrics(ctx.registry)
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self.over_nats = False  # a version came over NATS: purge old chunks from the stream
+        # the transports that announced URIs name (and the version directories to prune)
+        self.weights = Transports(Wiring(s.run, s.weights_root, ctx.js, ctx.max_payload))
         self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
         self.resumed: set[str] = set()  # engine URLs this process told to continue
         self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop
@@ -159,21 +95,22 @@ class SyncService:
 
     def on_heartbeat(self, hb: EngineHeartbeat) -> None:
         self.reg.heartbeat(
-            hb.engine_id, hb.url, hb.weight_version, time.time(),
-            weights_dir=hb.local_weights_dir, downloaded=hb.downloaded_version,
-        )  # fmt: skip
+            hb.engine_id,
+            hb.url,
+            hb.weight_version,
+            time.time(),
+            weights_dir=hb.local_weights_dir,
+            downloaded=hb.downloaded_version,
+        )
         self.wake.set()
 
     async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
-        path = local_path(msg.uri, self.s.weights_root)
-        p = Published(msg.version, None if path is None else str(path),
-                      msg.published_at or time.time())  # fmt: skip
-        if path is None:
-            self.over_nats = True
+        source = self.weights.for_uri(msg.uri).source(msg.uri, msg.version)
+        p = Published(msg.version, source, msg.published_at or time.time())
         if self.reg.publish(p):
             self.sizes[msg.version] = msg.size_bytes
             self.metrics.published.set(msg.version)
-            log.info("sync: version %d published at %s", msg.version, path or msg.uri)
+            log.info("sync: version %d published at %s", msg.version, msg.uri)
             self.wake.set()
 
     async def update(self, e: Engine, p: Published) -> None:
@@ -187,8 +124,13 @@ class SyncService:
         mode = self.s.update_mode
         key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
         try:
-            client = EngineClient(e.url, timeout_s=self.s.update_timeout_s, retries=2,
-                                  api_key=key, capabilities=self.releases.get(e.url))  # fmt: skip
+            client = EngineClient(
+                e.url,
+                timeout_s=self.s.update_timeout_s,
+                retries=2,
+                api_key=key,
+                capabilities=self.releases.get(e.url),
+            )
             async with client as c:
                 release = self.releases[e.url] = await c.capabilities()
                 release.check_update_mode(mode)
@@ -206,16 +148,22 @@ class SyncService:
         except UnsupportedEngine as err:
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
-            self.fatal = ConfigError(f"[sync] update_mode = {mode!r}: engine {e.engine_id} "
-                                     f"at {e.url}: {err}")  # fmt: skip
+            self.fatal = ConfigError(
+                f"[sync] update_mode = {mode!r}: engine {e.engine_id} at {e.url}: {err}"
+            )
             log.error("sync: %s", self.fatal)
             return
         except (EngineError, TimeoutError) as err:
             self.releases.pop(e.url, None)  # it may have restarted as another release
             self.reg.failed(e, time.time())
             self.metrics.failures.labels(engine=e.engine_id).inc()
-            log.warning("sync: engine %s failed to load v%d (failure %d): %s",
-                        e.engine_id, p.version, e.failures, err)  # fmt: skip
+            log.warning(
+                "sync: engine %s failed to load v%d (failure %d): %s",
+                e.engine_id,
+                p.version,
+                e.failures,
+                err,
+            )
             return
         self.reg.succeeded(e, p.version)
         self.metrics.update_seconds.observe(time.monotonic() - started)
@@ -273,48 +221,13 @@ class SyncService:
             if self.reg.latest is not None and self.reg.latest.version == v:
                 self.metrics.latency.observe(max(0.0, time.time() - self.reg.latest.published_at))
             log.info("sync: v%d ready on %s", v, ", ".join(engines))
-            floor = self.cleanup(v)
-            if self.over_nats:
-                await self.purge_chunks(floor)
+            await self.cleanup(v)
 
-    def cleanup(self, ready: int) -> int:
-        """Delete version directories older than the newest `keep_last`, never a served one.
-
-        Returns that floor: every version below it is no longer needed.
-        """
+    async def cleanup(self, ready: int) -> None:
+        """Drop the versions below the newest `keep_last`, never one still served."""
         served = min((e.version for e in self.reg.engines.values()), default=ready)
         floor = min(ready - self.s.keep_last + 1, served)
-        run_dir = self.s.weights_root / self.s.run
-        if not run_dir.is_dir():
-            return floor
-        for d in run_dir.glob("v[0-9]*"):
-            try:
-                v = int(d.name[1:])
-            except ValueError:
-                continue
-            if v < floor and d.is_dir():
-                shutil.rmtree(d, ignore_errors=False)
-                log.info("sync: deleted old weights %s", d)
-        return floor
-
-    async def purge_chunks(self, floor: int) -> None:
-        """Drop the NATS chunks of versions below `floor` (the WEIGHTDATA stream's subjects)."""
-        from nats.errors import Error as NatsError
-
-        from services.common.weights_nats import purge
-
-        stream = stream_name(self.s.run, "WEIGHTDATA")
-        try:
-            info = await self.ctx.js.stream_info(
-                stream, subjects_filter=self.subjects.weightdata_all
-            )
-            for subject in info.state.subjects or {}:
-                v = subject.rsplit(".", 1)[-1][1:]
-                if v.isdigit() and int(v) < floor:
-                    await purge(self.ctx.js, self.s.run, int(v))
-                    log.info("sync: purged NATS chunks of v%s", v)
-        except (NatsError, TimeoutError) as e:  # the stream's max_age is the backstop
-            log.warning("sync: cannot purge old weight chunks: %r", e)
+        await self.weights.cleanup(floor)
 
     async def reconcile_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -322,10 +235,7 @@ class SyncService:
             if self.fatal is not None:
                 raise self.fatal
             await self.reconcile()
-            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.wake.wait())]
-            await asyncio.wait(waits, timeout=self.s.tick_s, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+            await pause(stop, self.s.tick_s, self.wake)
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=self.s.update_timeout_s)
 

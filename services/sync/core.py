@@ -9,12 +9,12 @@ ready. Decisions:
   that is not being updated and is not backing off after a failure gets an
   update. The same rule brings a newly joined engine up to date and retries
   a failed one; nothing else is special-cased.
-- Weights over NATS: a published version without a shared `path` reaches
-  an engine through the worker beside it, which downloads it into the
-  engine-local directory its heartbeat names. Such an engine is due only
-  once its heartbeat reports that version (or a newer one) downloaded, and
-  is then pointed at `<its dir>/v000012`; until then it just stays behind,
-  holding up `ready_version` like any engine that is not updated yet.
+- Where an engine loads a version from is the version's `source`, which
+  its transport gave (services/common/weights/transport.py): a shared
+  directory, or the engine's own copy that the worker beside it received
+  into the directory its heartbeat names. An engine whose copy is not
+  there yet is not due; it just stays behind, holding up `ready_version`
+  like any engine that is not updated yet.
 - `ready_version`: the newest version that every live, healthy engine serves.
   An engine that keeps failing (`max_failures` in a row) is reported and
   left out of that minimum until it succeeds again, so one broken engine
@@ -26,6 +26,10 @@ ready. Decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.weights import WeightsSource
 
 
 @dataclass
@@ -37,14 +41,14 @@ class Engine:
     failures: int = 0  # consecutive failed updates
     retry_at: float = 0.0  # no new attempt before this time
     updating: bool = False
-    weights_dir: str | None = None  # engine-local dir of NATS-received versions
+    weights_dir: str | None = None  # engine-local dir of versions its worker received
     downloaded: int | None = None  # newest version complete there
 
 
 @dataclass(frozen=True)
 class Published:
     version: int
-    path: str | None  # shared directory the engines load; None: each engine's own copy
+    source: WeightsSource  # where each engine loads it from (its transport says)
     published_at: float  # when the trainer announced it (for publish→ready latency)
 
 
@@ -145,16 +149,14 @@ class Registry:
 
 
 def has_copy(e: Engine, p: Published) -> bool:
-    """Can `e` load version `p` now? Shared path: always; over NATS: once downloaded."""
-    if p.path is not None:
-        return True
-    return e.weights_dir is not None and e.downloaded is not None and e.downloaded >= p.version
+    """Can `e` load version `p` now (a shared directory, or its own copy received)?"""
+    return p.source.engine_path(e.weights_dir, e.downloaded) is not None
 
 
 def path_for(e: Engine, p: Published) -> str:
-    """The directory `e` loads version `p` from (its own copy for NATS-sent versions)."""
-    if p.path is not None:
-        return p.path
-    if e.weights_dir is None:
-        raise ValueError(f"engine {e.engine_id} reports no local weights directory")
-    return f"{e.weights_dir.rstrip('/')}/v{p.version:06d}"
+    """The directory `e` loads version `p` from."""
+    path = p.source.engine_path(e.weights_dir, e.downloaded)
+    if path is None:
+        why = "reports no local weights directory" if e.weights_dir is None else "has no copy"
+        raise ValueError(f"engine {e.engine_id} {why} of v{p.version}")
+    return path

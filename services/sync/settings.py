@@ -6,16 +6,12 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 
 
 class SyncSettings(ServiceSettings):
     section: ClassVar[str] = "sync"
-    model_config = SettingsConfigDict(
-        env_prefix="FLYWHEEL_SYNC_", env_nested_delimiter="__", extra="forbid"
-    )
 
     weights_root: Path = Field(
         Path("runs/weights"), description="Shared weights directory (<root>/<run>/v000012/)."

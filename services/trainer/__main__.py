@@ -2,6 +2,6 @@
 
 import sys
 
-from services.trainer.service_main import main
+from services.trainer.cli import main
 
 sys.exit(main())

@@ -1,8 +1,9 @@
-"""Entry points the `flywheel` CLI wires as subcommands: `sft` and `init-model`.
+"""The trainer's commands: the RL service (`flywheel trainer`, `python -m services.trainer`,
+also under torchrun) and `flywheel init-model`. (`flywheel sft`: services/trainer/sft/cli.py.)
 
 argparse reads only the run file and a few flags; everything else is the
-typed settings (`[sft]` of the run file, FLYWHEEL_SFT_* overrides). Heavy
-imports happen inside the functions so `flywheel --help` stays instant.
+typed settings. Heavy imports happen inside the functions so `flywheel
+--help` stays instant.
 """
 
 from __future__ import annotations
@@ -10,48 +11,44 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.errors import FlywheelError
 
+if TYPE_CHECKING:
+    from services.common.tiny_model import TinyModelSpec
 
-def sft_main(argv: list[str]) -> int:
-    """flywheel sft -c run.toml [--print-config] [--model-dir D] [--output-dir D] [--steps N]."""
-    from services.common.settings import load_settings, render
-    from services.trainer.sft import SftSettings, run_sft
 
-    ap = argparse.ArgumentParser(prog="flywheel sft", description="Supervised fine-tuning.")
-    ap.add_argument("-c", "--config", type=Path, help="TOML run file ([sft] section).")
-    ap.add_argument("--print-config", action="store_true", help="Show resolved settings, exit.")
-    ap.add_argument("--model-dir", type=Path, help="Override sft.model_dir.")
-    ap.add_argument("--train-file", type=Path, help="Override sft.train_file.")
-    ap.add_argument("--output-dir", type=Path, help="Override sft.output_dir.")
-    ap.add_argument("--steps", type=int, help="Override sft.steps.")
-    args = ap.parse_args(argv)
-    overrides = {
-        k: v
-        for k, v in {
-            "model_dir": args.model_dir,
-            "train_file": args.train_file,
-            "output_dir": args.output_dir,
-            "steps": args.steps,
-        }.items()
-        if v is not None
-    }
+def main(argv: list[str] | None = None) -> int:
+    """Every rank loads the model (from the newest checkpoint); rank 0 runs NATS and the
+    RL loop, the other ranks train what it broadcasts."""
+    import asyncio
+
+    from services.common.service_main import parse_args, settings_or_exit
+    from services.trainer.settings import TrainerSettings
+
+    args = parse_args("trainer", argv)
+    settings = settings_or_exit("trainer", TrainerSettings, args.config, args.print_config)
+    from services.common.lifecycle import run_service, setup_logging
+    from services.trainer.app import body, load_trainer
+    from services.trainer.distributed import init_distributed, shutdown
+    from services.trainer.step import follower_loop
+
+    setup_logging("trainer", settings.log_level)
+    info = init_distributed()
     try:
-        settings = load_settings(SftSettings, args.config, **overrides)
-        if args.print_config:
-            print(render(settings))
-            return 0
-        run_sft(settings)
-    except FlywheelError as e:
-        print(f"flywheel sft: {e}", file=sys.stderr)
-        return 2
+        trainer, seq = load_trainer(settings, info)
+        if info.is_main:
+            asyncio.run(run_service("trainer", settings, body(trainer, seq)))
+        else:
+            follower_loop(trainer, settings)
+    finally:
+        shutdown(info)
     return 0
 
 
-def init_model_main(argv: list[str]) -> int:
-    """flywheel init-model [DIR] [-c run.toml] [--sft-steps N] [--hidden N --layers N ...]."""
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+def init_model_parser() -> argparse.ArgumentParser:
+    from services.common.tiny_model import TinyModelSpec
 
     d = TinyModelSpec()
     ap = argparse.ArgumentParser(
@@ -78,7 +75,14 @@ def init_model_main(argv: list[str]) -> int:
     ap.add_argument("--max-positions", type=int, default=d.max_position_embeddings)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--force", action="store_true", help="Write into a non-empty directory.")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def init_model_main(argv: list[str]) -> int:
+    """flywheel init-model [DIR] [-c run.toml] [--sft-steps N] [--hidden N --layers N ...]."""
+    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+
+    args = init_model_parser().parse_args(argv)
     if args.hidden % args.heads:
         print("flywheel init-model: --hidden must be divisible by --heads", file=sys.stderr)
         return 2
@@ -93,16 +97,7 @@ def init_model_main(argv: list[str]) -> int:
     )
     out_dir = args.out or args.dir
     if args.config is not None:
-        from services.trainer.init_model import init_for_task
-
-        try:
-            out = init_for_task(args.config, out_dir, vocab_size=args.vocab_size,
-                                sft_steps=args.sft_steps, spec=spec, force=args.force)  # fmt: skip
-        except FlywheelError as e:
-            print(f"flywheel init-model: {e}", file=sys.stderr)
-            return 2
-        print(out)
-        return 0
+        return _init_for_task(args, out_dir, spec)
     if out_dir is None:
         print("flywheel init-model: give DIR (or -c run.toml)", file=sys.stderr)
         return 2
@@ -110,4 +105,23 @@ def init_model_main(argv: list[str]) -> int:
         print(f"flywheel init-model: {out_dir} is not empty (use --force)", file=sys.stderr)
         return 2
     print(write_tiny_model(out_dir, spec))
+    return 0
+
+
+def _init_for_task(args: argparse.Namespace, out_dir: Path | None, spec: TinyModelSpec) -> int:
+    from services.trainer.init_model import init_for_task
+
+    try:
+        out = init_for_task(
+            args.config,
+            out_dir,
+            vocab_size=args.vocab_size,
+            sft_steps=args.sft_steps,
+            spec=spec,
+            force=args.force,
+        )
+    except FlywheelError as e:
+        print(f"flywheel init-model: {e}", file=sys.stderr)
+        return 2
+    print(out)
     return 0

@@ -18,7 +18,7 @@ from services.common.errors import ConfigError
 from services.common.tasks.evaluate import EvalReport, evaluate, load_model
 from services.common.tasks.sandbox import VerifierPool
 from services.common.tasks.scoring import Scorer, warmup
-from services.trainer.service_settings import TrainerSettings
+from services.trainer.settings import TrainerSettings
 
 
 class HeldOut:

@@ -10,7 +10,7 @@ template, and `--sft-steps` (default 300) of supervised warm start on the
 training rows (never the held-out ones) teach it the answer format, so RL
 starts from groups whose rewards differ. A random model scores 0 on every
 sample of a real task: every group would be filtered and nothing would
-train. The warm start is `flywheel sft`'s loop (services/trainer/sft.py).
+train. The warm start is `flywheel sft`'s loop (services/trainer/sft/loop.py).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def init_for_task(
     from services.common.errors import ConfigError
     from services.common.settings import ServiceSettings, load_settings, read_run_file
     from services.common.tiny_model import build_bpe_tokenizer, write_tiny_model
-    from services.trainer.config import ModelConfig, OptimConfig
-    from services.trainer.sft import SftSettings, run_sft
+    from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
+    from services.trainer.sft.loop import run_sft
 
     s = load_settings(ServiceSettings, config)
     stack = read_run_file(config).get("stack", {})

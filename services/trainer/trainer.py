@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from services.common.weights import Manifest, write_weights_dir
-from services.trainer.config import TrainConfig
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
     MetricAccumulator,
@@ -46,6 +45,7 @@ from services.trainer.model import (
     load_tokenizer,
     prepare_model,
 )
+from services.trainer.settings import TrainConfig
 
 Row = dict[str, torch.Tensor]
 MicroBatch = dict[str, torch.Tensor]

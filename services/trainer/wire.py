@@ -13,8 +13,9 @@ def to_core_batch(batch: WireBatch) -> TrainBatch:
     """Flatten groups into samples; samples of one group share a group id (0, 1, …)."""
     temps = {g.temperature for g in batch.groups}
     if len(temps) != 1:
-        raise BatchError(f"batch {batch.batch_id} mixes temperatures {sorted(temps)}",
-                         field="temperature")  # fmt: skip
+        raise BatchError(
+            f"batch {batch.batch_id} mixes temperatures {sorted(temps)}", field="temperature"
+        )
     prompt, response, logprobs, masks, rewards, groups, truncated = [], [], [], [], [], [], []
     for gi, g in enumerate(batch.groups):
         for s in g.samples:

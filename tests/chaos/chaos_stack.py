@@ -281,9 +281,9 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
 
     import nats
 
-    from services.buffer.app import STATE_KEY, load_state
     from services.buffer.core import Cursor, advance
     from services.buffer.core import task_id as make_task_id
+    from services.buffer.state import STATE_KEY, load_state
 
     async def kv_state() -> bytes:
         nc = await nats.connect(nats_url)

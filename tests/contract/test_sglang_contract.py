@@ -43,8 +43,8 @@ class Engines:
 
     def get(self, case: Case) -> Any:
         from services.common.settings import load_settings
-        from services.rollout.engine.server import create_state
-        from services.rollout.engine.settings import EngineSettings
+        from services.engine.app import create_state
+        from services.engine.settings import EngineSettings
 
         g = case.given
         options: dict[str, Any] = {"model": self.model, "weight_version": case.weight_version,
@@ -141,7 +141,7 @@ async def cleanup(s: aiohttp.ClientSession, url: str, task: Any, auth: dict[str,
 def test_cpu_engine_answers_like_sglang(
     case: Case, engines: Engines, weights_dir: str, run_async: Any
 ) -> None:
-    from services.rollout.engine.server import build_app
+    from services.engine.app import build_app
 
     state = engines.get(case)
     key = case.given.get("api_key")

@@ -77,10 +77,10 @@ def _resolve_env(container: dict[str, Any], pod_name: str) -> dict[str, str]:
 
 def _settings_class(section: str) -> type[Any]:
     from services.buffer.settings import BufferSettings
-    from services.rollout.engine.settings import EngineSettings
+    from services.engine.settings import EngineSettings
     from services.rollout.settings import RolloutSettings
     from services.sync.settings import SyncSettings
-    from services.trainer.service_settings import TrainerSettings
+    from services.trainer.settings import TrainerSettings
 
     return {
         "buffer": BufferSettings, "rollout": RolloutSettings, "sync": SyncSettings,

@@ -37,11 +37,11 @@ def service_registries() -> dict[str, object]:
     """One registry per service, holding exactly the metrics that service registers."""
     from prometheus_client import CollectorRegistry
 
-    from services.buffer.app import BufferMetrics
+    from services.buffer.metrics import BufferMetrics
     from services.common.msgloop import LoopMetrics
-    from services.rollout.worker import RolloutMetrics
-    from services.sync.app import SyncMetrics
-    from services.trainer.service import TrainerMetrics
+    from services.rollout.metrics import RolloutMetrics
+    from services.sync.metrics import SyncMetrics
+    from services.trainer.metrics import TrainerMetrics
 
     out: dict[str, object] = {}
     for name, cls in (("buffer", BufferMetrics), ("rollout", RolloutMetrics),

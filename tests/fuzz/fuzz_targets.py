@@ -35,11 +35,11 @@ from proto.codec import decode, decode_any, encode
 from proto.errors import ProtocolError
 from proto.examples import EXAMPLES
 from proto.messages import MESSAGE_TYPES
-from services.buffer.app import BufferStateError, dump_state, load_state
 from services.buffer.core import BufferState, Cursor
+from services.buffer.state import BufferStateError, dump_state, load_state
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings, load_settings
-from services.rollout.engine.protocol import RequestError, parse_generate
+from services.engine.core.protocol import RequestError, parse_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,11 +99,11 @@ STATE_SEED = dump_state(
 # ── settings (TOML run files) ─────────────────────────────────────────────────
 def _settings_classes() -> list[type[ServiceSettings]]:
     from services.buffer.settings import BufferSettings
-    from services.rollout.engine.settings import EngineSettings
+    from services.engine.settings import EngineSettings
     from services.rollout.settings import RolloutSettings
     from services.stack.settings import StackSettings
     from services.sync.settings import SyncSettings
-    from services.trainer.service_settings import TrainerSettings
+    from services.trainer.settings import TrainerSettings
 
     return [
         BufferSettings,

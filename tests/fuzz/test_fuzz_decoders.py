@@ -90,7 +90,7 @@ def test_generate_regressions_are_refused_quickly(sampling: dict[str, object]) -
     import json
     import time
 
-    from services.rollout.engine.protocol import RequestError
+    from services.engine.core.protocol import RequestError
 
     body = json.dumps({"text": "1+1=", "sampling_params": sampling}).encode()
     start = time.monotonic()

@@ -8,11 +8,11 @@ import pytest
 
 from services.buffer.settings import BufferSettings
 from services.common.settings import load_settings
-from services.rollout.engine.settings import EngineSettings
+from services.engine.settings import EngineSettings
 from services.rollout.settings import RolloutSettings
 from services.stack.settings import StackSettings
 from services.sync.settings import SyncSettings
-from services.trainer.service_settings import TrainerSettings
+from services.trainer.settings import TrainerSettings
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("**/*.toml"))

@@ -114,5 +114,7 @@ def calculator_reward(transcript: str, answer: str) -> dict[str, Any]:
     """1 if the last <answer> equals the reference; part "tool_calls" counts calc calls."""
     answers = _ANSWER.findall(transcript)
     correct = bool(answers) and answers[-1].strip() == answer.strip()
-    return {"reward": 1.0 if correct else 0.0,
-            "parts": {"tool_calls": float(len(_CALC.findall(transcript)))}}  # fmt: skip
+    return {
+        "reward": 1.0 if correct else 0.0,
+        "parts": {"tool_calls": float(len(_CALC.findall(transcript)))},
+    }

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.core.config import AdvantageEstimator
+from services.trainer.settings import AdvantageEstimator
 
 
 def group_stats(

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.trainer.core.config import AggregationMode, KlEstimator, LossConfig
+from services.trainer.settings import AggregationMode, KlEstimator, LossConfig
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -166,6 +166,63 @@ class LossOutput:
     maxes: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def ratio_sums(
+    r: torch.Tensor, m: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+) -> dict[str, torch.Tensor]:
+    """Sums over loss tokens of the (detached) ratio and of where the clips bit."""
+    on = m > 0
+    return {
+        "ratio": (r * m).sum(),
+        "clip_frac_low": ((r < 1 - cfg.eps_low) & (advantages < 0) & on).float().sum(),
+        "clip_frac_high": ((r > 1 + cfg.eps_high) & (advantages > 0) & on).float().sum(),
+    }
+
+
+def truncated_is(
+    old: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    m: torch.Tensor,
+    cap: float,
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """TIS weights min(pi_old / mu_rollout, cap) [B, T], no gradient; their sums into `sums`."""
+    if rollout_logprobs is None:
+        raise ValueError("TIS needs rollout_logprobs when old_logprobs='recompute'")
+    log_w = (old - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    tis = torch.exp(log_w).clamp(max=cap)
+    sums["tis_weight"] = (tis * m).sum()
+    sums["tis_clip_frac"] = ((torch.exp(log_w) > cap) & (m > 0)).float().sum()
+    return tis
+
+
+def penalties(
+    pg: torch.Tensor,
+    logprobs: torch.Tensor,
+    weights: torch.Tensor,
+    m: torch.Tensor,
+    cfg: LossConfig,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    sums: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token loss with the KL penalty and entropy bonus added, and each part."""
+    total = pg
+    parts = {"pg_loss": (pg * weights).sum().detach()}
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
+        total = total + cfg.kl_coef * kl
+        parts["kl_loss"] = (kl * weights).sum().detach()
+        sums["kl_ref"] = (kl.detach() * m).sum()
+    if entropy is not None:
+        sums["entropy"] = (entropy.detach() * m).sum()
+        if cfg.entropy_coef > 0:
+            total = total - cfg.entropy_coef * entropy
+            parts["entropy_bonus"] = (entropy * weights).sum().detach()
+    return total, parts
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -196,44 +253,16 @@ def policy_loss(
     gspo = cfg.policy_loss == "gspo"
     ratio = importance_ratio(logprobs, old, m, sequence_level=gspo, segment_ids=segment_ids)
     pg = clipped_surrogate(ratio, advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c)
-
     r = ratio.detach()
     on = m > 0
-    neg, pos = advantages < 0, advantages > 0
-    sums = {
-        "ratio": (r * m).sum(),
-        "clip_frac_low": ((r < 1 - cfg.eps_low) & neg & on).float().sum(),
-        "clip_frac_high": ((r > 1 + cfg.eps_high) & pos & on).float().sum(),
-        # k3 of the update itself: how far pi moved from pi_old on these tokens.
-        "approx_kl": (kl_penalty(logprobs.detach(), old, "k3") * m).sum(),
-    }
+    sums = ratio_sums(r, m, advantages, cfg)
+    # k3 of the update itself: how far pi moved from pi_old on these tokens.
+    sums["approx_kl"] = (kl_penalty(logprobs.detach(), old, "k3") * m).sum()
     if cfg.dual_clip_c is not None:
-        sums["dual_clip_frac"] = ((r > cfg.dual_clip_c) & neg & on).float().sum()
-
+        sums["dual_clip_frac"] = ((r > cfg.dual_clip_c) & (advantages < 0) & on).float().sum()
     if cfg.old_logprobs == "recompute" and cfg.tis_cap is not None:
-        if rollout_logprobs is None:
-            raise ValueError("TIS needs rollout_logprobs when old_logprobs='recompute'")
-        log_w = (old - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        tis = torch.exp(log_w).clamp(max=cfg.tis_cap)  # [B, T], no gradient
-        pg = pg * tis
-        sums["tis_weight"] = (tis * m).sum()
-        sums["tis_clip_frac"] = ((torch.exp(log_w) > cfg.tis_cap) & on).float().sum()
-
-    total = pg
-    parts = {"pg_loss": (pg * weights).sum().detach()}
-    if cfg.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = kl_penalty(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
-        total = total + cfg.kl_coef * kl
-        parts["kl_loss"] = (kl * weights).sum().detach()
-        sums["kl_ref"] = (kl.detach() * m).sum()
-    if entropy is not None:
-        sums["entropy"] = (entropy.detach() * m).sum()
-        if cfg.entropy_coef > 0:
-            total = total - cfg.entropy_coef * entropy
-            parts["entropy_bonus"] = (entropy * weights).sum().detach()
-
+        pg = pg * truncated_is(old, rollout_logprobs, m, cfg.tis_cap, sums)
+    total, parts = penalties(pg, logprobs, weights, m, cfg, ref_logprobs, entropy, sums)
     masked_ratio = torch.where(on, r, torch.zeros_like(r))
     return LossOutput(
         loss=(total * weights).sum(),

@@ -25,7 +25,7 @@ CASES = [
     (["-m", "services.sync"], '[sync]\nupdate_mode = "yolo"\n', ["[sync]", "update_mode"]),
     (["-m", "services.rollout"], "[rollout]\nconcurrency = -3\n", ["[rollout]", "concurrency"]),
     (["-m", "services.trainer"], "[trainer]\npublish_every = 0\n", ["[trainer]", "publish_every"]),
-    (["-m", "services.rollout.engine"], "[engine]\nport = 70000\n", ["[engine]", "port"]),
+    (["-m", "services.engine"], "[engine]\nport = 70000\n", ["[engine]", "port"]),
     (
         ["-m", "services.buffer"],
         '[nats]\nconnect_attempts = "many"\n',

@@ -10,7 +10,7 @@ good message must still be handled (the consumer acks it, it is not
 dead-lettered, and the service's metric shows it), and the process is alive.
 
 The rollout worker (tasks) and the trainer (batches) use the same message
-loop (services/common/msgloop.py); they are covered by the chaos suite's
+loop (services/common/msgloop/); they are covered by the chaos suite's
 runs and by tests/integration/common/test_msgloop.py. TODO there: the same
 garbage set against their subprocesses.
 """

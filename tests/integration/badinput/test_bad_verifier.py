@@ -23,7 +23,8 @@ from services.common.tasks.scoring import Scorer
 from services.common.tasks.spec import TaskSpec
 from services.common.tasks.taskset import TaskSet
 from services.rollout.app import TaskScorer
-from services.rollout.worker import RolloutMetrics, RolloutWorker
+from services.rollout.metrics import RolloutMetrics
+from services.rollout.worker import RolloutWorker
 
 MODULE = "tests.integration.badinput.bad_verifiers"
 

@@ -30,9 +30,8 @@ from proto.examples import EXAMPLES
 from proto.messages import SampleGroup
 from proto.streams import consumers_for, kv_bucket, stream_name, streams_for
 from proto.subjects import Subjects
-from services.buffer.app import open_kv
-from services.common import nats_cluster as nats_cluster_module
-from services.common import nats_jsz
+from services.buffer.state import open_kv
+from services.common import nats_jsz, ports
 from services.common.errors import ConfigError, NatsServerError
 from services.common.lifecycle import ServiceContext, run_service
 from services.common.msgloop import Delivery, MessageLoop
@@ -268,11 +267,11 @@ def test_a_taken_route_port_starts_the_cluster_again_on_others(monkeypatch):
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]
-    real = nats_cluster_module.probe_free_port
+    real = ports.free_port
     handed = iter([taken])
     monkeypatch.setattr(
-        nats_cluster_module,
-        "probe_free_port",
+        ports,
+        "free_port",
         lambda host="127.0.0.1": next(handed, None) or real(host),
     )
     try:

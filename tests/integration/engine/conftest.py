@@ -40,7 +40,7 @@ class EngineProcess:
 def start_engine(
     model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 60.0
 ) -> EngineProcess:
-    """Start `python -m services.rollout.engine` and poll /health_generate until it answers.
+    """Start `python -m services.engine` and poll /health_generate until it answers.
 
     Like SGLang's, the probe generates a token and takes at least a second.
     """
@@ -51,7 +51,7 @@ def start_engine(
         [
             sys.executable,
             "-m",
-            "services.rollout.engine",
+            "services.engine",
             "--model",
             str(model_dir),
             "--port",

@@ -19,8 +19,8 @@ from services.common.engine_client import (
     EngineUnavailable,
 )
 from services.common.settings import load_settings
-from services.rollout.engine.server import build_app, create_state
-from services.rollout.engine.settings import EngineSettings
+from services.engine.app import build_app, create_state
+from services.engine.settings import EngineSettings
 
 
 def _free_port() -> int:

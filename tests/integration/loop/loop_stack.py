@@ -184,7 +184,7 @@ class LoopStack:
     def engine(self, i: int) -> Proc:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = py("services.rollout.engine", "--config", str(self.config), "--model",
+        argv = py("services.engine", "--config", str(self.config), "--model",
                   str(self.model), "--port", str(port), "--weight-version", "0")  # fmt: skip
         p = Proc(f"engine-{i}", argv, {}, self.root / f"engine-{i}.log", f"{url}/health_generate")
         p.metrics_url = url  # the engine's base URL (model_info lives there)

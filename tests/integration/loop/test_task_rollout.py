@@ -36,9 +36,12 @@ S = Subjects(RUN)
 
 
 class _Ctx:
-    """What BufferService.make_task needs of a service context: a metrics registry."""
+    """What BufferService.make_task needs of a service context: a metrics registry (and, for
+    its dead-letter publisher, NATS: make_task publishes nothing)."""
 
     registry = CollectorRegistry()
+    js = None
+    max_payload = 1024 * 1024
 
 
 def test_worker_scores_a_jsonl_task_through_the_pool(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from proto.streams import streams_for
 from services.common.nats_conn import ensure_streams
 from services.common.nats_server import NatsServer
 from services.common.weights import write_weights_dir
-from services.common.weights_nats import (
+from services.common.weights.chunks import (
     WeightsTransferError,
     download,
     plan_chunks,
@@ -122,7 +122,7 @@ def test_receiver_hashes_in_order_and_leaves_out_of_order_files_to_verify(tmp_pa
     import hashlib
 
     from services.common.weights import WeightsMismatchError, build_manifest, verify_weights_dir
-    from services.common.weights_nats import _Receiver
+    from services.common.weights.chunks import _Receiver
 
     rng = random.Random(3)
     a, b = rng.randbytes(5000), rng.randbytes(5000)

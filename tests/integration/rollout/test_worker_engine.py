@@ -40,9 +40,9 @@ from services.common.nats_server import NatsServer
 from services.common.settings import NatsSettings, load_settings
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import write_weights_dir
+from services.engine.app import build_app, create_state
+from services.engine.settings import EngineSettings
 from services.rollout.app import body as rollout_body
-from services.rollout.engine.server import build_app, create_state
-from services.rollout.engine.settings import EngineSettings
 from services.rollout.settings import RolloutSettings
 
 

@@ -14,8 +14,8 @@ from proto.examples import EXAMPLES
 from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
 from proto.streams import kv_bucket, streams_for
 from proto.subjects import Subjects
-from services.buffer.app import dump_state
 from services.buffer.core import BufferState, Cursor
+from services.buffer.state import dump_state
 from services.common.nats_conn import ensure_streams
 from services.common.nats_server import NatsServer
 from services.common.publish import publish

@@ -33,9 +33,9 @@ from services.common.engine_client import (
 from services.common.errors import ConfigError
 from services.common.settings import load_settings
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
-from services.common.weights import write_weights_dir
-from services.rollout.engine.server import build_app, create_state
-from services.rollout.engine.settings import EngineSettings
+from services.common.weights import SharedDir, write_weights_dir
+from services.engine.app import build_app, create_state
+from services.engine.settings import EngineSettings
 from services.sync.app import SyncService
 from services.sync.core import Engine, Published
 from services.sync.settings import SyncSettings
@@ -72,10 +72,13 @@ def engines(model_dir: Path) -> Iterator[Any]:
 
 
 class Ctx:
-    """What SyncService.update reads of its service context: the metrics registry."""
+    """What SyncService reads of its service context: the metrics registry (and, for its
+    weights transports, NATS: no update here needs it)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.js = None
+        self.max_payload = 1024 * 1024
 
 
 async def update_with_request_in_flight(
@@ -106,7 +109,7 @@ async def update_with_request_in_flight(
             engine = Engine("engine-0", url, v, time.time())
             svc.reg.engines[engine.engine_id] = engine
             try:
-                await svc.update(engine, Published(v + 1, str(weights), time.time()))
+                await svc.update(engine, Published(v + 1, SharedDir(str(weights)), time.time()))
             finally:
                 await c.request("POST", "/slow_down", {"forward_sleep_time": None})
                 await c.request("POST", "/continue_generation", {})

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer_helpers import random_batch
 
-from services.trainer.checkpoint import save_checkpoint
-from services.trainer.config import TrainConfig
 from services.trainer.distributed import init_distributed, shutdown
+from services.trainer.settings import TrainConfig
+from services.trainer.state import save_checkpoint
 from services.trainer.trainer import Trainer
 
 

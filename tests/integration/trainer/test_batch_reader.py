@@ -4,13 +4,15 @@ is dead-lettered naming the field, and the next batch of the step is the one tra
 import asyncio
 from types import SimpleNamespace
 
+from prometheus_client import CollectorRegistry
+
 from proto.codec import decode, encode
 from proto.examples import EXAMPLES
 from proto.messages import DeadLetter, TrainBatch, pack_f32
 from proto.streams import streams_for
 from proto.subjects import Subjects
 from services.common.nats_conn import connect, ensure_streams
-from services.trainer.service import BatchReader
+from services.trainer.batches import BatchReader
 
 RUN = "nanrun"
 
@@ -38,7 +40,7 @@ def test_non_finite_batch_is_dead_lettered_and_the_next_one_read(nats_settings_m
             subjects = Subjects(RUN)
             await js.publish(subjects.batches, bad)
             await js.publish(subjects.batches, encode(good))
-            ctx = SimpleNamespace(js=js, max_payload=1024 * 1024)  # what BatchReader uses
+            ctx = SimpleNamespace(js=js, max_payload=1024 * 1024, registry=CollectorRegistry())
             reader = BatchReader(ctx, RUN, start_seq=1)  # type: ignore[arg-type]
             await reader.open()
             got = await asyncio.wait_for(reader.next(0, asyncio.Event()), 10)

@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 from trainer_helpers import random_batch
 
 from services.common.weights import verify_weights_dir
-from services.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
-from services.trainer.core.config import LossConfig
+from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
+from services.trainer.state import latest_checkpoint, load_checkpoint
 from services.trainer.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent

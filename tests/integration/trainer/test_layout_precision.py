@@ -4,8 +4,7 @@ import pytest
 import torch
 from trainer_helpers import random_batch
 
-from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
-from services.trainer.core.config import LossConfig
+from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from services.trainer.trainer import Trainer
 
 

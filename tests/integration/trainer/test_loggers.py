@@ -5,7 +5,7 @@ import json
 import pytest
 
 from services.trainer.loggers import LoggerError, open_loggers
-from services.trainer.service_settings import TrainerSettings
+from services.trainer.settings import TrainerSettings
 
 ROWS = [
     {"step": 0, "time": 1_700_000_000.0, "elapsed": 0.0, "eval_accuracy": 0.25},

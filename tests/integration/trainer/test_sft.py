@@ -12,7 +12,7 @@ from services.common.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
 from services.common.tasks.taskset import TaskSet
 from services.common.weights import verify_weights_dir
 from services.trainer.model import load_tokenizer
-from services.trainer.sft_data import (
+from services.trainer.sft.data import (
     SftDataError,
     arithmetic_records,
     load_sft_file,
@@ -66,7 +66,10 @@ min_lr_ratio = 0.05
 [sft.model]
 cpu_threads = 1
 """)
-    code = "import sys; from services.trainer.cli import sft_main; sys.exit(sft_main(sys.argv[1:]))"
+    code = (
+        "import sys; from services.trainer.sft.cli import sft_main; "
+        "sys.exit(sft_main(sys.argv[1:]))"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code, "-c", str(tmp_path / "run.toml")],
         capture_output=True,

@@ -5,10 +5,9 @@ import torch
 from trainer_helpers import random_batch
 
 from services.common.weights import verify_weights_dir
-from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
-from services.trainer.core.config import LossConfig
 from services.trainer.model import ModelLoadError, load_model
+from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
+from services.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.trainer import Trainer
 
 
@@ -117,7 +116,7 @@ def test_snapshot_written_later_equals_a_checkpoint_written_then(tiny_model_dir,
     """
     from safetensors.torch import load_file
 
-    from services.trainer.checkpoint import snapshot
+    from services.trainer.state import snapshot
 
     n, k = 4, 2
     batches = [random_batch(seed=20 + i) for i in range(n)]

@@ -1,7 +1,7 @@
 """The message loop's per-message economies keep their behaviour (no server needed).
 
 `Delivery` reads JetStream metadata and headers lazily from the nats-py
-message; heartbeats come from one timer per loop (`_Heartbeats`) instead of
+message; heartbeats come from one timer per loop (`Heartbeats`) instead of
 one per message. The real-server behaviour (a long handler is not
 redelivered) is in tests/integration/common/test_msgloop.py.
 """
@@ -13,7 +13,7 @@ import time
 
 from nats.aio.msg import Msg
 
-from services.common.msgloop import ACK, Action, Delivery, _Heartbeats, decide
+from services.common.msgloop import ACK, Action, Delivery, Heartbeats, decide
 
 # A JetStream reply subject: stream, consumer, delivered, stream seq, consumer seq, ts, pending.
 REPLY = "$JS.ACK.FLYWHEEL_r_SAMPLES.buffer.3.1234.99.1732230000000000000.5"
@@ -58,7 +58,7 @@ def test_one_timer_beats_long_handlers_within_one_and_a_half_intervals(run_async
     interval = 0.1
 
     async def body() -> None:
-        hb = _Heartbeats(interval, "test")
+        hb = Heartbeats(interval, "test")
         slow, quick = _Recorded(), _Recorded()
         started = time.perf_counter()
         hb.add(slow, started)
@@ -88,7 +88,7 @@ def test_one_timer_beats_long_handlers_within_one_and_a_half_intervals(run_async
 
 def test_close_cancels_the_timer(run_async) -> None:
     async def body() -> None:
-        hb = _Heartbeats(0.05, "test")
+        hb = Heartbeats(0.05, "test")
         d = _Recorded()
         hb.add(d, time.perf_counter())
         assert hb._timer is not None

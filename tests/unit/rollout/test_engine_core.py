@@ -12,8 +12,8 @@ import torch
 from services.common.errors import ConfigError
 from services.common.settings import load_settings
 from services.common.sglang_api import Capabilities
-from services.rollout.engine import kvbatch
-from services.rollout.engine.protocol import (
+from services.engine.core import kvbatch
+from services.engine.core.protocol import (
     Completion,
     RequestError,
     SamplingParams,
@@ -24,10 +24,10 @@ from services.rollout.engine.protocol import (
     trim_text,
     version_spans,
 )
-from services.rollout.engine.sampling import sample_rows, truncation_mask, uniform_noise
-from services.rollout.engine.sequence import Seq, stop_reason
-from services.rollout.engine.settings import EngineSettings
-from services.rollout.engine.sglang_launcher import SGLangOptions, command
+from services.engine.core.sampling import sample_rows, truncation_mask, uniform_noise
+from services.engine.core.sequence import Seq, stop_reason
+from services.engine.settings import EngineSettings
+from services.engine.sglang_launcher import SGLangOptions, command
 
 # ---- sampling ------------------------------------------------------------------------------
 

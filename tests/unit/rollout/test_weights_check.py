@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.common.weights import write_weights_dir
-from services.rollout.engine.runner import WeightsLoadError, verify_directory
+from services.engine.runner import WeightsLoadError, verify_directory
 
 
 def _published(root: Path) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from proto.messages import PromptTask, VersionSpan
 from services.common.engine_client import GenerateResult, Load, load_of
 from services.common.engine_client import VersionSpan as EngineSpan
-from services.rollout.worker import parse_version, request_id, sample_versions
+from services.rollout.core import parse_version, request_id, sample_versions
 
 
 def test_engine_versions() -> None:

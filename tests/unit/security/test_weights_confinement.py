@@ -1,4 +1,4 @@
-"""Weight URIs are confined to the configured weights root (services/sync/app.py).
+"""Weight URIs are confined to the configured weights root (services/common/weights/disk.py).
 
 A WeightsPublished message comes off the bus: its `uri` must not make sync
 point engines at an arbitrary directory, through `..`, an absolute path
@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import PermanentError
-from services.rollout.engine.settings import EngineSettings
-from services.sync.app import local_path
+from services.common.weights import Transports, Wiring
+from services.engine.settings import EngineSettings
+
+
+def local_path(uri: str, root: Path) -> Path | None:
+    """Where sync points an engine for an announced `uri` (None: the engine's own copy)."""
+    path = Transports(Wiring("run", root)).for_uri(uri).source(uri, 1).engine_path(None, None)
+    return None if path is None else Path(path)
 
 
 @pytest.fixture

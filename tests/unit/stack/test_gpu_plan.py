@@ -72,7 +72,7 @@ def test_cpu_engines_take_no_gpu_and_get_the_key(tmp_path: Path) -> None:
     s = StackSettings(run_dir=tmp_path, model=tmp_path / "m", engines=1, engine_api_key="k",
                       trainer_gpus=[0])  # fmt: skip
     specs = {p.name: p for p in plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS))}
-    assert "services.rollout.engine" in specs["engine-0"].argv
+    assert "services.engine" in specs["engine-0"].argv
     assert specs["engine-0"].argv[-2:] == ("--api-key", "k")
     assert specs["engine-0"].env["CUDA_VISIBLE_DEVICES"] == ""  # a GPU map exists
     assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common.weights import SharedDir
 from services.sync.core import Published, Registry
 
 
@@ -23,8 +24,8 @@ def test_every_live_engine_is_updated_then_ready() -> None:
     r.heartbeat("a", "http://a", 0, now=0)
     r.heartbeat("b", "http://b", 0, now=0)
     r.announced = 0
-    assert r.publish(Published(1, "/w/v1", 0))
-    assert not r.publish(Published(1, "/w/v1", 0))  # not newer
+    assert r.publish(Published(1, SharedDir("/w/v1"), 0))
+    assert not r.publish(Published(1, SharedDir("/w/v1"), 0))  # not newer
     due = r.updates_due(1)
     assert [e.engine_id for e in due] == ["a", "b"]
     for e in due:
@@ -41,7 +42,7 @@ def test_a_failing_engine_backs_off_then_stops_holding_up_ready() -> None:
     r.heartbeat("a", "http://a", 0, now=0)
     r.heartbeat("bad", "http://bad", 0, now=0)
     r.announced = 0
-    r.publish(Published(1, "/w/v1", 0))
+    r.publish(Published(1, SharedDir("/w/v1"), 0))
     a, bad = r.updates_due(0)
     r.succeeded(a, 1)
     r.failed(bad, now=0)
@@ -58,7 +59,7 @@ def test_a_failing_engine_backs_off_then_stops_holding_up_ready() -> None:
 def test_new_engine_is_brought_to_the_latest_version() -> None:
     r = reg()
     r.heartbeat("a", "http://a", 3, now=0)
-    r.publish(Published(3, "/w/v3", 0))
+    r.publish(Published(3, SharedDir("/w/v3"), 0))
     r.announced = 3
     r.heartbeat("new", "http://new", 0, now=1)
     assert [e.engine_id for e in r.updates_due(1)] == ["new"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from proto.streams import parse_weights_nats_uri, weights_nats_uri
-from services.rollout.weights_fetch import prunable
+from services.common.weights import LocalCopy, SharedDir
+from services.rollout.core import prunable
 from services.sync.core import Published, Registry, path_for
 
 
@@ -13,7 +14,7 @@ def test_engine_is_updated_only_after_its_download_with_its_own_path() -> None:
     r = Registry()
     r.heartbeat("a", "http://a", 0, now=0, weights_dir="/local/a", downloaded=None)
     r.heartbeat("b", "http://b", 0, now=0, weights_dir="/local/b/", downloaded=1)
-    r.publish(Published(1, None, 0))
+    r.publish(Published(1, LocalCopy(1), 0))
     due = r.updates_due(now=0)
     assert [e.engine_id for e in due] == ["b"]
     assert path_for(due[0], r.latest) == "/local/b/v000001"
@@ -29,7 +30,7 @@ def test_engine_is_updated_only_after_its_download_with_its_own_path() -> None:
 def test_shared_path_needs_no_download_and_no_local_dir() -> None:
     r = Registry()
     r.heartbeat("a", "http://a", 0, now=0)
-    r.publish(Published(2, "/shared/v000002", 0))
+    r.publish(Published(2, SharedDir("/shared/v000002"), 0))
     (e,) = r.updates_due(now=0)
     assert path_for(e, r.latest) == "/shared/v000002"
 
@@ -37,7 +38,7 @@ def test_shared_path_needs_no_download_and_no_local_dir() -> None:
 def test_engine_without_local_dir_never_gets_a_nats_version() -> None:
     r = Registry()
     r.heartbeat("a", "http://a", 0, now=0, downloaded=5)  # misconfigured worker
-    r.publish(Published(1, None, 0))
+    r.publish(Published(1, LocalCopy(1), 0))
     assert r.updates_due(now=0) == []
     with pytest.raises(ValueError, match="no local weights directory"):
         path_for(r.engines["a"], r.latest)

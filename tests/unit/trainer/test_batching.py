@@ -11,9 +11,9 @@ from services.trainer.core.batching import (
     plan_micro_batches,
     shard_for_ranks,
 )
-from services.trainer.core.config import LossConfig
 from services.trainer.core.logprobs import token_logprobs
 from services.trainer.core.loss import policy_loss, sample_weights
+from services.trainer.settings import LossConfig
 
 V = 11
 

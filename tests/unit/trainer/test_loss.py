@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from services.trainer.core.config import LossConfig
 from services.trainer.core.logprobs import token_entropy, token_logprobs
 from services.trainer.core.loss import (
     aggregate,
@@ -16,6 +15,7 @@ from services.trainer.core.loss import (
     sample_weights,
     token_weights,
 )
+from services.trainer.settings import LossConfig
 
 
 def lp(x):

@@ -1,0 +1,371 @@
+"""The HTTP adapter: SGLang's native endpoints on aiohttp, in front of the Scheduler.
+
+Handlers only parse, hand work to the scheduler thread and await its
+answer (`asyncio.wrap_future`), so the event loop stays responsive while
+the model computes. The engine answers as one SGLang release
+(`[engine] sglang_version`, default the newest read): that release's routes
+(`/model_info` or only `/get_model_info`, `/v1/loads` or `/get_load`, ...),
+pause modes, duplicate-rid and flush rules, error bodies and meta_info
+fields (services/common/sglang_api.py has the table; tests/contract holds
+the request/response pairs both this engine and the client are run
+against). A client that goes away mid-generation aborts its sequences
+(SGLang does the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from services.engine import info, probes
+from services.engine.core.protocol import (
+    Completion,
+    ParsedGenerate,
+    RequestError,
+    SeqSpec,
+    parse_generate,
+    response,
+    trim_text,
+)
+from services.engine.scheduler import PAUSE_MODES, Scheduler, SchedulerStopped
+from services.engine.settings import EngineSettings
+from services.engine.state import STATE, EngineState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STATE", "EngineState", "build_app", "create_state", "serve"]
+
+
+def error(message: str, status: int = 400) -> web.Response:
+    """SGLang's `_create_error_response`: {"error": {"message": ...}}."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def refusal(state: EngineState, e: RequestError) -> web.Response:
+    """A refused /generate: schema errors as plain text from 0.5.22 (api_contract.py)."""
+    if e.schema and state.caps.schema_errors_are_text:
+        return web.json_response({"error": str(e)}, status=400)
+    return error(str(e))
+
+
+async def _json_body(request: web.Request) -> Any:
+    if not request.can_read_body:
+        return {}
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from e
+
+
+Route = Callable[[web.Request], Awaitable[web.Response]]
+JsonHandler = Callable[[web.Request, EngineState, Any], Awaitable[web.Response]]
+
+
+def json_route(handler: JsonHandler) -> Route:
+    """What every route with a JSON body starts with, written once: the engine's state
+    and the parsed body in, and a `RequestError` (raised anywhere in the handler) out as
+    the 400 SGLang gives for it (`refusal`)."""
+
+    @functools.wraps(handler)
+    async def route(request: web.Request) -> web.Response:
+        state = request.app[STATE]
+        try:
+            return await handler(request, state, await _json_body(request))
+        except RequestError as e:
+            return refusal(state, e)
+
+    return route
+
+
+async def run_seqs(state: EngineState, seqs: list[SeqSpec]) -> list[Completion]:
+    """Submit sequences and await all; abort them if the caller is cancelled."""
+    loop = asyncio.get_running_loop()
+    futures: list[asyncio.Future[Completion]] = []
+    for spec in seqs:
+        fut: asyncio.Future[Completion] = loop.create_future()
+
+        def done(c: Completion, fut: asyncio.Future[Completion] = fut) -> None:
+            loop.call_soon_threadsafe(_resolve, fut, c)
+
+        state.scheduler.submit(spec, done)
+        futures.append(fut)
+    try:
+        return list(await asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        for rid in {s.rid for s in seqs}:
+            state.scheduler.abort(rid)
+        raise
+
+
+def _resolve(fut: asyncio.Future[Completion], c: Completion) -> None:
+    if not fut.done():
+        fut.set_result(c)
+
+
+def claim_rids(state: EngineState, parsed: ParsedGenerate) -> dict[str, asyncio.Event] | str:
+    """Register the request's ids as in flight, or the duplicate error SGLang gives.
+
+    Before 0.5.10 SGLang took a duplicate id over (`rid_to_state[rid] = ...`)
+    and the earlier request never got an answer: its event is set.
+    """
+    ids = parsed.held + parsed.claimed
+    if len(set(ids)) != len(ids) and state.caps.rejects_duplicate_rid:
+        dups = sorted({r for r in ids if ids.count(r) > 1})
+        return f"Duplicate request IDs detected within the request: {dups}"
+    for rid in ids:
+        if rid in state.in_flight:
+            if state.caps.rejects_duplicate_rid:
+                return state.caps.duplicate_rid_message(rid)
+            state.in_flight[rid].set()
+    mine = {rid: asyncio.Event() for rid in parsed.held}
+    state.in_flight.update(mine)
+    return mine
+
+
+@json_route
+async def generate(request: web.Request, state: EngineState, body: Any) -> web.Response:
+    parsed = parse_generate(
+        body,
+        state.encode,
+        state.vocab_size,
+        state.context_len,
+        state.settings.default_max_new_tokens,
+    )
+    mine = claim_rids(state, parsed)
+    if isinstance(mine, str):
+        return error(mine)
+    state.requests[id(request)] = request
+    try:
+        done = await run_seqs(state, parsed.seqs)
+    except SchedulerStopped as e:
+        return error(str(e), 503)
+    finally:
+        state.requests.pop(id(request), None)
+        for rid, ev in mine.items():
+            if state.in_flight.get(rid) is ev:
+                del state.in_flight[rid]
+    if any(ev.is_set() for ev in mine.values()):
+        await asyncio.Event().wait()  # taken over: SGLang never answers this request
+    reported = state.scheduler.weight_version
+    out = []
+    for spec, c in zip(parsed.seqs, done, strict=True):
+        text = trim_text(
+            state.decode(c.output_ids, spec.params.skip_special_tokens),
+            spec.params,
+            c.matched_stop_str,
+        )
+        out.append(response(spec, c, text, reported_version=reported, caps=state.caps))
+    return web.json_response(out if parsed.as_list else out[0])
+
+
+@json_route
+async def update_weights_from_disk(
+    request: web.Request, state: EngineState, body: Any
+) -> web.Response:
+    path = body.get("model_path") if isinstance(body, dict) else None
+    if not isinstance(path, str) or not path:
+        raise RequestError("model_path (a string) is required")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise RequestError("weight_version must be a string")
+    abort_all = bool(body.get("abort_all_requests", False))
+    # Before 0.5.6 there is no flush_cache field: the scheduler always flushes.
+    flush = bool(body.get("flush_cache", True)) if state.caps.has_flush_cache_field else True
+    try:
+        ok, message, paused = await asyncio.wrap_future(
+            state.scheduler.update_weights(path, version, abort_all, flush)
+        )
+    except SchedulerStopped as e:
+        if state.scheduler.crashed:
+            state.crash(state.scheduler.crashed)
+        return error(str(e), 503)
+    if ok:
+        state.model_path = path
+        if version is not None:
+            message += f" Weight version updated to {version}."
+    content = {"success": ok, "message": message, "num_paused_requests": paused}
+    return web.json_response(content, status=200 if ok else 400)
+
+
+@json_route
+async def pause_generation(request: web.Request, state: EngineState, body: Any) -> web.Response:
+    mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+    if len(state.caps.pause_modes) == 1:
+        mode = "abort"  # before 0.5.6 the endpoint reads no body: it always aborts
+    elif mode not in PAUSE_MODES:
+        raise RequestError(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+    await asyncio.wrap_future(state.scheduler.pause(mode))
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await asyncio.wrap_future(request.app[STATE].scheduler.resume())
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@json_route
+async def abort_request(request: web.Request, state: EngineState, body: Any) -> web.Response:
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+    if not abort_all and not isinstance(rid, str):
+        raise RequestError("rid (a string) or abort_all=true is required")
+    await asyncio.wrap_future(state.scheduler.abort(rid, abort_all))
+    return web.Response(status=200)
+
+
+@json_route
+async def slow_down(request: web.Request, state: EngineState, body: Any) -> web.Response:
+    """SGLang's testing hook: {"forward_sleep_time": seconds | null} after every decode step."""
+    seconds = body.get("forward_sleep_time") if isinstance(body, dict) else None
+    if seconds is not None and not _seconds_ok(seconds):
+        raise RequestError("forward_sleep_time must be a number of seconds in [0, 10] or null")
+    await asyncio.wrap_future(state.scheduler.slow_down(seconds))
+    return web.Response(status=200)
+
+
+def _seconds_ok(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value <= 10
+
+
+async def health(request: web.Request) -> web.Response:
+    """`/health` and `/health_generate` (probes.Health.check has SGLang's rules)."""
+    state = request.app[STATE]
+    sched = state.scheduler
+    status = await state.health.check(
+        request.path, sched.submit, sched.abort, lambda: sched.last_output, sched.alive()
+    )
+    return web.Response(status=status)
+
+
+async def ping(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ok = not state.caps.ping_reports_health or (state.health.healthy and state.scheduler.alive())
+    return web.Response(status=200 if ok else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    sched = state.scheduler
+    ok = sched.alive() and state.health.healthy and not sched.paused
+    return web.Response(status=200 if ok else 503)
+
+
+def build_app(state: EngineState) -> web.Application:
+    """The routes of the emulated release (see the module table in sglang_api.py)."""
+    caps = state.caps
+    key = state.settings.api_key
+    middlewares = [probes.api_key_middleware(key.get_secret_value(), caps)] if key else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app[STATE] = state
+    app[info.THROUGHPUT] = info.Throughput()
+    r = app.router
+    for method in ("POST", "PUT"):
+        r.add_route(method, "/generate", generate)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/abort_request", abort_request)
+    r.add_route("*", "/slow_down", slow_down)
+    r.add_route("*", "/flush_cache", info.flush_cache)
+    r.add_get("/get_model_info", info.model_info)
+    r.add_get("/get_server_info", info.server_info)
+    r.add_get("/get_weight_version", info.weight_version)
+    if caps.at_least(0, 5, 6):
+        r.add_get("/model_info", info.model_info)
+        r.add_get("/server_info", info.server_info)
+        r.add_get("/weight_version", info.weight_version)
+    if caps.at_least(0, 5, 8):
+        r.add_get("/v1/loads", info.loads)
+    if caps.has_get_load:
+        r.add_get("/get_load", info.get_load)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health)
+    r.add_get("/ping", ping)
+    if caps.has_ready:
+        r.add_get("/ready", ready)
+    return app
+
+
+def create_state(settings: EngineSettings) -> EngineState:
+    """Load the model and tokenizer and start the scheduler thread (heavy imports here)."""
+    from transformers import AutoTokenizer
+
+    from services.engine.runner import ModelRunner, eos_ids
+
+    if settings.model is None:
+        raise RequestError("no model directory given (--model or [engine] model)")
+    caps = settings.capabilities
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    runner = ModelRunner(
+        settings.model, num_threads=settings.num_threads, weights_check=settings.weights_check
+    )
+
+    def decode(ids: list[int], skip: bool) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=skip))
+
+    scheduler = Scheduler(
+        runner,
+        eos=eos_ids(settings.model, tokenizer),
+        decode=decode,
+        weight_version=settings.weight_version,
+        max_running_requests=settings.max_running_requests,
+        random_seed=settings.random_seed,
+        caps=caps,
+    )
+    scheduler.start()
+    return EngineState(
+        settings=settings,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        vocab_size=runner.vocab_size,
+        context_len=runner.context_len,
+        model_path=str(settings.model),
+        started=time.time(),
+        caps=caps,
+        health=probes.Health(caps, settings.health_generation, settings.health_check_timeout_s),
+    )
+
+
+class EngineCrashed(SystemExit):
+    """The scheduler died (as SGLang's does on a failed post-update flush): exit 1."""
+
+
+async def serve(settings: EngineSettings, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set (or the scheduler crashes: EngineCrashed)."""
+    state = await asyncio.to_thread(create_state, settings)
+    crashed: list[str] = []
+
+    def on_crash(why: str) -> None:
+        crashed.append(why)
+        stop.set()
+
+    state.on_crash = on_crash
+    app = build_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else settings.port
+    log.info(
+        "engine serving %s on http://%s:%d as SGLang %s",
+        settings.model,
+        settings.host,
+        port,
+        settings.sglang_version,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        state.scheduler.stop()
+    if crashed:
+        log.critical("engine exits: %s", crashed[0])
+        raise EngineCrashed(1)

@@ -1,0 +1,79 @@
+"""`python -m services.engine --model DIR [--host H] [--port N]` (and `flywheel engine`).
+
+A handful of flags for the common overrides; everything else comes from the
+run file's `[engine]` table or FLYWHEEL_ENGINE_* variables (EngineSettings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from services.common.errors import ConfigError
+from services.common.settings import load_settings, render
+from services.engine.settings import EngineSettings
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m services.engine",
+        description="Flywheel's CPU engine server (SGLang HTTP API subset).",
+    )
+    p.add_argument("-c", "--config", help="TOML run file ([engine] table)")
+    p.add_argument("--model", help="Hugging Face model directory")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 30000; 0 = any free port)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on admin endpoints")
+    p.add_argument("--weight-version", help="initial weight version (default 'default')")
+    p.add_argument("--print-config", action="store_true", help="print resolved settings, exit")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> EngineSettings:
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in {
+            "model": args.model,
+            "host": args.host,
+            "port": args.port,
+            "api_key": args.api_key,
+            "weight_version": args.weight_version,
+        }.items()
+        if value is not None
+    }
+    return load_settings(EngineSettings, args.config, **overrides)
+
+
+async def _amain(settings: EngineSettings) -> None:
+    from services.common.lifecycle import install_signal_handlers
+    from services.engine.app import serve
+
+    stop = asyncio.Event()
+    remove = install_signal_handlers(asyncio.get_running_loop(), stop)
+    try:
+        await serve(settings, stop)
+    finally:
+        remove()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = settings_from(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(render(settings))
+        return 0
+    if settings.model is None:
+        print("error: no model directory (--model or [engine] model)", file=sys.stderr)
+        return 2
+    from services.common.lifecycle import setup_logging
+
+    setup_logging("engine", settings.log_level)
+    asyncio.run(_amain(settings))
+    return 0

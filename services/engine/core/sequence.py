@@ -1,0 +1,76 @@
+"""One sequence's scheduler-side state and when it stops (pure, no model).
+
+Split from the scheduler so the continuous-batching loop reads on its own:
+`Seq` is what the loop keeps per completion (tokens, logprobs, the weight
+versions its tokens came from), `stop_reason` decides when one ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import FlywheelError
+from services.engine.core.protocol import Completion, SeqSpec
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SchedulerStopped(FlywheelError, RuntimeError):
+    """The scheduler thread is gone; no request can be served."""
+
+
+@dataclass
+class Seq:
+    """One sequence being generated (scheduler-thread state)."""
+
+    spec: SeqSpec
+    on_done: Callable[[Completion], None]
+    t0: float
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    generator: Any = None  # torch.Generator for seeded requests
+    matched_str: str | None = None
+    held: bool = False  # came while paused or an update waited: outside SGLang's scheduler
+    events: list[tuple[str, int]] = field(default_factory=list)  # (old version, tokens) per change
+    retractions: int = 0
+
+
+def stop_reason(
+    seq: Seq, eos: frozenset[int], decode: Callable[[list[int], bool], str]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The finish reason after the latest token, or (None, None) to go on (pure).
+
+    Order: EOS (unless ignore_eos), stop_token_ids, stop strings, length.
+    """
+    p = seq.spec.params
+    tok = seq.output_ids[-1]
+    if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        return {"type": "stop", "matched": tok}, None
+    if p.stop:
+        # Each token decodes to at least one character for non-special tokens,
+        # so the last max(len(stop)) + 2 tokens cover any stop string's end.
+        window = max(len(s) for s in p.stop) + 2
+        tail = decode(seq.output_ids[-window:], p.skip_special_tokens)
+        for s in p.stop:
+            if s in tail:
+                return {"type": "stop", "matched": s}, s
+    if len(seq.output_ids) >= p.max_new_tokens:
+        return {"type": "length", "length": p.max_new_tokens}, None
+    return None, None
+
+
+@dataclass
+class Update:
+    """A pending `/update_weights_from_disk` (the scheduler runs one at a time)."""
+
+    path: str
+    version: str | None
+    flush: bool
+    future: Future[tuple[bool, str, int]]
+
+
+class SchedulerCrashed(SchedulerStopped):
+    """The scheduler died the way SGLang's does (an assertion); the engine must exit."""

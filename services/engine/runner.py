@@ -1,0 +1,185 @@
+"""The torch adapter: one Hugging Face causal LM, prefill and decode on a KVBatch.
+
+Only the scheduler thread calls into a ModelRunner, so the model, its cache
+and its weights need no locks. Weight updates load a whole directory's
+safetensors into memory, check every name and shape against the live model,
+and only then copy in place: a bad directory leaves the old weights serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.errors import FlywheelError
+from services.engine.core.kvbatch import KVBatch, left_pad_ids, positions, zero_padding
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "flywheel-manifest.json"
+
+
+class WeightsLoadError(FlywheelError, ValueError):
+    """A weights directory was refused; `path` names it. The old weights keep serving."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(f"cannot load weights from {path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+def eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's."""
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def verify_directory(path: Path, check: str = "sha256") -> None:
+    """Refuse a missing directory, and check it against its manifest when it has one.
+
+    `check` is the engine's `weights_check`: "sha256" re-hashes every file,
+    "sizes" checks names and sizes only. The manifest format belongs to
+    `services.common.weights` (written by the trainer); this only calls its
+    `verify_weights_dir`.
+    """
+    if not path.is_dir():
+        raise WeightsLoadError(path, "not a directory")
+    if (path / MANIFEST).exists():
+        from services.common.weights import WeightsError, verify_weights_dir
+
+        try:
+            verify_weights_dir(path, sizes_only=check == "sizes")
+        except WeightsError as e:
+            raise WeightsLoadError(path, f"manifest check failed: {e}") from e
+
+
+def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) [B, H, T, D] of every layer of a transformers DynamicCache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class ModelRunner:
+    """Owns the model; runs batched prefill and decode steps (scheduler thread only)."""
+
+    def __init__(
+        self, model_dir: str | Path, num_threads: int = 0, weights_check: str = "sha256"
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.model_dir = Path(model_dir)
+        self.weights_check = weights_check  # what load_weights checks (EngineSettings)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model.eval()
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_len = int(getattr(config, "max_position_embeddings", 2048))
+        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        self._cache: Any = None  # DynamicCache mirroring the scheduler's KVBatch
+
+    # ---- forward passes -------------------------------------------------------------
+
+    def prefill(self, seqs: list[list[int]]) -> tuple[torch.Tensor, KVBatch]:
+        """Run prompts (right-aligned); return last-position logits [B, V] and their cache."""
+        import torch
+        from transformers import DynamicCache
+
+        ids, mask = left_pad_ids(seqs, self.pad_id)  # [B, L], [B, L]
+        cache = DynamicCache()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions(mask),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        layers = _cache_tensors(cache)
+        lengths = mask.sum(-1)
+        kv = zero_padding(KVBatch(layers, mask, lengths))
+        return out.logits[:, -1, :].float(), kv  # [B, V]
+
+    def invalidate(self) -> None:
+        """The KVBatch changed shape (join/select): rebuild the model cache on next decode."""
+        self._cache = None
+
+    def decode(self, kv: KVBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """Append `tokens` [B] to every row; return next-token logits [B, V]. Mutates kv."""
+        import torch
+        from transformers import DynamicCache
+
+        if self._cache is None:
+            self._cache = DynamicCache(ddp_cache_data=kv.layers)
+        mask = torch.cat([kv.mask, kv.mask.new_ones((kv.batch, 1))], dim=1)  # [B, T+1]
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=kv.lengths[:, None],
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+        kv.layers = _cache_tensors(self._cache)
+        kv.mask = mask
+        kv.lengths = kv.lengths + 1
+        return out.logits[:, -1, :].float()  # [B, V]
+
+    # ---- weights --------------------------------------------------------------------
+
+    def load_weights(self, path: str | Path) -> None:
+        """Replace the weights with those in `path`; on WeightsLoadError nothing changed."""
+        import torch
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        verify_directory(p, self.weights_check)
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise WeightsLoadError(p, "no *.safetensors files")
+        loaded: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                loaded.update(load_file(str(f)))
+            except (OSError, ValueError, RuntimeError) as e:
+                raise WeightsLoadError(p, f"{f.name} is unreadable: {e}") from e
+        live = self.model.state_dict()
+        unknown = sorted(set(loaded) - set(live))
+        if unknown:
+            raise WeightsLoadError(p, f"unexpected tensors: {unknown[:5]}")
+        tied = (
+            {"lm_head.weight"}
+            if getattr(self.model.config, "tie_word_embeddings", False)
+            else set()
+        )
+        missing = sorted(set(live) - set(loaded) - tied)
+        if missing:
+            raise WeightsLoadError(p, f"missing tensors: {missing[:5]}")
+        for name, tensor in loaded.items():
+            if tuple(tensor.shape) != tuple(live[name].shape):
+                raise WeightsLoadError(
+                    p,
+                    f"{name} has shape {tuple(tensor.shape)}, model has {tuple(live[name].shape)}",
+                )
+        with torch.no_grad():
+            for name, tensor in loaded.items():
+                live[name].copy_(tensor.to(live[name].dtype))
+        self.model_dir = p
+        self._cache = None
+        log.info("loaded weights from %s (%d tensors)", p, len(loaded))

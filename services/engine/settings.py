@@ -1,0 +1,87 @@
+"""Settings of the CPU engine server (`[engine]` in the run file, FLYWHEEL_ENGINE_* env)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, SecretStr, field_validator
+
+from services.common.settings import ServiceSettings
+from services.common.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
+
+
+def _sglang_env_bool(name: str, default: bool) -> bool:
+    """SGLang's EnvBool reading of one of its own variables."""
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() in ("1", "true", "yes", "y")
+
+
+class EngineSettings(ServiceSettings):
+    """The CPU engine: which model, where to listen, how much to batch."""
+
+    section: ClassVar[str] = "engine"
+
+    model: Path | None = Field(None, description="Hugging Face model directory to serve.")
+    host: str = Field("127.0.0.1", description="Bind address (loopback unless told otherwise).")
+    port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
+    api_key: SecretStr | None = Field(
+        None,
+        description="If set, every path but /health*, /ready* and /metrics* requires "
+        "'Authorization: Bearer <key>' (SGLang's --api-key).",
+    )
+    sglang_version: str = Field(
+        fmt(NEWEST_READ),
+        description="The SGLang release whose HTTP API this engine answers as: its routes, "
+        "pause modes, duplicate-rid and flush rules (services/common/sglang_api.py). "
+        "Reported as `version` by /server_info.",
+    )
+    weight_version: str = Field(
+        "default", description="Version reported before the first update (SGLang's default)."
+    )
+    max_running_requests: int = Field(
+        64, ge=1, le=4096, description="Most sequences decoded together in one batch."
+    )
+    default_max_new_tokens: int = Field(
+        128, ge=0, description="max_new_tokens when a request does not give one."
+    )
+    num_threads: int = Field(
+        0, ge=0, description="torch intra-op threads for the model; 0 keeps torch's default."
+    )
+    random_seed: int = Field(0, description="Seed of the shared sampler for unseeded requests.")
+    weights_check: Literal["sha256", "sizes"] = Field(
+        "sha256",
+        description=(
+            "What an update checks against the directory's manifest before loading: "
+            "'sha256' re-hashes every file (catches any corruption; ~0.25 s per 380 MB "
+            "here, 4x the load itself), 'sizes' checks names and sizes only, trusting "
+            "the transport's own check (the trainer's atomic write; the NATS "
+            "download's hash on receipt). SGLang engines check neither."
+        ),
+    )
+    health_generation: bool = Field(
+        default_factory=lambda: _sglang_env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True),
+        description="/health generates a token, as SGLang's does (false: /health answers at "
+        "once; SGLang >= 0.5.6 only). Default: SGLang's own variable "
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, else true.",
+    )
+    health_check_timeout_s: float = Field(
+        default_factory=lambda: float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")),
+        gt=0,
+        description="/health and /health_generate answer 503 when no token came for this long "
+        "(e.g. while generation is paused). Default: SGLANG_HEALTH_CHECK_TIMEOUT, else 20.",
+    )
+
+    @field_validator("sglang_version")
+    @classmethod
+    def _supported(cls, v: str) -> str:
+        try:
+            Capabilities.of(v)
+        except UnsupportedEngine as e:
+            raise ValueError(str(e)) from e
+        return v
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities.of(self.sglang_version)

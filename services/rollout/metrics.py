@@ -1,0 +1,44 @@
+"""The rollout worker's Prometheus metrics: groups, samples, rewards, engine and weights."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from services.common.metrics import MetricSet
+
+
+class RolloutMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        m = MetricSet(r, "flywheel_rollout_")
+        self.groups = m.counter("groups", "Sample groups published.")
+        self.samples = m.counter("samples", "Samples generated, by finish reason.", ["finish"])
+        self.tokens = m.counter("generated_tokens", "Response tokens generated.")
+        self.reward = m.histogram(
+            "reward", "Reward per sample.", (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+        )
+        self.verifier_errors = m.counter("verifier_errors", "Verifier calls that hung or raised.")
+        self.aborted = m.counter(
+            "aborted_generations", "Generations aborted by the engine (then generated again)."
+        )
+        self.behind = m.counter(
+            "engine_behind", "Tasks handed back because the engine was older than the task allows."
+        )
+        self.task_seconds = m.histogram(
+            "task_seconds",
+            "Task time from receipt to group published.",
+            (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )
+        self.in_flight = m.gauge("tasks_in_flight", "Tasks being worked on.")
+        self.engine_version = m.gauge("engine_version", "Weight version of this engine.")
+        self.weights_downloaded = m.gauge(
+            "weights_downloaded_version", "Newest weight version received over NATS."
+        )
+        self.weights_bytes = m.counter("weights_download_bytes", "Weight bytes received over NATS.")
+        self.weights_seconds = m.histogram(
+            "weights_download_seconds", "Time to receive one weight version."
+        )
+
+    def downloaded(self, version: int, size: int, seconds: float) -> None:
+        self.weights_downloaded.set(version)
+        self.weights_bytes.inc(size)
+        self.weights_seconds.observe(seconds)

@@ -1,0 +1,163 @@
+"""What the trainer reports: Prometheus metrics, and one metrics row per trained step.
+
+A step's row (the batch's reward, lengths and staleness, the step's loss
+and timings, its held-out evaluation when there was one) goes to the
+Prometheus gauges and to every configured logger (loggers.py: the metrics
+file, TensorBoard, W&B). The row is written last in a step's publishing,
+so a row means its step is checkpointed (state.reconcile_rows relies on
+that after a crash).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from proto.messages import TrainBatch as WireBatch
+from services.common.metrics import MetricSet
+from services.trainer.heldout import eval_line, reward_parts
+from services.trainer.loggers import open_loggers
+from services.trainer.settings import TrainerSettings
+from services.trainer.wire import batch_stats
+
+if TYPE_CHECKING:
+    from services.common.tasks.evaluate import EvalReport
+    from services.trainer.step import StepResult
+
+log = logging.getLogger(__name__)
+
+GAUGES = {
+    "loss": "Policy loss of the last step.",
+    "reward_mean": "Mean reward of the last batch.",
+    "kl_ref": "KL to the reference model (configured estimator), last step.",
+    "approx_kl": "Approximate KL between the policy and the old policy.",
+    "entropy": "Mean token entropy of the last step.",
+    "clip_frac_low": "Fraction of tokens clipped below.",
+    "clip_frac_high": "Fraction of tokens clipped above.",
+    "ratio": "Mean importance ratio.",
+    "ratio_max": "Max importance ratio.",
+    "grad_norm": "Gradient norm before clipping.",
+    "lr": "Learning rate of the last step.",
+    "staleness_max": "Largest step − sample version in the last batch.",
+    "response_tokens_mean": "Mean response length of the last batch.",
+    "eval_accuracy": "Held-out greedy pass@1 through the task's reward (last evaluation).",
+    "eval_pass_at_k": "Held-out sampled pass@k (eval.k > 1; last evaluation).",
+}
+
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+
+
+class TrainerMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        m = MetricSet(r, "flywheel_trainer_")
+        self.gauges = {k: m.gauge(k, doc) for k, doc in GAUGES.items()}
+        self.step = m.gauge("step", "Optimizer steps done.")
+        self.version = m.gauge("weight_version", "Newest version.")
+        self.phase = m.counter(
+            "phase_seconds",
+            "Wall time by phase: waiting for data, compute, publishing (saving), upload (NATS).",
+            ["phase"],
+        )
+        self.step_seconds = m.histogram(
+            "step_seconds", "Compute time of one optimizer step.", STEP_BUCKETS
+        )
+        self.tokens = m.counter("tokens", "Tokens trained on.")
+        parts = "Mean of each reward part over the last batch."
+        self.reward_part = m.gauge("reward_part", parts, ["part"])
+        self.upload_bytes = m.counter("weights_upload_bytes", "Weight bytes sent over NATS.")
+        self.samples = m.counter("samples", "Samples trained on.")
+        self.tokens_per_s = m.gauge("tokens_per_second", "Compute tokens/s of the last step.")
+        idle = "Fraction of wall time spent waiting for data since start."
+        self.idle = m.gauge("idle_fraction", idle)
+
+
+class Recorder:
+    """Rows and gauges of the trained steps; time spent waiting for data against working."""
+
+    def __init__(self, registry: CollectorRegistry, s: TrainerSettings) -> None:
+        self.metrics = TrainerMetrics(registry)
+        self.started = time.time()
+        self.waited = 0.0
+        self.busy = 0.0
+        self.loggers = open_loggers(
+            s.loggers,
+            run=s.run,
+            metrics_file=s.metrics_file,
+            log_dir=s.log_dir,
+            wandb_project=s.wandb_project,
+            wandb_mode=s.wandb_mode,
+            config=s.model_dump(mode="json", include={"loss", "optim", "runtime", "model"}),
+        )
+
+    def close(self) -> None:
+        self.loggers.close()
+
+    def timed(self, waited_s: float, busy_s: float) -> None:
+        """One step's wait for its batch, and its work after that (for the idle fraction)."""
+        self.waited += waited_s
+        self.busy += busy_s
+
+    def row(self, batch: WireBatch, r: StepResult, waited: float) -> dict[str, Any]:
+        """Step `r.step`'s metrics row; the gauges follow it."""
+        stats = batch_stats(batch)
+        parts = reward_parts(batch)
+        idle = self.waited / max(self.waited + self.busy, 1e-9)
+        row: dict[str, Any] = {
+            "step": r.step,
+            "batch_id": batch.batch_id,
+            "time": time.time(),
+            "elapsed": time.time() - self.started,
+            **stats,
+            **parts,
+            **r.metrics,
+            "wait_s": waited,
+            "compute_s": r.compute_s,
+            "publish_s": r.publish_s,
+        }
+        for name, v in parts.items():
+            self.metrics.reward_part.labels(part=name.removeprefix("reward/")).set(v)
+        for k, g in self.metrics.gauges.items():
+            if k in row:
+                g.set(float(row[k]))
+        self._count(r, waited, stats, idle)
+        row["idle_fraction"] = idle
+        return row
+
+    def _count(self, r: StepResult, waited: float, stats: dict[str, float], idle: float) -> None:
+        m = self.metrics
+        m.step.set(r.step)
+        m.version.set(r.step)
+        m.phase.labels(phase="wait").inc(waited)
+        m.phase.labels(phase="compute").inc(r.compute_s)
+        m.phase.labels(phase="publish").inc(r.publish_s)
+        m.step_seconds.observe(r.compute_s)
+        m.tokens.inc(stats["tokens"])
+        m.samples.inc(stats["samples"])
+        m.tokens_per_s.set(stats["tokens"] / max(r.compute_s, 1e-9))
+        m.idle.set(idle)
+
+    def evaluated(self, report: EvalReport, row: dict[str, Any]) -> None:
+        """A held-out evaluation's figures, into the row and the gauges."""
+        row.update(report.metrics())
+        self.metrics.gauges["eval_accuracy"].set(report.pass_at_1)
+        if report.pass_at_k is not None:
+            self.metrics.gauges["eval_pass_at_k"].set(report.pass_at_k)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """To every configured logger (the metrics file, TensorBoard, W&B)."""
+        self.loggers.write(row)
+
+    def log_step(self, row: dict[str, Any], r: StepResult, waited: float) -> None:
+        log.info(
+            "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs publish %.2fs%s",
+            r.step,
+            row.get("loss", float("nan")),
+            row["reward_mean"],
+            waited,
+            r.compute_s,
+            r.publish_s,
+            eval_line(row),
+        )

@@ -1,0 +1,97 @@
+"""Publishing a trained version: saved, then reachable by its transport, then announced.
+
+The checkpoint is written before the weights are announced, so a restart
+never announces a version whose weights it then trains again; a version
+that was saved and checkpointed but never announced (the process died in
+between) is announced at start-up (`announce_pending`), under the same
+message id, so JetStream stores it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from proto.messages import WeightsPublished
+from proto.subjects import Subjects
+from services.common.lifecycle import ServiceContext
+from services.common.publish import publish
+from services.common.weights import (
+    Transfer,
+    WeightsError,
+    Wiring,
+    open_transport,
+    published_dir,
+    read_manifest,
+)
+from services.trainer.batches import Batch
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.settings import TrainerSettings
+from services.trainer.step import StepResult, persist
+from services.trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    """Rank 0's side of a version's way out: save it (from a snapshot), send it, announce it."""
+
+    def __init__(
+        self, ctx: ServiceContext, s: TrainerSettings, trainer: Trainer, metrics: TrainerMetrics
+    ) -> None:
+        self.ctx, self.s, self.trainer, self.metrics = ctx, s, trainer, metrics
+        self.subjects = Subjects(s.run)
+        wiring = Wiring(
+            s.run, s.weights_root, ctx.js, ctx.max_payload, upload_window=s.weights_upload_window
+        )
+        self.transport = open_transport(s.weights_transport, wiring)
+
+    async def save(self, batch: Batch, r: StepResult) -> None:
+        """Write the step's weights and checkpoint from its snapshot (when it has one)."""
+        if r.snapshot is not None:
+            await asyncio.to_thread(persist, self.trainer, self.s, batch.wire, batch.seq, r)
+
+    async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
+        """Announce a saved version once its transport made it reachable."""
+        sent = await self.transport.publish(version, path)
+        if sent.transfer is not None:
+            self._sent(sent.transfer)
+        msg = WeightsPublished(
+            run=self.s.run,
+            version=version,
+            step=version,
+            uri=sent.uri,
+            sha256=sha256,
+            size_bytes=size,
+            published_at=time.time(),
+        )
+        await publish(self.ctx.js, self.subjects.weights_published, msg, self.ctx.max_payload)
+        log.info("trainer: published v%d (%s)", version, path)
+
+    def _sent(self, t: Transfer) -> None:
+        self.metrics.upload_bytes.inc(t.bytes)
+        self.metrics.phase.labels(phase="upload").inc(t.seconds)
+        log.info(
+            "trainer: v%d sent (%s): %d chunks, %.1f MB in %.2fs (%.0f MB/s)",
+            t.version,
+            self.transport.kind,
+            t.chunks,
+            t.bytes / 1e6,
+            t.seconds,
+            t.mb_per_s,
+        )
+
+    async def announce_pending(self) -> None:
+        """After a restart: announce the checkpointed version if it never was."""
+        v = self.trainer.weight_version
+        if v == 0:
+            return
+        path = published_dir(self.s.weights_root, self.s.run, v)
+        try:
+            m = read_manifest(path)
+        except WeightsError as e:
+            log.warning("trainer: cannot re-announce v%d: %s", v, e)
+            return
+        await self.announce(v, path, m.sha256, m.total_bytes)  # same id: stored once

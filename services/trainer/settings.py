@@ -1,0 +1,275 @@
+"""Every setting of the trainer, in one place: `[trainer]` (RL) and `[sft]` of the run file.
+
+The services' settings classes (`TrainerSettings`, `SftSettings`) embed
+the training machinery's typed tables, which both share: `LossConfig`
+(`[trainer.loss]`, the RL objective), `OptimConfig` (`[trainer.optim]`,
+`[sft.optim]`) and `ModelConfig` (how the policy is loaded and run:
+`[trainer.runtime]`, `[sft.model]`). Plain pydantic models, so the pure
+core (services/trainer/core/) reads its knobs from the same declarations,
+bounds checked where each field is declared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.settings import ServiceSettings
+from services.common.weights import TransportKind
+from services.trainer.core.schedule import ScheduleKind
+from services.trainer.loggers import LoggerName, WandbMode
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+PolicyLossKind = Literal["ppo", "gspo"]
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KlEstimator = Literal["k1", "k2", "k3"]
+OldLogprobSource = Literal["rollout", "recompute"]
+
+
+class LossConfig(BaseModel):
+    """Advantages, policy loss, aggregation, KL, entropy and off-policy correction."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    advantage: AdvantageEstimator = Field(
+        "grpo",
+        description="Group baseline: 'grpo' (mean, divided by std + eps), 'dr_grpo' "
+        "(mean only), 'rloo' (leave-one-out mean).",
+    )
+    advantage_eps: float = Field(1e-6, gt=0, description="eps added to the std in GRPO.")
+    batch_normalize_advantages: bool = Field(
+        False, description="After the group baseline, whiten advantages over the whole batch."
+    )
+    policy_loss: PolicyLossKind = Field(
+        "ppo",
+        description="'ppo': token-level ratio; 'gspo': sequence-level ratio "
+        "(geometric mean of token ratios, Zheng et al. 2025).",
+    )
+    eps_low: float = Field(0.2, ge=0, lt=1, description="Clip the ratio below at 1 - eps_low.")
+    eps_high: float = Field(
+        0.2, ge=0, description="Clip the ratio above at 1 + eps_high (DAPO clip-higher: 0.28)."
+    )
+    dual_clip_c: float | None = Field(
+        None,
+        gt=1,
+        description="Dual-clip constant c (> 1): for negative advantages the loss is capped "
+        "at -c·A. None disables it.",
+    )
+    aggregation: AggregationMode = Field(
+        "token-mean",
+        description="How per-token losses become one number: 'token-mean' over all loss "
+        "tokens of the batch, 'seq-mean-token-mean' (mean per sequence, then over "
+        "sequences), 'seq-mean-token-sum-norm' (sum per sequence / norm_tokens, then mean "
+        "over sequences: Dr.GRPO).",
+    )
+    norm_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Constant normaliser of 'seq-mean-token-sum-norm' (Dr.GRPO uses the "
+        "generation budget). None: the longest loss-token count in the batch.",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL penalty to the frozen reference; 0 disables."
+    )
+    kl_estimator: KlEstimator = Field(
+        "k3", description="KL(pi || ref) estimator: 'k1', 'k2' or 'k3' (Schulman 2020)."
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus weight (loss -= coef · entropy); 0: metric only."
+    )
+    old_logprobs: OldLogprobSource = Field(
+        "rollout",
+        description="The 'old' policy of the ratio: the engine's 'rollout' logprobs, or "
+        "'recompute'd by the trainer before the update (decoupled PPO), which enables TIS.",
+    )
+    tis_cap: float | None = Field(
+        2.0,
+        gt=0,
+        description="Truncated importance sampling cap C of min(pi_old / mu_rollout, C); "
+        "used only with old_logprobs='recompute'. None disables the correction.",
+    )
+    drop_truncated: bool = Field(
+        False, description="Give zero loss weight to completions cut off by the length limit."
+    )
+
+
+Precision = Literal["auto", "bf16", "fp32"]
+LogprobImpl = Literal["chunked", "full"]
+
+
+class OptimConfig(BaseModel):
+    """AdamW and its learning-rate schedule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup length in optimizer steps.")
+    schedule: ScheduleKind = Field("constant", description="After warmup: constant or cosine.")
+    total_steps: int = Field(
+        1000, ge=1, description="Steps over which the cosine schedule decays (ignored if constant)."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per RL batch: its groups are split into this many "
+        "mini-batches (PPO-style); 1 = one step per batch.",
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this; None: no clipping."
+    )
+
+
+class ModelConfig(BaseModel):
+    """How the policy is loaded, sharded and run (precision, layout, logprobs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Tokens per micro-batch: packed, the sum of the sequence lengths; "
+        "padded, rows × longest row. A longer sequence gets a micro-batch of its own.",
+    )
+    packing: bool | Literal["auto"] = Field(
+        "auto",
+        description="Pack sequences into one row per micro-batch (position ids restart per "
+        "sequence; attention never crosses sequences). False: one padded row per sequence. "
+        "'auto': pack where the varlen attention kernel runs (a GPU in bf16/fp16); elsewhere "
+        "a packed row attends through a dense block-diagonal mask, quadratic in the row's "
+        "length (measured on the demo's CPU step: 1.5x slower than padding).",
+    )
+    precision: Precision = Field(
+        "auto",
+        description="'bf16': bf16 compute with float32 master weights, gradients and "
+        "optimizer state (autocast in one process, FSDP2 mixed precision with float32 "
+        "gradient reduction under torchrun); 'fp32': float32 throughout; 'auto': bf16 on a "
+        "GPU that supports it, fp32 on CPU (CPU bf16 matmuls are no faster than fp32 on "
+        "most CPUs, bench/results_trainer.md).",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute decoder-layer activations in backward (saves memory)."
+    )
+    logprobs: LogprobImpl = Field(
+        "chunked",
+        description="'chunked': logprobs/entropy from the hidden states and the LM head a "
+        "chunk of tokens at a time, never materialising [tokens × vocab] logits (verified "
+        "for Qwen2/Qwen3/Llama/Mistral heads); 'full': the model's own logits (any model).",
+    )
+    logits_chunk_mib: float = Field(
+        256.0,
+        gt=0,
+        description="'chunked' logprobs: MiB of float32 logits held at once (forward: "
+        "rows = this / (4 · vocab); backward: the same number of elements, sliced over the "
+        "vocabulary). Smaller saves memory, larger runs fewer, larger matmuls.",
+    )
+    entropy_every: int = Field(
+        1,
+        ge=0,
+        description="Compute the token entropy metric every this many steps (0: never). "
+        "With loss.entropy_coef > 0 it is computed on every step regardless.",
+    )
+    seed: int = Field(0, description="Seed of torch's RNG at start-up.")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on CPU (process-wide); None: torch's default. "
+        "Small models on a shared CPU run far faster with 1.",
+    )
+
+
+class TrainConfig(BaseModel):
+    """Everything `Trainer` needs besides the model directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+
+
+class TrainerSettings(ServiceSettings):
+    section: ClassVar[str] = "trainer"
+    needs_task: ClassVar[bool] = True
+
+    model: Path = Field(Path("runs/demo/model"), description="Initial policy (HF directory).")
+    weights_root: Path = Field(
+        Path("runs/weights"), description="Published weights go to <root>/<run>/v000012/."
+    )
+    weights_transport: TransportKind = Field(
+        "disk",
+        description="How engines get weights: 'disk' announces the shared directory; 'nats' "
+        "also sends it as chunks into JetStream (no shared storage needed).",
+    )
+    weights_upload_window: int = Field(
+        16, ge=1, le=1024, description="NATS transport: chunk publishes in flight at once."
+    )
+    checkpoint_dir: Path = Field(Path("runs/checkpoints"), description="Trainer checkpoints.")
+    publish_every: int = Field(1, ge=1, description="Publish weights every this many steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many steps (None: run until stopped)."
+    )
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    runtime: ModelConfig = Field(default_factory=ModelConfig)
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate the task's held-out split ([task] eval: pass@1, pass@k) every "
+        "this many steps, and at step 0 (0: never).",
+    )
+    metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
+    loggers: list[LoggerName] = Field(
+        ["jsonl"],
+        description="Where each step's metrics row goes: 'jsonl' (metrics_file), "
+        "'tensorboard' (event files), 'wandb' (a W&B run). The last two are extras: "
+        "pip install 'flywheel[tensorboard]' / 'flywheel[wandb]'.",
+    )
+    log_dir: Path | None = Field(
+        None,
+        description="TensorBoard event files (<dir>/tensorboard/<run>/) and W&B runs "
+        "(<dir>/wandb/) go here; None: beside metrics_file, else runs/logs.",
+    )
+    wandb_project: str = Field("flywheel", min_length=1, description="W&B project name.")
+    wandb_mode: WandbMode = Field(
+        "offline",
+        description="'offline': W&B writes locally, no network ('wandb sync' uploads later); "
+        "'online': streams to the W&B server.",
+    )
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime)
+
+
+class SftSettings(ServiceSettings):
+    """`[sft]` of the run file; env overrides FLYWHEEL_SFT_<FIELD>."""
+
+    section: ClassVar[str] = "sft"
+
+    model_dir: Path = Field(Path("model"), description="Local HF model directory to start from.")
+    train_file: Path = Field(Path("train.jsonl"), description="Training JSONL (chat or p/c).")
+    eval_file: Path | None = Field(None, description="Held-out JSONL for the eval loss.")
+    output_dir: Path = Field(Path("sft-out"), description="Where the trained HF dir is written.")
+    overwrite: bool = Field(False, description="Replace output_dir if it exists.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the data (ignored if steps set).")
+    steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")
+    max_time_s: float | None = Field(
+        None, gt=0, description="Stop early (then save) after this much wall time."
+    )
+    batch_size: int = Field(64, ge=1, description="Examples per optimizer step (all ranks).")
+    max_seq_len: int = Field(2048, ge=2, description="Truncate examples to this many tokens.")
+    eval_every: int = Field(0, ge=0, description="Eval loss every N steps; 0: only at the end.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N steps (no TTY).")
+    progress: bool | None = Field(None, description="Progress bar; None: when stderr is a TTY.")
+    seed: int = Field(0, description="Seed of the data order.")
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"),
+        description="Optimizer and LR schedule (total_steps is set to the run's steps).",
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)

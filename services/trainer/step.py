@@ -1,0 +1,130 @@
+"""One optimizer step, on every rank: the batch in, a new weight version out when due.
+
+Rank 0 reads the batch (batches.py) and hands it to the other ranks as
+bytes (a length, then a uint8 tensor: no pickle); every rank then runs the
+same step. When a step is due to publish (`publish_every`), its weights
+directory is saved first, then its checkpoint, which records the stream
+sequence of the batch (so a checkpoint never names a version whose
+directory is missing, and a restart resumes at the next batch).
+
+In one process the saving is taken off the critical path: the step's
+state is copied out (a `Snapshot`, ~1 ms for the demo model) and written
+while the next step trains (`persist` from loop.py). Under FSDP2 saving
+is a collective, so every rank saves within the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from proto.codec import decode, encode
+from proto.messages import TrainBatch as WireBatch
+from services.common.weights import published_dir
+from services.trainer.distributed import DistInfo
+from services.trainer.settings import TrainerSettings
+from services.trainer.state import Snapshot, prune_checkpoints, save_checkpoint, snapshot
+from services.trainer.trainer import Trainer
+from services.trainer.wire import to_core_batch
+
+STOP = -1  # broadcast length that tells the other ranks to stop
+
+
+def broadcast_bytes(data: bytes | None, info: DistInfo) -> bytes | None:
+    """Rank 0's `data` on every rank (None = stop). Plain tensors, no pickle."""
+    if not info.distributed:
+        return data
+    import torch.distributed as dist
+
+    dev = info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    n = torch.tensor([STOP if data is None else len(data)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src=0)
+    size = int(n.item())
+    if size == STOP:
+        return None
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        if info.is_main and data is not None
+        else torch.empty(size, dtype=torch.uint8, device=dev)
+    )
+    dist.broadcast(buf, src=0)
+    return data if info.is_main else bytes(buf.cpu().numpy().tobytes())
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    step: int  # the trainer's step after this batch (= the weight version it publishes)
+    published: Path | None = None  # the new weights directory, once saved
+    sha256: str = ""
+    size_bytes: int = 0
+    compute_s: float = 0.0
+    publish_s: float = 0.0  # saving weights + checkpoint (overlapped with the next step: 1 rank)
+    snapshot: Snapshot | None = None  # one process: the state `persist` writes later
+
+
+def compute_one(trainer: Trainer, batch: WireBatch) -> StepResult:
+    """One optimizer step on `batch`; the weight version follows the step."""
+    started = time.perf_counter()
+    metrics = trainer.train_step(to_core_batch(batch))
+    trainer.weight_version = trainer.step
+    return StepResult(metrics, trainer.step, compute_s=time.perf_counter() - started)
+
+
+def publish_due(trainer: Trainer, s: TrainerSettings) -> bool:
+    return trainer.step % s.publish_every == 0
+
+
+def persist(
+    trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int, r: StepResult
+) -> None:
+    """Save step `r.step`'s weights directory, then its checkpoint (which records `seq`).
+
+    From `r.snapshot` (one process) while the next step trains; otherwise
+    from the live trainer, on every rank in step.
+    """
+    t = time.perf_counter()
+    snap, r.snapshot = r.snapshot, None
+    out = published_dir(s.weights_root, s.run, r.step)
+    manifest = trainer.save_weights(out, overwrite=True, state_dict=snap.weights if snap else None)
+    save_checkpoint(trainer, s.checkpoint_dir, {"seq": seq, "batch_id": batch.batch_id}, snap)
+    if trainer.info.is_main:
+        prune_checkpoints(s.checkpoint_dir, s.keep_checkpoints)
+    r.published = out
+    if manifest is not None:
+        r.sha256, r.size_bytes = manifest.sha256, manifest.total_bytes
+    r.publish_s = time.perf_counter() - t
+
+
+def train_one(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:
+    """Train `batch` (stream sequence `seq`) and, when due, save weights + checkpoint."""
+    r = compute_one(trainer, batch)
+    if publish_due(trainer, s):
+        persist(trainer, s, batch, seq, r)
+    return r
+
+
+def step(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:
+    """Rank 0: hand `batch` to every rank and train it; when due, a snapshot to persist
+    later (one process) or the saving done in step (a collective under FSDP2)."""
+    broadcast_bytes(encode(batch, max_payload=None), trainer.info)
+    if trainer.info.world_size > 1:
+        return train_one(trainer, s, batch, seq)
+    r = compute_one(trainer, batch)
+    if publish_due(trainer, s):
+        r.snapshot = snapshot(trainer)
+    return r
+
+
+def follower_loop(trainer: Trainer, s: TrainerSettings) -> None:
+    """Ranks > 0: train whatever rank 0 broadcasts until it says stop."""
+    while (data := broadcast_bytes(None, trainer.info)) is not None:
+        train_one(trainer, s, decode(data, WireBatch), seq=-1)
+
+
+def stop_followers(info: DistInfo) -> None:
+    """Rank 0 is done: the other ranks' loops end."""
+    broadcast_bytes(None, info)
