@@ -36,9 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from deploy_support import DASHBOARDS, ROOT, RULES, run, tool
+from tests.deploy.deploy_support import DASHBOARDS, ROOT, RULES, run, tool
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from services.common.tiny_model import write_tiny_model
+from tests.harness import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ENV = {
     **os.environ,
     "PYTHONUNBUFFERED": "1",

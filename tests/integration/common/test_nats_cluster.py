@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -46,8 +45,7 @@ from services.common.nats_conn import (
     server_max_payload,
 )
 from services.common.settings import NatsSettings, ServiceSettings
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
 
 
 @pytest.fixture(scope="module")

@@ -4,20 +4,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import random_batch
 
 from services.common.weights import verify_weights_dir
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
 from services.trainer.core.config import LossConfig
 from services.trainer.trainer import Trainer
+from tests.harness import REPO
+from tests.integration.trainer.trainer_helpers import random_batch
 
-HERE = Path(__file__).resolve().parent
 CFG = TrainConfig(
     loss=LossConfig(
         old_logprobs="recompute",
@@ -43,12 +42,13 @@ def _torchrun(model_dir, out, cfg: TrainConfig) -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        str(HERE / "fsdp_worker.py"),
+        "-m",  # the worker as a module of the tests package, from the repository root
+        "tests.integration.trainer.fsdp_worker",
         str(model_dir),
         str(out),
         cfg.model_dump_json(),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

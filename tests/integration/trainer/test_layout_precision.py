@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from trainer_helpers import random_batch
 
 from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
 from services.trainer.core.config import LossConfig
 from services.trainer.trainer import Trainer
+from tests.integration.trainer.trainer_helpers import random_batch
 
 
 def _cfg(loss: dict, **model) -> TrainConfig:

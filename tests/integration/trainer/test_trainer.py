@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from trainer_helpers import random_batch
 
 from services.common.weights import verify_weights_dir
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -10,6 +9,7 @@ from services.trainer.config import ModelConfig, OptimConfig, TrainConfig
 from services.trainer.core.config import LossConfig
 from services.trainer.model import ModelLoadError, load_model
 from services.trainer.trainer import Trainer
+from tests.integration.trainer.trainer_helpers import random_batch
 
 
 def _cfg(budget=100_000, **loss):

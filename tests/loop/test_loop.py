@@ -1,7 +1,9 @@
 """The closed loop as real subprocesses over a real nats-server (shared-directory weights).
 
 One stack per module (starting torch in six processes is the expensive
-part): two CPU engines with their rollout workers, sync, trainer, buffer.
+part), as `flywheel up` plans and supervises it (tests/harness/stack.py):
+two CPU engines with their rollout workers, sync, trainer, buffer; a third
+engine and worker planned but started by a test.
 The tests run in file order against it and each checks relative to the
 state it finds: every engine follows every version within the staleness
 bound; the trainer survives kill -9 with a gap-free, duplicate-free batch
@@ -15,20 +17,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from loop_stack import LoopStack, messages, run_file, wait_for
 
 from proto.messages import SampleGroup, TrainBatch, WeightsPublished, WeightsReady
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
+from tests.harness.poll import wait_for
+from tests.harness.runfile import run_file
+from tests.harness.stack import Stack, printing_logs_on_failure, stack_table
+from tests.harness.streams import messages
 
 RUN = "loop"
 STALENESS = 1
 S = Subjects(RUN)
 
 
-def loop_config(run: str, **trainer: object) -> str:
+pytestmark = pytest.mark.slow
+
+
+def loop_config(run: str, root: Path, model: Path, engines: int = 2, **trainer: object) -> str:
     return run_file(
         run,
+        stack=stack_table(root, model, engines),
         task={"source": {"type": "arithmetic", "digits": 1}},
         buffer={"samples_per_prompt": 4,
                 "groups_per_step": 2, "max_new_tokens": 4, "max_staleness": STALENESS,
@@ -43,37 +52,31 @@ def loop_config(run: str, **trainer: object) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(loop_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopStack]:
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("loop")
     config = root / "run.toml"
-    config.write_text(loop_config(RUN))
-    with NatsServer(store_dir=root / "nats") as nats:
-        st = LoopStack(root, RUN, nats.url, loop_model, config)
-        try:
-            st.start(st.engine(0), st.engine(1))
-            st.start(st.rollout(0), st.rollout(1), st.sync(), st.trainer())
-            st.start(st.buffer())
-            yield st
-        except BaseException:
-            print(st.logs())
-            raise
-        finally:
-            st.stop_all()
+    config.write_text(loop_config(RUN, root, tiny_model, engines=3))
+    with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
+        with printing_logs_on_failure(st):
+            st.start("engine-0", "engine-1")
+            st.start("rollout-0", "rollout-1", "sync", "trainer")
+            st.start("buffer")
+        yield st
 
 
-def published(st: LoopStack) -> list[WeightsPublished]:
+def published(st: Stack) -> list[WeightsPublished]:
     return messages(st.nats_url, RUN, "WEIGHTS", S.weights_published, WeightsPublished)
 
 
-def ready(st: LoopStack) -> list[WeightsReady]:
+def ready(st: Stack) -> list[WeightsReady]:
     return messages(st.nats_url, RUN, "WEIGHTS", S.weights_ready, WeightsReady)
 
 
-def latest_ready(st: LoopStack) -> int:
+def latest_ready(st: Stack) -> int:
     return max((r.version for r in ready(st)), default=0)
 
 
-def test_every_engine_follows_every_step_within_the_staleness_bound(stack: LoopStack) -> None:
+def test_every_engine_follows_every_step_within_the_staleness_bound(stack: Stack) -> None:
     st = stack
     for v in (1, 2, 3):
         wait_for(lambda v=v: st.trained_steps() >= v, 90, f"trainer step {v}")
@@ -91,19 +94,18 @@ def test_every_engine_follows_every_step_within_the_staleness_bound(stack: LoopS
                 assert smp.weight_version >= b.step - STALENESS, (b.batch_id, smp.sample_id)
     # sync's own view agrees with the engines
     for i in (0, 1):
-        v = st.procs["sync"].metric("flywheel_sync_engine_version", f'engine="engine-{i}"')
+        v = st["sync"].metric("flywheel_sync_engine_version", f'engine="engine-{i}"')
         assert v is not None and v >= 3
 
 
-def test_trainer_kill9_resumes_without_gaps_or_repeats(stack: LoopStack) -> None:
+def test_trainer_kill9_resumes_without_gaps_or_repeats(stack: Stack) -> None:
     st = stack
-    trainer = st.procs["trainer"]
+    trainer = st["trainer"]
     before = st.trained_steps()
     wait_for(lambda: st.trained_steps() > before, 60, "a new trainer step")
     trainer.kill9()  # right after a step's row: mid-run, between steps or inside the next one
     killed_at = st.trained_steps()
-    trainer.start()
-    trainer.wait_ready()
+    trainer.restart()
     wait_for(lambda: st.trained_steps() >= killed_at + 2, 90, "two steps after the restart")
     rows = st.trained_rows()
     steps = [int(r["step"]) for r in rows]
@@ -113,12 +115,12 @@ def test_trainer_kill9_resumes_without_gaps_or_repeats(stack: LoopStack) -> None
     assert "resumed from" in trainer.log()
 
 
-def test_engine_added_mid_run_serves_the_latest_version_first(stack: LoopStack) -> None:
+def test_engine_added_mid_run_serves_the_latest_version_first(stack: Stack) -> None:
     st = stack
     wait_for(lambda: latest_ready(st) >= 3, 60, "v3 ready")
     joined_at = max(p.version for p in published(st))
-    st.start(st.engine(2))
-    st.start(st.rollout(2))
+    st.start("engine-2")
+    st.start("rollout-2")
 
     def first_group() -> SampleGroup | None:
         groups = messages(st.nats_url, RUN, "SAMPLES", S.samples, SampleGroup)
@@ -129,9 +131,9 @@ def test_engine_added_mid_run_serves_the_latest_version_first(stack: LoopStack) 
     assert g.weight_version >= joined_at, (g.weight_version, joined_at)
 
 
-def test_engine_killed_mid_run_does_not_stop_sync(stack: LoopStack) -> None:
+def test_engine_killed_mid_run_does_not_stop_sync(stack: Stack) -> None:
     st = stack
-    st.procs["engine-0"].kill9()
+    st["engine-0"].kill9()
     announced = latest_ready(st)
     wait_for(lambda: latest_ready(st) >= announced + 2, 90, "two more versions ready")
     last = max(ready(st), key=lambda r: r.version)

@@ -25,7 +25,7 @@ from services.common.tasks.taskset import TaskSet
 from services.rollout.app import TaskScorer
 from services.rollout.worker import RolloutMetrics, RolloutWorker
 
-MODULE = "tests.integration.badinput.bad_verifiers"
+MODULE = "tests.integration.rollout.bad_verifiers"
 
 
 @dataclass
