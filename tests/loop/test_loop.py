@@ -1,14 +1,20 @@
-"""The closed loop as real subprocesses over a real nats-server (shared-directory weights).
+"""The closed loop as real subprocesses over a real nats-server, weights over NATS.
 
 One stack per module (starting torch in six processes is the expensive
 part), as `flywheel up` plans and supervises it (tests/harness/stack.py):
 two CPU engines with their rollout workers, sync, trainer, buffer; a third
-engine and worker planned but started by a test.
+engine and worker planned but started by a test. Weights travel over NATS
+(`weights_transport = "nats"`): no directory is shared with the engines;
+sync has a weights root of its own, empty. (The shared-directory transport
+runs the loop in test_update_modes.py, the chaos suite and the e2e runs.)
+
 The tests run in file order against it and each checks relative to the
 state it finds: every engine follows every version within the staleness
-bound; the trainer survives kill -9 with a gap-free, duplicate-free batch
-sequence; an engine that joins mid-run is brought to the latest version
-before it serves a task; an engine that dies does not stop the others.
+bound; each version reached every engine as chunks in JetStream, each
+worker verified its own copy, old versions' chunks leave the stream; the
+trainer survives kill -9 with a gap-free, duplicate-free batch sequence; an
+engine that joins mid-run is brought to the latest version before it
+serves a task; an engine that dies does not stop the others.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from proto.messages import SampleGroup, TrainBatch, WeightsPublished, WeightsReady
+from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
 from tests.harness.poll import wait_for
@@ -29,8 +36,6 @@ from tests.harness.streams import messages
 RUN = "loop"
 STALENESS = 1
 S = Subjects(RUN)
-
-
 pytestmark = pytest.mark.slow
 
 
@@ -55,8 +60,15 @@ def loop_config(run: str, root: Path, model: Path, engines: int = 2, **trainer: 
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("loop")
     config = root / "run.toml"
-    config.write_text(loop_config(RUN, root, tiny_model, engines=3))
-    with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
+    config.write_text(loop_config(RUN, root, tiny_model, engines=3, weights_transport="nats"))
+    assert 'weights_transport = "nats"' in config.read_text()
+    # sync gets a weights root of its own: it must not need the trainer's files
+    # (the variable is only sync's; the harness gives it to every process)
+    no_weights = {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(root / "sync-has-no-weights")}
+    with (
+        NatsServer(store_dir=root / "nats") as nats,
+        Stack(config, nats.url, env=no_weights) as st,
+    ):
         with printing_logs_on_failure(st):
             st.start("engine-0", "engine-1")
             st.start("rollout-0", "rollout-1", "sync", "trainer")
@@ -96,6 +108,43 @@ def test_every_engine_follows_every_step_within_the_staleness_bound(stack: Stack
     for i in (0, 1):
         v = st["sync"].metric("flywheel_sync_engine_version", f'engine="engine-{i}"')
         assert v is not None and v >= 3
+
+
+def chunk_versions(nats_url: str) -> set[int]:
+    """The versions whose chunks the WEIGHTDATA stream holds."""
+    import asyncio
+
+    import nats
+
+    async def body() -> set[int]:
+        nc = await nats.connect(nats_url)
+        try:
+            info = await nc.jetstream().stream_info(
+                stream_name(RUN, "WEIGHTDATA"), subjects_filter=S.weightdata_all
+            )
+            return {int(s.rsplit(".v", 1)[1]) for s in (info.state.subjects or {})}
+        finally:
+            await nc.close()
+
+    return asyncio.run(body())
+
+
+def test_weights_travel_over_nats_to_each_engines_own_copy(stack: Stack) -> None:
+    st = stack
+    wait_for(lambda: all((st.engine_version(i) or 0) >= 4 for i in (0, 1)), 90,
+             "both engines at v4")  # fmt: skip
+    pubs = published(st)
+    assert pubs and all(p.uri.startswith("nats://") for p in pubs), pubs
+    for i in (0, 1):
+        # each engine loaded its own verified copy, not the trainer's directory
+        local = (st.root / f"engine-weights-{i}").resolve()
+        path = Path((st.engine_info(i) or {})["model_path"])
+        assert path.is_relative_to(local), path
+        got = st[f"rollout-{i}"].metric("flywheel_rollout_weights_downloaded_version")
+        assert got is not None and got >= 4
+    # keep_last = 2: the chunks of old versions leave the stream
+    wait_for(lambda: 1 not in chunk_versions(st.nats_url), 30, "v1 chunks purged")
+    assert chunk_versions(st.nats_url), "the newest versions' chunks are kept"
 
 
 def test_trainer_kill9_resumes_without_gaps_or_repeats(stack: Stack) -> None:
