@@ -198,12 +198,24 @@ class BatchReader:
 
     async def next(self, step: int, stop: asyncio.Event) -> tuple[WireBatch, int] | None:
         """The batch for `step` and its (last) stream sequence; None once stopped."""
+        from nats.errors import ConnectionClosedError
         from nats.errors import TimeoutError as NatsTimeout
+
+        from services.common.msgloop import transient_errors
 
         while not stop.is_set():
             try:
                 msgs = await self.sub.fetch(1, timeout=1.0)
             except (TimeoutError, NatsTimeout):
+                continue
+            except ConnectionClosedError:
+                raise  # final (reconnecting is not): nothing more will come
+            except transient_errors() as e:
+                # NATS restarting: JetStream answers 503 while it recovers its streams
+                # (found by the chaos suite); as the message loop does, retry.
+                log.warning("trainer: fetch failed (%s: %s)", type(e).__name__, e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
                 continue
             msg = msgs[0]
             await msg.ack()

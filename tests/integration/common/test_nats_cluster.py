@@ -228,6 +228,7 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> None
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow  # a 3-server cluster of its own, restarted under load
 def test_kill_9_of_the_stream_leader_loses_no_acknowledged_message(tmp_path, run_async):
     with NatsCluster(3, store_root=tmp_path) as cluster:
         timings = run_async(_lose_the_stream_leader(cluster, "chaos"), timeout_s=120)
@@ -333,6 +334,7 @@ def test_flywheel_nats_cluster_3_serves_replicated_streams_until_sigterm(tmp_pat
     assert sorted(p.name for p in store.iterdir()) == ["nats-0", "nats-1", "nats-2"]
 
 
+@pytest.mark.slow  # a 3-server cluster of its own, restarted under load
 def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_path, run_async):
     """The whole cluster restarts; services start with it, not after it (a
     Kubernetes rollout): their stream setup waits out the elections."""
@@ -362,6 +364,7 @@ def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_pat
         assert run_async(publish_and_count(urls, 1)) == 4
 
 
+@pytest.mark.slow  # a 3-server cluster of its own, restarted under load
 def test_a_rolling_restart_keeps_every_message_on_every_server(tmp_path, run_async):
     run = "roll"
     stream = stream_name(run, "SAMPLES")

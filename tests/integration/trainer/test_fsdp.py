@@ -52,6 +52,7 @@ def _torchrun(model_dir, out, cfg: TrainConfig) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+@pytest.mark.slow  # torchrun: two ranks, each importing torch
 def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
     _torchrun(tiny_model_dir, tmp_path, CFG)
 
@@ -81,6 +82,7 @@ def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
         torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.slow  # torchrun: two ranks, each importing torch
 def test_two_rank_fsdp_in_bf16_matches_single_process_bf16(tiny_model_dir, tmp_path):
     """bf16 compute with float32 master weights under FSDP2 (gloo) as in one process.
 
