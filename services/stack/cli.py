@@ -14,19 +14,13 @@ import argparse
 import asyncio
 import contextlib
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
+from services.common.ports import free_port
 from services.common.service_main import settings_or_exit
 from services.stack.settings import StackSettings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,16 +1,10 @@
-"""The tests' one free-port helper.
+"""The tests' one free-port helper: the product's own (services/common/ports.py).
 
-`flywheel up` picks its ports the same way (bind port 0, read it back, close);
-once services/common grows its own `free_port`, this module re-exports it.
+Below the kernel's ephemeral range, as `flywheel up` picks its processes'
+ports, so a port a test hands to a process it restarts is not meanwhile
+the local end of some outgoing connection.
 """
 
-from __future__ import annotations
+from services.common.ports import free_port
 
-import socket
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port"]

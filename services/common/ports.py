@@ -1,0 +1,63 @@
+"""Free TCP ports for the processes `flywheel up` starts (and for the tests).
+
+A listening port is picked below the kernel's ephemeral range (Linux:
+`/proc/sys/net/ipv4/ip_local_port_range`, 32768-60999 by default), not by
+binding port 0, which hands out a port from inside it. The supervisor
+restarts a service on the port it was planned with; a port from the
+ephemeral range can meanwhile have become the local end of an outgoing
+connection (every service reconnecting to a restarted nats-server, a
+metrics scrape), and the restarted service then cannot bind it (seen in
+the chaos suite: the trainer died twice on "address already in use").
+
+Ports are handed out in turn from a random start, so one process never
+gives the same port twice in a row of plans; each is checked free by
+binding it (the usual race with whoever binds it next remains: the caller
+hands it to a process that binds it moments later).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+from pathlib import Path
+
+LOWEST = 10_000  # below: ports services commonly own (4222, 8080, 9090, ...)
+_lock = threading.Lock()
+_next: int | None = None
+
+
+def _ephemeral_start() -> int:
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems' ranges start higher
+    return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range where there is room."""
+    global _next
+    top = _ephemeral_start()
+    if top - LOWEST < 1000:  # no room below the range: let the kernel pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    with _lock:
+        if _next is None:
+            _next = random.randrange(LOWEST, top)
+        for _ in range(top - LOWEST):
+            port = _next
+            _next = LOWEST if _next + 1 >= top else _next + 1
+            if _bindable(port):
+                return port
+    raise OSError(f"no free port in {LOWEST}-{top - 1}")
