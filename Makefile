@@ -1,6 +1,7 @@
 # Flywheel — the targets the README names.
 #   make setup   create .venv (torch CPU wheel first, then the project + dev tools)
 #   make test    lint + the whole test suite (what CI runs)
+#   make test-fast  the edit-test loop: unit + integration, no stack start-ups (< 2 min)
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make lint    ruff (lint + format check) and mypy
 SHELL := /bin/bash
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test demo lint format
+.PHONY: setup tools test test-fast test-slow demo lint format
 
 setup: $(STAMP)
 
@@ -30,6 +31,16 @@ test: setup tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
+# The edit-test loop: everything not marked slow (no whole-stack start-ups, no
+# e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines
+# and subprocesses all the same. `make test` runs these and the slow ones.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+# Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).
+test-slow: setup tools
+	$(PY) -m pytest -q -m slow
+
 demo: setup
 	$(VENV)/bin/flywheel demo
 
@@ -44,14 +55,16 @@ format: setup
 
 # Deployment checks: render + validate every overlay, promtool on the rules
 # and metrics, dashboards against the services' metrics, and the live stack
-# scraped by a real Prometheus. deploy/ci-tools.sh installs promtool/prometheus.
+# scraped by a real Prometheus (tests/e2e/test_live_run.py).
+# deploy/ci-tools.sh installs promtool/prometheus.
 .PHONY: deploy-check
 deploy-check: setup tools
-	$(PY) -m pytest -q tests/deploy
+	$(PY) -m pytest -q tests/deploy tests/e2e/test_live_run.py
 
 # The chaos suite, full variant: every fault kind (kill -9 of each service,
 # nats-server restart and kill -9, SIGSTOP/SIGCONT) during one run, with the
 # stream accounting asserted. CI runs the smaller variant (tests/chaos).
+# FLYWHEEL_CHAOS_SEED picks the seeded fault moments (default 0).
 .PHONY: chaos
 chaos: setup
 	FLYWHEEL_CHAOS_FULL=1 $(PY) -m pytest -q -s tests/chaos

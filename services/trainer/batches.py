@@ -26,7 +26,7 @@ from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.common.errors import FlywheelError
 from services.common.lifecycle import ServiceContext
-from services.common.msgloop import DeadLetterPublisher, stored_origin
+from services.common.msgloop import DeadLetterPublisher, pause, stored_origin, transient_errors
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +107,21 @@ class BatchReader:
 
     async def next(self, step: int, stop: asyncio.Event) -> tuple[WireBatch, int] | None:
         """The batch for `step` and its (last) stream sequence; None once stopped."""
+        from nats.errors import ConnectionClosedError
         from nats.errors import TimeoutError as NatsTimeout
 
         while not stop.is_set():
             try:
                 msgs = await self.sub.fetch(1, timeout=1.0)
             except (TimeoutError, NatsTimeout):
+                continue
+            except ConnectionClosedError:
+                raise  # final (reconnecting is not): nothing more will come
+            except transient_errors() as e:
+                # NATS restarting: JetStream answers 503 while it recovers its streams
+                # (found by the chaos suite); as the message loop does, retry.
+                log.warning("trainer: fetch failed (%s: %s)", type(e).__name__, e)
+                await pause(stop, 1.0)
                 continue
             msg = msgs[0]
             await msg.ack()

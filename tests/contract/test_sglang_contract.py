@@ -9,10 +9,8 @@ fixture's answer and records what the client sent.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +18,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from contract_support import Case, check_body, load_cases, substitute
-
 from services.common.engine_client import EngineClient, EngineHTTPError
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import write_weights_dir
+from tests.contract.contract_support import Case, check_body, load_cases, substitute
+from tests.harness.engines import serving
 
 CASES = load_cases()
 ENGINE_CASES = [c for c in CASES if c.engine]
@@ -80,18 +76,6 @@ def engines(model_dir: Path) -> Iterator[Engines]:
     e = Engines(model_dir)
     yield e
     e.close()
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 async def send(

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import REPO
+
+ROOT = REPO
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 MONITORING = K8S / "components" / "monitoring"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from deploy_support import (
+from tests.deploy.deploy_support import (
     K8S,
     KUBERNETES_VERSION,
     OVERLAYS,
@@ -303,7 +300,7 @@ def test_podmonitors_name_declared_ports() -> None:
 
 
 def test_prometheusrule_is_generated_from_the_rules_file() -> None:
-    from deploy_support import K8S, load_script
+    from tests.deploy.deploy_support import K8S, load_script
 
     build = K8S / "components" / "prometheus-operator" / "build.py"
     committed = (build.parent / "prometheusrule.yaml").read_text()
@@ -311,7 +308,8 @@ def test_prometheusrule_is_generated_from_the_rules_file() -> None:
     assert load_script(build).render() == committed, stale
     rule = find(objects("gpu"), "PrometheusRule", "flywheel")
     import yaml
-    from deploy_support import RULES
+
+    from tests.deploy.deploy_support import RULES
 
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
 
@@ -329,7 +327,7 @@ def test_nats_credentials_come_from_the_secret() -> None:
 
 
 def test_dockerfile_is_non_root_with_flywheel_entrypoint() -> None:
-    from deploy_support import ROOT
+    from tests.deploy.deploy_support import ROOT
 
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^USER 10001", text, re.M)

@@ -13,15 +13,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from deploy_support import K8S, OVERLAYS, find, objects, run_file
+from tests.deploy.deploy_support import K8S, OVERLAYS, find, objects, run_file
 
 CLUSTER = "cpu-dev-cluster"
 

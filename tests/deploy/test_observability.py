@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from deploy_support import DASHBOARDS, RULE_TESTS, RULES, load_script, run, tool
+from tests.deploy.deploy_support import DASHBOARDS, RULE_TESTS, RULES, load_script, run, tool
 
 SUFFIXES = {
     "counter": ("_total", "_created"),

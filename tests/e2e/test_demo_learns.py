@@ -4,6 +4,14 @@ Real everything: embedded nats-server, two CPU engines with a rollout
 worker each, buffer, trainer, sync; a tiny model warmed up by SFT on
 addition where many labels forget to carry, then async GRPO. The same
 SFT model is then trained synchronously (max_staleness = 0).
+
+Each RL run stops once the trainer's held-out evaluation reaches what the
+test asserts (`flywheel demo --target-accuracy`), not at its step cap. The
+demo's before/after accuracy is measured on the trainer's own held-out
+problems (`--eval-size 200`: configs/demo.toml's `[task.eval] size`), so
+the stop and the assertion measure the same thing; the stop's target is
+`MARGIN` above the assertion because the final weights are a step or two
+newer than the ones the trainer evaluated when the run was told to stop.
 """
 
 from __future__ import annotations
@@ -17,7 +25,13 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the whole stack, twice, after an SFT warm start
+
 RL_SECONDS = 300  # the issue's budget: 0.9 within 5 minutes of RL
+TARGET = 0.90  # held-out greedy accuracy the async run must reach
+SYNC_GAIN = 0.10  # what the synchronous run must add to the SFT model's accuracy
+MARGIN = 0.02  # the stop's target above the assertion (see the module docstring)
+EVAL_SIZE = "200"  # configs/demo.toml [task.eval] size: the trainer's held-out problems
 
 
 def demo(run_dir: Path, *args: str, timeout: float) -> dict:
@@ -40,8 +54,9 @@ def demo(run_dir: Path, *args: str, timeout: float) -> dict:
 def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     run_dir = tmp_path_factory.mktemp("demo")
     summary = demo(
-        run_dir, "--rl-seconds", str(RL_SECONDS), "--rl-steps", "130",
-        "--max-staleness", "1", timeout=RL_SECONDS + 420,
+        run_dir, "--rl-seconds", str(RL_SECONDS), "--rl-steps", "130", "--max-staleness", "1",
+        "--target-accuracy", str(TARGET + MARGIN), "--eval-size", EVAL_SIZE,
+        timeout=RL_SECONDS + 420,
     )  # fmt: skip
     return run_dir, summary
 
@@ -50,7 +65,7 @@ def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 def test_async_grpo_reaches_090_within_5_minutes(async_run: tuple[Path, dict]) -> None:
     run_dir, s = async_run
     print(json.dumps(s, indent=2))
-    assert s["accuracy_after"] >= 0.90, s
+    assert s["accuracy_after"] >= TARGET, s
     assert s["accuracy_after"] - s["accuracy_before"] >= 0.25, s
     assert s["rl_seconds"] <= RL_SECONDS + 30, s
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -63,10 +78,12 @@ def test_async_grpo_reaches_090_within_5_minutes(async_run: tuple[Path, dict]) -
 @pytest.mark.timeout(RL_SECONDS + 900)  # includes the module fixture if it runs first
 def test_synchronous_grpo_also_learns(async_run: tuple[Path, dict]) -> None:
     run_dir, first = async_run
+    target = first["accuracy_before"] + SYNC_GAIN + MARGIN
     s = demo(run_dir, "--keep", "--max-staleness", "0", "--rl-seconds", "90",
-             "--rl-steps", "130", timeout=90 + 180)  # fmt: skip
+             "--rl-steps", "130", "--target-accuracy", f"{target:.3f}",
+             "--eval-size", EVAL_SIZE, timeout=90 + 180)  # fmt: skip
     print(json.dumps(s, indent=2))
     assert s["accuracy_before"] == first["accuracy_before"]  # the same SFT start
-    assert s["accuracy_after"] >= s["accuracy_before"] + 0.10, s
+    assert s["accuracy_after"] >= s["accuracy_before"] + SYNC_GAIN, s
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness_max"] == 0 for r in rows if "staleness_max" in r)

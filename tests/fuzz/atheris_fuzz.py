@@ -1,8 +1,8 @@
 """Coverage-guided fuzzing of one target with atheris (libFuzzer) — not run in CI.
 
     .venv/bin/pip install atheris        # a wheel exists for CPython 3.11 on x86-64 Linux
-    .venv/bin/python tests/fuzz/atheris_fuzz.py decode_SampleGroup -max_total_time=60
-    .venv/bin/python tests/fuzz/atheris_fuzz.py --list
+    .venv/bin/python -m tests.fuzz.atheris_fuzz decode_SampleGroup -max_total_time=60
+    .venv/bin/python -m tests.fuzz.atheris_fuzz --list
 
 The targets and their allowed errors are tests/fuzz/fuzz_targets.py's, the
 same as the hypothesis tests'; the target's seeds are written to a corpus
@@ -18,15 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def main(argv: list[str]) -> int:
     import atheris
 
     with atheris.instrument_imports():
-        from fuzz_targets import TARGETS, check
+        from tests.fuzz.fuzz_targets import TARGETS, check
 
     if not argv or argv[0] in ("-h", "--help", "--list"):
         print(__doc__)

@@ -40,8 +40,9 @@ from services.buffer.state import BufferStateError, dump_state, load_state
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings, load_settings
 from services.engine.core.protocol import RequestError, parse_generate
+from tests.harness import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fuzz_targets import TARGETS, Target, check, mutate
+from tests.fuzz.fuzz_targets import TARGETS, Target, check, mutate
 
 EXAMPLES = int(os.environ.get("FLYWHEEL_FUZZ_EXAMPLES", "150"))
 BUDGET = settings(

@@ -13,8 +13,9 @@ from services.rollout.settings import RolloutSettings
 from services.stack.settings import StackSettings
 from services.sync.settings import SyncSettings
 from services.trainer.settings import TrainerSettings
+from tests.harness import REPO
 
-ROOT = Path(__file__).parents[2]
+ROOT = REPO
 CONFIGS = sorted((ROOT / "configs").glob("**/*.toml"))
 SETTINGS = [
     BufferSettings,

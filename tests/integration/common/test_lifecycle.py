@@ -7,14 +7,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from services.common.lifecycle import ServiceContext, run_service
 from services.common.settings import NatsSettings, ServiceSettings
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
 
 SERVICE = textwrap.dedent(
     """

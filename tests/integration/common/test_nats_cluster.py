@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -45,8 +44,7 @@ from services.common.nats_conn import (
     server_max_payload,
 )
 from services.common.settings import NatsSettings, ServiceSettings
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +227,7 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float) -> None
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow  # a 3-server cluster of its own, restarted under load
 def test_kill_9_of_the_stream_leader_loses_no_acknowledged_message(tmp_path, run_async):
     with NatsCluster(3, store_root=tmp_path) as cluster:
         timings = run_async(_lose_the_stream_leader(cluster, "chaos"), timeout_s=120)
@@ -334,6 +333,7 @@ def test_flywheel_nats_cluster_3_serves_replicated_streams_until_sigterm(tmp_pat
     assert sorted(p.name for p in store.iterdir()) == ["nats-0", "nats-1", "nats-2"]
 
 
+@pytest.mark.slow  # a 3-server cluster of its own, restarted under load
 def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_path, run_async):
     """The whole cluster restarts; services start with it, not after it (a
     Kubernetes rollout): their stream setup waits out the elections."""
@@ -363,6 +363,7 @@ def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_pat
         assert run_async(publish_and_count(urls, 1)) == 4
 
 
+@pytest.mark.slow  # a 3-server cluster of its own, restarted under load
 def test_a_rolling_restart_keeps_every_message_on_every_server(tmp_path, run_async):
     run = "roll"
     stream = stream_name(run, "SAMPLES")

@@ -20,8 +20,7 @@ from services.common.errors import NatsServerError
 from services.common.nats_conn import NatsConnectError, connect, ensure_streams
 from services.common.nats_server import NatsServer, find_nats_server
 from services.common.settings import NatsSettings
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
 
 
 def test_binary_is_found_in_the_venv():

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +18,8 @@ from services.common.engine_client import (
 from services.common.settings import load_settings
 from services.engine.app import build_app, create_state
 from services.engine.settings import EngineSettings
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@asynccontextmanager
-async def serve(app: web.Application, port: int = 0) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+from tests.harness.engines import serving
+from tests.harness.ports import free_port
 
 
 def fake_engine(hits: list[str], release: asyncio.Event | None = None) -> web.Application:
@@ -71,7 +52,7 @@ def test_generate_result_and_http_errors_are_not_retried(run_async: Any) -> None
     async def body() -> None:
         hits: list[str] = []
         release = asyncio.Event()
-        async with serve(fake_engine(hits, release)) as url, EngineClient(url, retries=3) as c:
+        async with serving(fake_engine(hits, release)) as url, EngineClient(url, retries=3) as c:
             [res] = await c.generate([3], sampling_params={"max_new_tokens": 2})
             assert (res.output_ids, res.logprobs) == ([4, 5], [-0.1, -0.2])
             assert (res.finish_type, res.weight_version, res.aborted) == ("length", "5", False)
@@ -91,7 +72,7 @@ def test_generate_result_and_http_errors_are_not_retried(run_async: Any) -> None
 
 def test_connection_errors_are_retried_then_unavailable(run_async: Any) -> None:
     async def body() -> None:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         async with EngineClient(url, retries=2, backoff_s=0.01) as c:
             with pytest.raises(EngineUnavailable, match="after 3 attempts"):
@@ -103,7 +84,7 @@ def test_connection_errors_are_retried_then_unavailable(run_async: Any) -> None:
             call = asyncio.create_task(c.generate([3]))
             await asyncio.sleep(0.1)  # let a few attempts fail before the server exists
             assert not call.done()
-            async with serve(fake_engine(hits), port):
+            async with serving(fake_engine(hits), port):
                 [res] = await call
         assert res.output_ids == [4, 5] and hits == ["/generate"]
 
@@ -120,7 +101,7 @@ def test_api_key_guards_every_path_but_health_and_ready(
                                  health_generation=False)  # fmt: skip
         state = await asyncio.to_thread(create_state, settings)
         try:
-            async with serve(build_app(state)) as url:
+            async with serving(build_app(state)) as url:
                 async with EngineClient(url, retries=0) as anon:
                     assert await anon.health()
                     assert (await anon.request("GET", "/ready")) is None

@@ -16,10 +16,10 @@ import torch
 from services.common.engine_client import EngineClient, EngineHTTPError, GenerateResult
 from services.common.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model
 from services.common.weights import write_weights_dir
+from tests.harness.engines import EngineProcess
 
-# The `engine` fixture (tests/integration/engine/conftest.py) is an EngineProcess:
-# .url, .model_dir, .proc. `run_async` and `eventually` come from tests/conftest.py.
-EngineProcess = Any
+# The `engine` fixture (tests/integration/engine/conftest.py): .url, .model_dir, .proc.
+# `run_async` and `eventually` come from tests/conftest.py.
 
 TOK = build_tokenizer()
 LONG = {"max_new_tokens": 200, "ignore_eos": True}

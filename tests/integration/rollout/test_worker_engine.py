@@ -37,13 +37,14 @@ from services.common.errors import ConfigError
 from services.common.lifecycle import run_service
 from services.common.nats_conn import ensure_streams
 from services.common.nats_server import NatsServer
-from services.common.settings import NatsSettings, load_settings
+from services.common.settings import NatsSettings
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import write_weights_dir
 from services.engine.app import build_app, create_state
 from services.engine.settings import EngineSettings
 from services.rollout.app import body as rollout_body
 from services.rollout.settings import RolloutSettings
+from tests.harness.engines import EngineStates, serving, serving_engine
 
 
 @pytest.fixture(scope="module")
@@ -52,33 +53,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir: Path) -> Iterator[dict[str, Any]]:
+def engines(model_dir: Path) -> Iterator[EngineStates]:
     """One engine state per emulated SGLang release, made on demand."""
-    states: dict[str, Any] = {}
-
-    def get(version: str = "0.5.23") -> Any:
-        if version not in states:
-            settings = load_settings(
-                EngineSettings, model=model_dir, weight_version="0", sglang_version=version
-            )
-            states[version] = create_state(settings)
-        return states[version]
-
-    yield {"get": get}
-    for s in states.values():
-        s.scheduler.stop()
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    states = EngineStates(model_dir)
+    yield states
+    states.close()
 
 
 def task(run: str, i: int, n: int = 2, **sampling: Any) -> PromptTask:
@@ -147,14 +126,14 @@ def metric(registry: CollectorRegistry, name: str) -> float:
 
 
 def test_engine_refusal_is_dead_lettered_with_its_message_once(
-    nats_server: NatsServer, engines: dict[str, Any], model_dir: Path, run_async: Any
+    nats_server: NatsServer, engines: EngineStates, model_dir: Path, run_async: Any
 ) -> None:
     """SGLang answers 400 to top_k = 0 (the proto allows it): permanent, not retried."""
-    state = engines["get"]()
+    state = engines.get()
 
     async def body() -> None:
         reg = CollectorRegistry()
-        async with serving(build_app(state)) as url, \
+        async with serving_engine(state) as url, \
                 worker(nats_server.url, "refuse", url, model_dir, reg) as (js, seen):  # fmt: skip
             await publish(js, task("refuse", 0, top_k=0, temperature=1.0))
             await until(lambda: seen["dead"])
@@ -169,13 +148,13 @@ def test_engine_refusal_is_dead_lettered_with_its_message_once(
 
 
 def test_aborted_generations_are_generated_again(
-    nats_server: NatsServer, engines: dict[str, Any], model_dir: Path, run_async: Any
+    nats_server: NatsServer, engines: EngineStates, model_dir: Path, run_async: Any
 ) -> None:
-    state = engines["get"]()
+    state = engines.get()
 
     async def body() -> None:
         reg = CollectorRegistry()
-        async with serving(build_app(state)) as url, EngineClient(url) as admin, \
+        async with serving_engine(state) as url, EngineClient(url) as admin, \
                 worker(nats_server.url, "regen", url, model_dir, reg) as (js, seen):  # fmt: skip
             await admin.request("POST", "/slow_down", {"forward_sleep_time": 0.05})
             try:
@@ -193,12 +172,12 @@ def test_aborted_generations_are_generated_again(
 
 
 def test_a_redelivered_task_does_not_reuse_a_request_id_in_flight(
-    engines: dict[str, Any], model_dir: Path, run_async: Any
+    engines: EngineStates, model_dir: Path, run_async: Any
 ) -> None:
     """Two deliveries of one task on one engine at once: both generate (no 400)."""
     from services.rollout.worker import RolloutWorker
 
-    state = engines["get"]()
+    state = engines.get()
 
     class Delivered:  # what generate() reads of a JetStream delivery
         def __init__(self, n: int) -> None:
@@ -211,7 +190,7 @@ def test_a_redelivered_task_does_not_reuse_a_request_id_in_flight(
         registry = CollectorRegistry()
 
     async def body() -> None:
-        async with serving(build_app(state)) as url, EngineClient(url) as c:
+        async with serving_engine(state) as url, EngineClient(url) as c:
             settings = RolloutSettings(
                 engine_url=url, model=model_dir, task={"source": {"type": "arithmetic"}}
             )
@@ -231,16 +210,16 @@ def test_a_redelivered_task_does_not_reuse_a_request_id_in_flight(
 
 
 def test_tokens_across_an_in_place_update_carry_both_versions(
-    nats_server: NatsServer, engines: dict[str, Any], model_dir: Path, tmp_path: Path,
+    nats_server: NatsServer, engines: EngineStates, model_dir: Path, tmp_path: Path,
     run_async: Any,
 ) -> None:  # fmt: skip
-    state = engines["get"]()
+    state = engines.get()
     v1 = tmp_path / "v1"
     write_weights_dir(v1, lambda d: write_tiny_model(d, TinyModelSpec(seed=1)))
 
     async def body() -> None:
         reg = CollectorRegistry()
-        async with serving(build_app(state)) as url, EngineClient(url) as admin, \
+        async with serving_engine(state) as url, EngineClient(url) as admin, \
                 worker(nats_server.url, "spans", url, model_dir, reg) as (js, seen):  # fmt: skip
             await admin.request("POST", "/slow_down", {"forward_sleep_time": 0.05})
             try:
@@ -266,14 +245,14 @@ def test_tokens_across_an_in_place_update_carry_both_versions(
 
 
 def test_a_0_5_4_engine_is_served_through_its_older_routes(
-    nats_server: NatsServer, engines: dict[str, Any], model_dir: Path, run_async: Any
+    nats_server: NatsServer, engines: EngineStates, model_dir: Path, run_async: Any
 ) -> None:
     """0.5.4 has no /model_info, /v1/loads: the worker used to retry every task forever."""
-    state = engines["get"]("0.5.4")
+    state = engines.get(sglang_version="0.5.4")
 
     async def body() -> None:
         reg = CollectorRegistry()
-        async with serving(build_app(state)) as url, \
+        async with serving_engine(state) as url, \
                 worker(nats_server.url, "old", url, model_dir, reg) as (js, seen):  # fmt: skip
             await publish(js, task("old", 0))
             await until(lambda: seen["groups"] and seen["beats"])

@@ -39,6 +39,7 @@ from services.engine.settings import EngineSettings
 from services.sync.app import SyncService
 from services.sync.core import Engine, Published
 from services.sync.settings import SyncSettings
+from tests.harness.engines import EngineStates
 
 KEY = "sync-key"
 
@@ -57,18 +58,9 @@ def new_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(model_dir: Path) -> Iterator[Any]:
-    states: dict[str, Any] = {}
-
-    def get(version: str) -> Any:
-        if version not in states:
-            settings = load_settings(EngineSettings, model=model_dir, weight_version="0",
-                                     sglang_version=version, api_key=KEY)  # fmt: skip
-            states[version] = create_state(settings)
-        return states[version]
-
-    yield get
-    for s in states.values():
-        s.scheduler.stop()
+    states = EngineStates(model_dir, api_key=KEY)
+    yield lambda version: states.get(sglang_version=version)
+    states.close()
 
 
 class Ctx:

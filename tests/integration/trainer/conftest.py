@@ -1,12 +1,8 @@
 """Fixtures of the trainer integration tests: a tiny model directory built offline."""
 
-import sys
 from pathlib import Path
 
 import pytest
-
-# The torchrun worker imports trainer_helpers as a plain module; so do the tests.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 

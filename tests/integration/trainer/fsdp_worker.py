@@ -1,5 +1,8 @@
 """Run under torchrun by test_fsdp.py: one train step with FSDP2, then save weights.
 
+`python -m torch.distributed.run … -m tests.integration.trainer.fsdp_worker` from the
+repository root (a module of the tests package: no sys.path edits).
+
 argv: MODEL_DIR OUT_DIR CONFIG_JSON. Writes OUT_DIR/metrics.json (rank 0),
 OUT_DIR/weights (HF dir gathered on rank 0) and OUT_DIR/ckpt (DCP, all ranks).
 """
@@ -8,15 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from trainer_helpers import random_batch
-
 from services.trainer.distributed import init_distributed, shutdown
 from services.trainer.settings import TrainConfig
 from services.trainer.state import save_checkpoint
 from services.trainer.trainer import Trainer
+from tests.integration.trainer.trainer_helpers import random_batch
 
 
 def main() -> None:

@@ -4,19 +4,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import random_batch
 
 from services.common.weights import verify_weights_dir
 from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from services.trainer.state import latest_checkpoint, load_checkpoint
 from services.trainer.trainer import Trainer
+from tests.harness import REPO
+from tests.integration.trainer.trainer_helpers import random_batch
 
-HERE = Path(__file__).resolve().parent
 CFG = TrainConfig(
     loss=LossConfig(
         old_logprobs="recompute",
@@ -42,15 +41,17 @@ def _torchrun(model_dir, out, cfg: TrainConfig) -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        str(HERE / "fsdp_worker.py"),
+        "-m",  # the worker as a module of the tests package, from the repository root
+        "tests.integration.trainer.fsdp_worker",
         str(model_dir),
         str(out),
         cfg.model_dump_json(),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+@pytest.mark.slow  # torchrun: two ranks, each importing torch
 def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
     _torchrun(tiny_model_dir, tmp_path, CFG)
 
@@ -80,6 +81,7 @@ def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
         torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)
 
 
+@pytest.mark.slow  # torchrun: two ranks, each importing torch
 def test_two_rank_fsdp_in_bf16_matches_single_process_bf16(tiny_model_dir, tmp_path):
     """bf16 compute with float32 master weights under FSDP2 (gloo) as in one process.
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from trainer_helpers import random_batch
 
 from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from services.trainer.trainer import Trainer
+from tests.integration.trainer.trainer_helpers import random_batch
 
 
 def _cfg(loss: dict, **model) -> TrainConfig:

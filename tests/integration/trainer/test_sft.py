@@ -25,6 +25,7 @@ from services.trainer.sft.data import (
 MIN_ACCURACY = 0.04
 
 
+@pytest.mark.slow  # a learning run (hundreds of steps), then `flywheel sft` again
 def test_sft_learns_arithmetic(tiny_model_dir, tmp_path):
     held_out = [problem(1, i) for i in range(400)]
     banned = {p.prompt for p in held_out}

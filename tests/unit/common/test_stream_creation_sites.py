@@ -7,9 +7,10 @@ silently have one replica on a cluster, and die with the server holding it.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
+
+ROOT = REPO
 CREATES = re.compile(r"\.(add_stream|update_stream|create_key_value|create_object_store)\(")
 
 

@@ -18,8 +18,8 @@ from services.common.errors import ConfigError
 from services.common.settings import load_settings
 from services.stack.plan import plan
 from services.stack.settings import StackSettings
+from tests.harness import REPO
 
-REPO = Path(__file__).resolve().parents[3]
 GPU_EXAMPLE = REPO / "configs" / "gpu-example.toml"
 PORTS = itertools.count(21000)
 

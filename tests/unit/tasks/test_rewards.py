@@ -141,7 +141,7 @@ def test_pool_scores_parts_and_survives_hangs_raises_and_deaths(run_async: Any) 
             )  # A hang beside good calls: they are not held up.
             elapsed = time.monotonic() - t0
             raised = await pool.call(R.SCORE, payload(f"{fx}:raises"), "a", "b", {})
-            died = await pool.call("tests.unit.rollout.verifier_fixtures:die", "a", "b")
+            died = await pool.call("tests.unit.tasks.verifier_fixtures:die", "a", "b")
             after = await pool.call(R.SCORE, parts, "7", "7", {})
             assert len(pool._all) == 2  # killed children were replaced
         assert hung.reward == 0.0 and "timed out" in (hung.error or "")

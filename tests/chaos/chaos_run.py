@@ -1,11 +1,13 @@
 """A `flywheel up` run under fault injection, and the accounting of what it trained.
 
-The run is the real thing: `python -m services up -c run.toml --steps N`
-(engines, rollout workers, sync, trainer, buffer as supervised subprocesses,
-`on_failure = "restart"`) against a nats-server this harness owns
-(`[stack] embedded_nats = false`, persisted store, fixed port), so it can be
-restarted under the running services. `<run_dir>/pids.json`, written by the
-supervisor on every (re)start, names the pid of each service.
+The run is the real thing: `python -m services up -c run.toml`
+(tests/harness/up.py; engines, rollout workers, sync, trainer, buffer as
+supervised subprocesses, `on_failure = "restart"`) against a nats-server
+this harness owns (`[stack] embedded_nats = false`, persisted store, fixed
+port), so it can be restarted under the running services.
+`<run_dir>/pids.json`, written by the supervisor on every (re)start, names
+the pid of each service. The run has no step cap: the test stops it with
+Ctrl-C once every fault has fired and recovered (see `ChaosRun`).
 
 Faults (`Fault.kind`):
 
@@ -27,36 +29,29 @@ services/buffer/core.py).
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LOOP = Path(__file__).resolve().parents[1] / "integration" / "loop"
-sys.path.insert(0, str(LOOP))
+from proto.codec import decode
+from proto.messages import DeadLetter, PromptTask, SampleGroup, TrainBatch
+from proto.streams import kv_bucket, stream_name
+from proto.subjects import Subjects
+from services.common.nats_server import NatsServer
+from tests.harness.poll import wait_for
+from tests.harness.runfile import run_file
+from tests.harness.streams import read_stream
+from tests.harness.up import UpRun
 
-from loop_stack import read_stream, run_file, wait_for  # noqa: E402
-
-from proto.codec import decode  # noqa: E402
-from proto.messages import DeadLetter, PromptTask, SampleGroup, TrainBatch  # noqa: E402
-from proto.streams import kv_bucket, stream_name  # noqa: E402
-from proto.subjects import Subjects  # noqa: E402
-from services.common.nats_server import NatsServer  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 RUN = "chaos"
 G = 2  # groups per step
 K = 2  # max staleness (2: a killed worker's stranded tasks do not stop admission)
+TAIL_STEPS = 12  # steps trained after the last fault's scheduled step, before the stop
 
 
 def chaos_config(root: Path, model: Path, nats_url: str, update_mode: str = "retract") -> str:
@@ -102,103 +97,73 @@ class Injected:
 
 @dataclass
 class ChaosRun:
+    """`flywheel up` (no step cap: the test stops it) on a nats-server this harness owns.
+
+    The run has no `--steps`: a step of the chaos model takes well under a
+    tenth of a second, so a run capped at a step count could finish before
+    the schedule's last faults fired. The faults are paced by the run
+    instead (each waits for its step and for the recovery from the last),
+    and `finish` stops the run, with Ctrl-C, once the last fault has
+    recovered and `TAIL_STEPS` more steps are trained.
+    """
+
     root: Path
     model: Path
-    steps: int
     seed: int = 0
     update_mode: str = "retract"  # sync's: each update pauses the engines, requeues, continues
     nats: NatsServer = field(init=False)
-    up: subprocess.Popen[bytes] | None = None
+    up: UpRun = field(init=False)
     injected: list[Injected] = field(default_factory=list)
 
     @property
     def run_dir(self) -> Path:
         return self.root / "run"
 
-    @property
-    def log(self) -> Path:
-        return self.root / "up.log"
-
     # ── lifecycle ────────────────────────────────────────────────────────────
     def start(self) -> None:
         self.nats = NatsServer(store_dir=self.root / "nats-store").start()
         config = self.root / "run.toml"
         config.write_text(chaos_config(self.root, self.model, self.nats.url, self.update_mode))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-        with self.log.open("ab") as f:
-            self.up = subprocess.Popen(
-                [sys.executable, "-m", "services", "up", "-c", str(config), "--steps",
-                 str(self.steps), "--quiet"],
-                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        self.up = UpRun(config, self.run_dir, "--quiet").start()
+
+    def finish(self, steps: int, timeout_s: float = 240) -> int:
+        """Once `steps` are trained, stop the run as a user does (Ctrl-C); its exit code."""
+        wait_for(lambda: self._check_up() and self.step() >= steps, timeout_s, f"step {steps}",
+                 0.2)  # fmt: skip
+        return self.up.stop(signal.SIGINT, grace_s=60) or 0
 
     def close(self) -> None:
         """Stop the stack (leaves nats-server running, for the accounting)."""
-        if self.up is not None and self.up.poll() is None:
-            self.up.send_signal(signal.SIGINT)
-            try:
-                self.up.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.up.pid, signal.SIGKILL)
-                self.up.wait(5)
-        for pid in self.pids().values():  # anything frozen or orphaned by a failed test
+        pids = self.pids()
+        self.up.stop(signal.SIGINT, grace_s=40)
+        for pid in pids.values():  # anything frozen or orphaned by a failed test
             try:
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-    def wait_done(self, timeout_s: float) -> int:
-        assert self.up is not None
-        rc = self.up.wait(timeout_s)
-        return rc
-
     # ── observing ────────────────────────────────────────────────────────────
     def pids(self) -> dict[str, int]:
-        path = self.run_dir / "pids.json"
-        try:
-            return {k: int(v) for k, v in json.loads(path.read_text()).items()}
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        return self.up.pids()
 
     def rows(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-        return [r for r in rows if "batch_id" in r]
+        return self.up.rows()
 
     def step(self) -> int:
-        return max((int(r["step"]) for r in self.rows()), default=0)
-
-    def up_log(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        return self.up.step()
 
     def service_log(self, name: str) -> str:
-        path = self.run_dir / "logs" / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def procs(self) -> dict[str, dict[str, Any]]:
-        """`procs.json`: per service its pid, restart count, metrics URL."""
-        try:
-            return dict(json.loads((self.run_dir / "procs.json").read_text()))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        return self.up.service_log(name)
 
     def restarts(self) -> dict[str, int]:
-        """Restarts per service, as the supervisor counts them."""
-        return {n: int(d["restarts"]) for n, d in self.procs().items()}
+        return self.up.restarts()
 
     def metric(self, service: str, name: str) -> float | None:
-        url = self.procs().get(service, {}).get("metrics_url")
-        return metric(url, name) if url else None
+        return self.up.metric(service, name)
 
     def diagnostics(self) -> str:
-        names = sorted(self.pids()) or []
-        parts = [f"==== up.log\n{self.up_log()[-3000:]}"]
-        parts += [f"==== {n}\n{self.service_log(n)[-2500:]}" for n in names]
-        return "\n".join(parts)
+        return self.up.diagnostics()
 
     # ── faults ───────────────────────────────────────────────────────────────
     def wait_alive(self) -> None:
@@ -206,9 +171,7 @@ class ChaosRun:
         wait_for(lambda: self._check_up() and self.step() >= 1, 180, "the first trained step", 0.5)
 
     def _check_up(self) -> bool:
-        if self.up is not None and self.up.poll() is not None:
-            raise AssertionError(f"flywheel up exited ({self.up.returncode})")
-        return True
+        return self.up.running()
 
     def inject(self, fault: Fault) -> Injected:
         rec = Injected(fault, self.step(), time.time())
@@ -357,15 +320,3 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
         batch_steps=sorted(by_step),
         state=state,
     )
-
-
-def metric(url: str, name: str) -> float | None:
-    """Sum of a metric's samples (all label sets) at `url`; None when unreachable/absent."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return None
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{.*\}})? (\S+)$",
-                                                       text, re.M)]  # fmt: skip
-    return sum(values) if values else None

@@ -16,7 +16,6 @@ plays the buffer, publishing tasks and batches itself).
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +23,6 @@ from typing import Any
 
 import msgpack
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loop"))
-
-from loop_stack import LoopStack, messages, read_stream, run_file, wait_for
 
 from proto.codec import decode, encode
 from proto.examples import EXAMPLES
@@ -43,11 +38,15 @@ from proto.messages import (
 from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
-from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import read_manifest
+from tests.harness.poll import wait_for
+from tests.harness.runfile import run_file
+from tests.harness.stack import Stack, printing_logs_on_failure, stack_table
+from tests.harness.streams import messages, publish_raw, read_stream
 
 RUN = "badwork"
 S = Subjects(RUN)
+pytestmark = pytest.mark.slow  # a stack: engine, rollout worker, sync, trainer
 
 
 def _with(msg: Message, **changes: Any) -> bytes:
@@ -67,24 +66,7 @@ def bad_inputs(valid: Message, wrong: Message) -> list[tuple[str, bytes, str]]:
     ]
 
 
-def publish_raw(url: str, subject: str, datas: list[bytes]) -> None:
-    import asyncio
-
-    import nats
-
-    async def body() -> None:
-        nc = await nats.connect(url)
-        try:
-            js = nc.jetstream()
-            for d in datas:
-                await js.publish(subject, d, timeout=10)
-        finally:
-            await nc.close()
-
-    asyncio.run(body())
-
-
-def dead_letters(st: LoopStack, subject: str) -> list[DeadLetter]:
+def dead_letters(st: Stack, subject: str) -> list[DeadLetter]:
     raw = read_stream(st.nats_url, stream_name(RUN, "DLQ"), S.dlq_all)
     return [d for d in (decode(b, DeadLetter) for b in raw) if d.subject == subject]
 
@@ -97,19 +79,19 @@ def task(i: int) -> PromptTask:
     )  # fmt: skip
 
 
-def group_of(st: LoopStack, task_id: str) -> SampleGroup | None:
+def group_of(st: Stack, task_id: str) -> SampleGroup | None:
     groups = messages(st.nats_url, RUN, "SAMPLES", S.samples, SampleGroup)
     return next((g for g in groups if g.task_id == task_id), None)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopStack]:
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("badwork")
-    model = write_tiny_model(root / "model", TinyModelSpec())
     config = root / "run.toml"
     config.write_text(
         run_file(
             RUN,
+            stack=stack_table(root, tiny_model, engines=1),
             task={"source": {"type": "arithmetic"}},
             rollout={"concurrency": 2, "heartbeat_s": 0.3, "weights_poll_s": 0.5},
             engine={"num_threads": 1},
@@ -117,20 +99,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopStack]:
             sync={"liveness_s": 3.0, "tick_s": 0.1, "retry_backoff_s": 0.2},
         )
     )
-    with NatsServer(store_dir=root / "nats") as nats:
-        st = LoopStack(root, RUN, nats.url, model, config)
-        try:
-            st.start(st.engine(0))
-            st.start(st.rollout(0), st.sync(), st.trainer())
-            yield st
-        except BaseException:
-            print(st.logs())
-            raise
-        finally:
-            st.stop_all()
+    with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
+        with printing_logs_on_failure(st):
+            st.start("engine-0")
+            st.start("rollout-0", "sync", "trainer")  # no buffer: the test plays it
+        yield st
 
 
-def check_letters(st: LoopStack, subject: str, bad: list[tuple[str, bytes, str]], who: str) -> None:
+def check_letters(st: Stack, subject: str, bad: list[tuple[str, bytes, str]], who: str) -> None:
     got = wait_for(lambda: (d := dead_letters(st, subject)) and len(d) >= len(bad) and d, 30,
                    f"{len(bad)} dead letters on {subject}")  # fmt: skip
     assert [d.reason for d in got] == [r for _, _, r in bad], [(d.reason, d.error) for d in got]
@@ -138,7 +114,7 @@ def check_letters(st: LoopStack, subject: str, bad: list[tuple[str, bytes, str]]
         assert d.payload == data and d.error and d.service == who, what
 
 
-def test_rollout_worker_dead_letters_bad_tasks_and_goes_on(stack: LoopStack) -> None:
+def test_rollout_worker_dead_letters_bad_tasks_and_goes_on(stack: Stack) -> None:
     st = stack
     bad = bad_inputs(task(0), EXAMPLES["WeightsReady"])
     publish_raw(st.nats_url, S.tasks, [d for _, d, _ in bad])
@@ -146,11 +122,11 @@ def test_rollout_worker_dead_letters_bad_tasks_and_goes_on(stack: LoopStack) -> 
     publish_raw(st.nats_url, S.tasks, [encode(task(1))])
     g = wait_for(lambda: group_of(st, task(1).task_id), 60, "the good task's group")
     assert len(g.samples) == 2 and g.worker_id == "rollout-0"
-    assert st.procs["rollout-0"].alive
+    assert st["rollout-0"].alive
     assert len(dead_letters(st, S.tasks)) == len(bad)  # the good one was not dead-lettered
 
 
-def batch(st: LoopStack, step: int) -> TrainBatch:
+def batch(st: Stack, step: int) -> TrainBatch:
     """A real batch: two groups the worker generates for it."""
     tasks = [task(100 + 2 * step + j) for j in range(2)]
     publish_raw(st.nats_url, S.tasks, [encode(t) for t in tasks])
@@ -159,7 +135,7 @@ def batch(st: LoopStack, step: int) -> TrainBatch:
                       created_at=time.time())  # fmt: skip
 
 
-def test_trainer_dead_letters_bad_batches_and_trains_the_next(stack: LoopStack) -> None:
+def test_trainer_dead_letters_bad_batches_and_trains_the_next(stack: Stack) -> None:
     st = stack
     good = batch(st, 0)
     bad = bad_inputs(good, EXAMPLES["WeightsReady"])
@@ -167,17 +143,17 @@ def test_trainer_dead_letters_bad_batches_and_trains_the_next(stack: LoopStack) 
     check_letters(st, S.batches, bad, "trainer")
     wait_for(lambda: st.trained_steps() >= 1, 60, "step 1 trained")
     assert [r["batch_id"] for r in st.trained_rows()] == [f"{RUN}:step0"]
-    assert st.procs["trainer"].alive
+    assert st["trainer"].alive
 
 
 def test_corrupt_weights_are_refused_sync_retries_and_the_trainer_goes_on(
-    stack: LoopStack,
+    stack: Stack,
 ) -> None:
     st = stack
     wait_for(lambda: st.trained_steps() >= 1, 60, "step 1 trained")
     good = st.weights / RUN / "v000001"
     wait_for(lambda: (st.engine_version(0) or 0) >= 1, 60, "engine at v1")
-    sync = st.procs["sync"]
+    sync = st["sync"]
     failures0 = sync.metric("flywheel_sync_update_failures_total", 'engine="engine-0"') or 0.0
     # v50: a copy of v1 with one flipped byte in the safetensors file
     bad = st.weights / RUN / "v000050"
@@ -200,4 +176,4 @@ def test_corrupt_weights_are_refused_sync_retries_and_the_trainer_goes_on(
     # The trainer is not blocked: it trains the next batch (and publishes v2).
     publish_raw(st.nats_url, S.batches, [encode(batch(st, 1))])
     wait_for(lambda: st.trained_steps() >= 2, 60, "step 2 trained despite the corrupt v50")
-    assert all(p.alive for p in st.procs.values())
+    assert all(st[n].alive for n in ("engine-0", "rollout-0", "sync", "trainer"))

@@ -39,8 +39,9 @@ from proto.subjects import Subjects
 from services.common.nats_conn import connect
 from services.common.nats_server import NatsServer
 from services.common.settings import NatsSettings
+from tests.harness import REPO
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO
 RUN = "badin"
 S = Subjects(RUN)
 

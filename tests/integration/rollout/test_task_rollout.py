@@ -2,7 +2,8 @@
 
 Real nats-server, a real CPU engine serving a tiny model whose BPE tokenizer
 was trained on the task's text (chat template and all), the real rollout
-service as a subprocess with its sandboxed verifier pool. The PromptTasks
+service (`run_service` with the rollout body, in this process, as in
+test_worker_engine.py) with its sandboxed verifier pool. The PromptTasks
 are the buffer's own (`BufferService.make_task` on the same run file), so
 the task name and row travel as they do in a run; every sample's reward
 parts are checked against the reward functions computed here, and a task
@@ -16,7 +17,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loop_stack import LoopStack, messages, read_stream, run_file, wait_for
 from prometheus_client import CollectorRegistry
 
 from proto.messages import DeadLetter, SampleGroup, unpack_i32
@@ -24,12 +24,19 @@ from proto.streams import stream_name, streams_for
 from proto.subjects import Subjects
 from services.buffer.app import BufferService
 from services.buffer.settings import BufferSettings
+from services.common.lifecycle import run_service
 from services.common.nats_conn import connect, ensure_streams
 from services.common.nats_server import NatsServer
 from services.common.publish import publish
 from services.common.settings import NatsSettings, load_settings
 from services.common.tasks import rewards
 from services.common.tiny_model import build_bpe_tokenizer, write_tiny_model
+from services.rollout.app import body as rollout_body
+from services.rollout.settings import RolloutSettings
+from tests.harness.engines import EngineStates, serving_engine
+from tests.harness.poll import eventually
+from tests.harness.runfile import run_file
+from tests.harness.streams import read_stream_async
 
 RUN = "jsonltask"
 S = Subjects(RUN)
@@ -77,29 +84,14 @@ buffer_tokens = 4
 weight = 0.5
 """
     )
-    with NatsServer(store_dir=tmp_path / "nats") as nats:
-        st = LoopStack(tmp_path, RUN, nats.url, model, config)
-        try:
-            st.start(st.engine(0))
-            st.start(st.rollout(0))
-            sent = asyncio.run(publish_tasks(nats.url, config))
-            wait_for(
-                lambda: (
-                    len(read_stream(nats.url, stream_name(RUN, "SAMPLES"), S.samples))
-                    >= len(sent) - 1
-                ),
-                60,
-                "a group per known task",
+    engines = EngineStates(model)
+    try:
+        with NatsServer() as nats:
+            sent, groups, dead = asyncio.run(
+                asyncio.wait_for(serve_and_roll_out(nats.url, config, engines, model), 120)
             )
-            groups = messages(nats.url, RUN, "SAMPLES", S.samples, SampleGroup)
-            wait_for(
-                lambda: read_stream(nats.url, stream_name(RUN, "DLQ"), S.dlq_all),
-                30,
-                "the unknown task's dead letter",
-            )
-            dead = messages(nats.url, RUN, "DLQ", S.dlq_all, DeadLetter)
-        finally:
-            st.stop_all()
+    finally:
+        engines.close()
     answers = {t["task_id"]: t["answer"] for t in sent}
     assert {g.task_id for g in groups} == {t["task_id"] for t in sent[:-1]}
     for g in groups:
@@ -114,6 +106,40 @@ weight = 0.5
             assert abs(s.reward - (math + 0.5 * overlong)) < 1e-9
     assert [d.reason for d in dead] == ["unknown_task"]
     assert "not in this run file's task spec" in dead[0].error
+
+
+async def serve_and_roll_out(
+    url: str, config: Path, engines: EngineStates, model: Path
+) -> tuple[list[dict[str, Any]], list[SampleGroup], list[DeadLetter]]:
+    """The engine and the rollout worker in this process; the buffer's tasks in; the
+    groups and dead letters out, read from the streams."""
+    from proto.codec import decode
+
+    async with serving_engine(engines.get()) as engine_url:
+        settings = load_settings(
+            RolloutSettings, config, nats=NatsSettings(url=url, connect_attempts=3),
+            engine_url=engine_url, engine_id="engine-0", worker_id="rollout-0", model=model,
+            weights_dir=model.parent / "engine-weights",
+        )  # fmt: skip
+        stop = asyncio.Event()
+        service = asyncio.create_task(run_service("rollout", settings, rollout_body, stop=stop,
+                                                  registry=CollectorRegistry(),
+                                                  handle_signals=False))  # fmt: skip
+        try:
+            sent = await publish_tasks(url, config)
+            samples, dlq = stream_name(RUN, "SAMPLES"), stream_name(RUN, "DLQ")
+            await eventually(lambda: _count(url, samples, S.samples, len(sent) - 1), 60)
+            await eventually(lambda: _count(url, dlq, S.dlq_all, 1), 30)
+        finally:
+            stop.set()
+            await asyncio.wait_for(service, 30)
+        groups = [decode(b, SampleGroup) for b in await read_stream_async(url, samples, S.samples)]
+        dead = [decode(b, DeadLetter) for b in await read_stream_async(url, dlq, S.dlq_all)]
+    return sent, groups, dead
+
+
+async def _count(url: str, stream: str, subject: str, at_least: int) -> bool:
+    return len(await read_stream_async(url, stream, subject)) >= at_least
 
 
 async def publish_tasks(url: str, config: Path) -> list[dict[str, Any]]:

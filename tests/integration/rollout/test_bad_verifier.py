@@ -26,7 +26,7 @@ from services.rollout.app import TaskScorer
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.worker import RolloutWorker
 
-MODULE = "tests.integration.badinput.bad_verifiers"
+MODULE = "tests.integration.rollout.bad_verifiers"
 
 
 @dataclass

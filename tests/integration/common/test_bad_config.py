@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
+
+ROOT = REPO
 DEAD_NATS = "nats://127.0.0.1:9"  # discard port: nothing listens
 
 CASES = [

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.harness import REPO
+
+ROOT = REPO
 SCANNED = ("proto", "services", "bench", "tests")
 FORBIDDEN_MODULES = {
     "pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve",

@@ -26,19 +26,21 @@ picked from these.
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from loop_stack import LoopStack, messages, run_file, wait_for
 
 from proto.messages import DeadLetter, Sample, TrainBatch, WeightsPublished, WeightsReady
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
+from tests.harness.poll import wait_for
+from tests.harness.probe import post_json
+from tests.harness.runfile import run_file
+from tests.harness.stack import Stack, printing_logs_on_failure, stack_table
+from tests.harness.streams import messages
 
 RUN = "modes"
 STALENESS = 1
@@ -47,9 +49,10 @@ VERSIONS_PER_PHASE = 3
 SLOW_S = 0.03  # engine sleep after each decode step: a generation takes ~0.5 s
 
 
-def modes_config() -> str:
+def modes_config(root: Path, model: Path) -> str:
     return run_file(
         RUN,
+        stack=stack_table(root, model),
         task={"source": {"type": "arithmetic", "digits": 1}},
         buffer={"samples_per_prompt": 4,
                 "groups_per_step": 2, "max_new_tokens": 16, "max_staleness": STALENESS,
@@ -63,57 +66,42 @@ def modes_config() -> str:
     )  # fmt: skip
 
 
-def post(url: str, body: dict[str, Any]) -> None:
-    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.status == 200
-
-
 @pytest.fixture(scope="module")
-def stack(loop_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopStack]:
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("modes")
     config = root / "run.toml"
-    config.write_text(modes_config())
-    with NatsServer(store_dir=root / "nats") as nats:
-        st = LoopStack(root, RUN, nats.url, loop_model, config)
-        try:
-            st.start(st.engine(0), st.engine(1))
+    config.write_text(modes_config(root, tiny_model))
+    with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
+        with printing_logs_on_failure(st):
+            st.start("engine-0", "engine-1")
             for i in (0, 1):  # SGLang's /slow_down: requests are mid-flight when updates come
-                post(f"{st.procs[f'engine-{i}'].metrics_url}/slow_down",
-                     {"forward_sleep_time": SLOW_S})  # fmt: skip
-            st.start(st.rollout(0), st.rollout(1), st.trainer())
-            st.start(st.buffer())
-            yield st
-        except BaseException:
-            print(st.logs())
-            raise
-        finally:
-            st.stop_all()
+                post_json(f"{st[f'engine-{i}'].url}/slow_down", {"forward_sleep_time": SLOW_S})
+            st.start("rollout-0", "rollout-1", "trainer")  # sync: one per phase, by the test
+            st.start("buffer")
+        yield st
 
 
-def ready(st: LoopStack) -> list[WeightsReady]:
+def ready(st: Stack) -> list[WeightsReady]:
     return messages(st.nats_url, RUN, "WEIGHTS", S.weights_ready, WeightsReady)
 
 
-def aborted(st: LoopStack) -> float:
-    return sum(st.procs[f"rollout-{i}"].metric("flywheel_rollout_aborted_generations_total")
+def aborted(st: Stack) -> float:
+    return sum(st[f"rollout-{i}"].metric("flywheel_rollout_aborted_generations_total")
                or 0.0 for i in (0, 1))  # fmt: skip
 
 
-def batched(st: LoopStack) -> list[tuple[int, Sample]]:
+def batched(st: Stack) -> list[tuple[int, Sample]]:
     """(step, sample) of every sample in a train batch: what the trainer is given."""
     batches = messages(st.nats_url, RUN, "BATCHES", S.batches, TrainBatch)
     return [(b.step, smp) for b in batches for g in b.groups for smp in g.samples]
 
 
-def run_phase(st: LoopStack, mode: str) -> dict[str, Any]:
+def run_phase(st: Stack, mode: str) -> dict[str, Any]:
     """Sync in `mode` until VERSIONS_PER_PHASE more versions are ready everywhere."""
     floor = min(st.engine_version(i) or 0 for i in (0, 1))
     aborted_before = aborted(st)
-    sync = st._service("sync", f"sync-{mode}", {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(st.weights),
-                                                "FLYWHEEL_SYNC_UPDATE_MODE": mode})  # fmt: skip
-    st.start(sync)
+    sync = st.variant("sync", f"sync-{mode}", {"FLYWHEEL_SYNC_UPDATE_MODE": mode})
+    sync.start()
     target = floor + VERSIONS_PER_PHASE
     try:
         wait_for(lambda: all((st.engine_version(i) or 0) >= target for i in (0, 1)), 150,
@@ -136,7 +124,7 @@ def crosses_into_phase(smp: Sample, floor: int, top: int) -> bool:
     return any(floor < b.version <= top for _, b in itertools.pairwise(spans))
 
 
-def check_whole_run(st: LoopStack) -> list[tuple[int, Sample]]:
+def check_whole_run(st: Stack) -> list[tuple[int, Sample]]:
     samples = batched(st)
     ids = [smp.sample_id for _, smp in samples]
     assert len(ids) == len(set(ids)), "a sample was batched twice"
@@ -166,7 +154,7 @@ def report(mode: str, phase: dict[str, Any], spanning: int, total: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_partial_rollouts_keep_their_tokens_and_versions(stack: LoopStack, mode: str) -> None:
+def test_partial_rollouts_keep_their_tokens_and_versions(stack: Stack, mode: str) -> None:
     phase = run_phase(stack, mode)
     samples = check_whole_run(stack)
     spanning = [smp for _, smp in samples if crosses_into_phase(smp, phase["floor"], phase["top"])]
@@ -179,7 +167,7 @@ def test_partial_rollouts_keep_their_tokens_and_versions(stack: LoopStack, mode:
 
 
 @pytest.mark.slow
-def test_abort_regenerates_what_it_aborts(stack: LoopStack) -> None:
+def test_abort_regenerates_what_it_aborts(stack: Stack) -> None:
     phase = run_phase(stack, "abort")
     samples = check_whole_run(stack)
     spanning = [smp for _, smp in samples if crosses_into_phase(smp, phase["floor"], phase["top"])]
@@ -187,7 +175,7 @@ def test_abort_regenerates_what_it_aborts(stack: LoopStack) -> None:
     assert phase["aborted"] >= 1, (
         "no generation was in flight at any abort-mode update\n"
         + phase["sync_log"][-3000:]
-        + stack.procs["rollout-0"].log()[-3000:]
-        + stack.procs["engine-0"].log()[-2000:]
+        + stack["rollout-0"].log()[-3000:]
+        + stack["engine-0"].log()[-2000:]
     )
     assert spanning == []  # aborted ones started again, on the new version only

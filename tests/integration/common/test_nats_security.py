@@ -24,8 +24,9 @@ from proto.streams import stream_name
 from services.common.nats_conn import NatsConnectError, connect
 from services.common.nats_server import NatsServer
 from services.common.settings import NatsSettings
+from tests.harness import REPO
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO
 PERMISSIONS = ROOT / "docs/security/nats-permissions.conf"
 
 
