@@ -61,11 +61,13 @@ def test_every_task_failing_the_same_way_stops_the_run(tiny_model: Path, tmp_pat
     with UpRun(config, tmp_path / "run") as up:
         up.wait_ready(180)
         ready = time.monotonic()
-        code = up.wait_exit(60)
+        # ~10 s on a quiet machine; the bound only tells "stops" from "dead-letters
+        # forever" (a loaded 2-core machine once took over 60 s).
+        code = up.wait_exit(150)
         stopped = time.monotonic()
     out = up.output()
     assert code != 0, out[-3000:]
     assert "buffer stopped the run" in out and "ValueError: reward bug" in out, out[-3000:]
     assert "16 tasks in a row failed the same way" in out
-    assert stopped - ready < 30, f"{stopped - ready:.1f}s after ready"
+    assert stopped - ready < 150, f"{stopped - ready:.1f}s after ready"
     assert not (tmp_path / "run" / "run.json").exists()  # the record goes with the run

@@ -155,11 +155,21 @@ def report(mode: str, phase: dict[str, Any], spanning: int, total: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_partial_rollouts_keep_their_tokens_and_versions(stack: Stack, mode: str) -> None:
-    phase = run_phase(stack, mode)
-    samples = check_whole_run(stack)
-    spanning = [smp for _, smp in samples if crosses_into_phase(smp, phase["floor"], phase["top"])]
-    report(mode, phase, len(spanning), len(samples))
-    assert phase["aborted"] == 0, "a pausing mode that keeps requests aborted some"
+    # A span needs an update to land while a generation is in flight. When the
+    # trainer is the bottleneck (a loaded machine), admission can have the
+    # engines idle at every update of a phase; so up to three phases, until
+    # one trained sample spans an update (what this test is about).
+    floor, aborted_total = None, 0.0
+    for _ in range(3):
+        phase = run_phase(stack, mode)
+        floor = phase["floor"] if floor is None else floor
+        aborted_total += phase["aborted"]
+        samples = check_whole_run(stack)
+        spanning = [smp for _, smp in samples if crosses_into_phase(smp, floor, phase["top"])]
+        report(mode, phase, len(spanning), len(samples))
+        if spanning:
+            break
+    assert aborted_total == 0, "a pausing mode that keeps requests aborted some"
     assert spanning, f"no trained sample spans a {mode} update (spans reach the trainer)"
     for smp in spanning:
         assert smp.weight_version < smp.weight_version_last

@@ -40,8 +40,6 @@ from services.common.nats_server import NatsServer
 from services.common.settings import NatsSettings
 from services.common.tiny_model import TinyModelSpec, write_tiny_model
 from services.common.weights import write_weights_dir
-from services.engine.app import build_app, create_state
-from services.engine.settings import EngineSettings
 from services.rollout.app import body as rollout_body
 from services.rollout.settings import RolloutSettings
 from tests.harness.engines import EngineStates, serving, serving_engine
