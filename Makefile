@@ -29,7 +29,7 @@ tools:
 
 test: setup tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # The edit-test loop: everything not marked slow (no whole-stack start-ups, no
 # e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines
