@@ -59,6 +59,23 @@ SYNC = """
 flywheel_sync_engine_version{engine="engine-0"} 12
 flywheel_sync_engine_version{engine="engine-1"} 11
 """
+BUFFER = """
+# TYPE flywheel_buffer_groups counter
+flywheel_buffer_groups_total{verdict="accepted"} 180
+flywheel_buffer_groups_total{verdict="zero_variance"} 16
+flywheel_buffer_groups_total{verdict="stale"} 4
+flywheel_buffer_groups_total{verdict="duplicate"} 7
+# TYPE flywheel_buffer_group_tokens counter
+flywheel_buffer_group_tokens_total{verdict="stale"} 96
+flywheel_buffer_group_tokens_total{verdict="accepted"} 4000
+"""
+
+
+def test_status_line_shows_stale_drops_as_a_share_of_generated_groups() -> None:
+    now = summarise({"buffer": parse(BUFFER)})
+    assert (now.groups, now.stale, now.stale_tokens) == (200, 4, 96)  # duplicates not counted
+    assert "stale 4 (2.0%)" in render_line(now, None)
+    assert "stale 0 |" in render_line(Status(), None)  # nothing received yet: no share
 
 
 def test_summary_and_status_line() -> None:
