@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/e2e.py --profile [--seconds 90]   # runs k=0, then this
     .venv/bin/python bench/step_profile.py RUN_DIR [--run demo]   # an existing run dir
+    .venv/bin/python bench/step_profile.py RUN_DIR --waste        # stale share of generation
 
 No new instrumentation on the message path: every message already carries
 its timestamps (a sample's `queued_at` = the task's dispatch, `started_at`,
@@ -166,6 +167,55 @@ async def read_streams(store: Path, run: str) -> tuple[dict[int, Any], Weights]:
     return batches, w
 
 
+async def waste(store: Path, run: str) -> dict[str, float]:
+    """Groups generated (SAMPLES) and dead-lettered by reason (DLQ), from the run's store:
+    the stale share of generation, whichever buffer version made the run."""
+    import nats
+
+    from proto.codec import decode
+    from proto.messages import DeadLetter, SampleGroup
+    from proto.streams import stream_name
+    from services.common.nats_cluster import embedded_nats
+
+    server = embedded_nats(1, store_dir=store).start()
+    out: dict[str, float] = {"generated": 0, "generated_tokens": 0}
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        for what in ("SAMPLES", "DLQ"):
+            name = stream_name(run, what)
+            info = await js.stream_info(name)
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                data = (await js.get_msg(name, seq)).data or b""
+                if what == "SAMPLES":
+                    g = decode(data, SampleGroup)
+                    tokens = sum(x.num_response_tokens for x in g.samples)
+                    out["generated"] += 1
+                    out["generated_tokens"] += tokens
+                    continue
+                dl = decode(data, DeadLetter)
+                out[dl.reason] = out.get(dl.reason, 0) + 1
+                if dl.message_type == SampleGroup.TYPE:
+                    g = decode(dl.payload, SampleGroup)
+                    key = f"{dl.reason}_tokens"
+                    out[key] = out.get(key, 0) + sum(x.num_response_tokens for x in g.samples)
+        await nc.close()
+    finally:
+        server.close()
+    return out
+
+
+def waste_line(w: dict[str, float]) -> str:
+    gen, stale = w["generated"], w.get("stale", 0)
+    zv = w.get("zero_variance", 0)
+    return (
+        f"generated {gen:.0f} groups ({w['generated_tokens']:.0f} response tokens); "
+        f"stale {stale:.0f} ({stale / max(gen, 1):.1%} of groups, "
+        f"{w.get('stale_tokens', 0) / max(w['generated_tokens'], 1):.1%} of tokens); "
+        f"zero-variance {zv:.0f} ({zv / max(gen, 1):.1%})"
+    )
+
+
 def profile(run_dir: Path, run: str) -> str:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     batches, w = asyncio.run(read_streams(run_dir / "nats", run))
@@ -176,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--run", default="demo", help="the run's name (its streams' names)")
+    p.add_argument("--waste", action="store_true", help="only the stale share of generation")
     args = p.parse_args(argv)
+    if args.waste:
+        print(waste_line(asyncio.run(waste(args.run_dir / "nats", args.run))))
+        return 0
     print(profile(args.run_dir, args.run))
     return 0
 
