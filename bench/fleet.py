@@ -10,10 +10,10 @@ What is real and what stands in:
   process: admission, assembly, the KV state written per group, batches.
 - Rollout workers: the real `RolloutWorker` (its task handler: engine version
   check, tokenize, /generate over HTTP, reward, SampleGroup publish, its
-  heartbeats), one per engine, all of them in one process sharing one NATS
-  connection and one verifier pool (a real deployment runs one process per
-  engine; 256 processes do not fit on 2 cores). No weights fetcher: no weights
-  move in this bench.
+  heartbeats), one per engine, in `--worker-procs` processes (default 2), the
+  workers of one process sharing its NATS connection and verifier pool (a
+  real deployment runs one process per engine; 256 do not fit on 2 cores).
+  No weights fetcher: no weights move in this bench.
 - Engines: `SyntheticScheduler` behind the real engine HTTP app
   (`services.engine.app.build_app`, so every route answers as SGLang does),
   no model: a sequence's completion arrives after `--latency-s` plus its
@@ -183,7 +183,8 @@ async def run_workers(args: argparse.Namespace) -> None:
         async with VerifierPool(size=2, timeout_s=30.0, warmup=warmup(tasks)) as pool:
             scorer = TaskScorer(Scorer(tasks, pool))
             loops = []
-            for i in range(args.n):
+            shard, shards = args.shard
+            for i in range(shard, args.n, shards):
                 s = base.model_copy(update={"engine_url": f"http://127.0.0.1:{args.port}/e{i}",
                                             "engine_id": f"engine-{i}",
                                             "worker_id": f"rollout-{i}"})  # fmt: skip
@@ -273,9 +274,10 @@ def varz(monitor: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-async def stream_state(url: str, since: int = 0) -> tuple[int, list[float]]:
+async def stream_state(url: str, since: int = 0, after: float = 0.0) -> tuple[int, list[float]]:
     """SAMPLES stream's last sequence, and the task latencies of (at most 400 of) the
-    groups published after sequence `since`, evenly spread."""
+    groups published after sequence `since` whose task was dispatched after `after`
+    (not the start-up's backlog), evenly spread."""
     import nats
 
     from proto.codec import decode
@@ -289,7 +291,9 @@ async def stream_state(url: str, since: int = 0) -> tuple[int, list[float]]:
     lat = []
     for seq in range(since + 1, last + 1, max(1, (last - since) // 400)):
         g = decode((await js.get_msg(name, seq)).data or b"", SampleGroup)
-        lat.append(g.created_at - min(x.queued_at for x in g.samples))
+        queued = min(x.queued_at for x in g.samples)
+        if queued >= after:
+            lat.append(g.created_at - queued)
     await nc.close()
     return last, lat
 
@@ -308,18 +312,23 @@ def measure(args: argparse.Namespace, n: int, model: Path, tmp: Path) -> dict[st
                     "staleness", "step_s")]  # fmt: skip
         common += ["--groups-per-step", str(window(args, n) // (args.staleness + 1))]
         procs = {}
-        for role in ("engines", "workers", "buffer", "trainer"):
-            with (tmp / f"{role}-{n}.log").open("w") as log:  # the child keeps its own copy
+        shards = min(n, args.worker_procs)
+        roles = [("engines", ""), ("buffer", ""), ("trainer", "")]
+        roles += [("workers", f"{i}/{shards}") for i in range(shards)]
+        for role, shard in roles:
+            name = f"{role}{shard.split('/')[0]}" if shard else role
+            with (tmp / f"{name}-{n}.log").open("w") as log:  # the child keeps its own copy
                 cmd = [sys.executable, __file__, "--role", role, *common]
-                procs[role] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+                cmd += ["--shard", shard] if shard else []
+                procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
         try:
             pids = {r: p.pid for r, p in procs.items()} | {"nats": server.pid or 0}
-            time.sleep(args.warmup_s)
+            time.sleep(args.warmup_s + 0.1 * n)  # the workers start one engine at a time
             seq0, _ = asyncio.run(stream_state(server.url))
             v0, t0 = varz(server.monitor_url), time.time()
             c0 = {r: cpu_seconds(p) for r, p in pids.items()}
             time.sleep(args.seconds)
-            seq1, lat = asyncio.run(stream_state(server.url, seq0))
+            seq1, lat = asyncio.run(stream_state(server.url, seq0, t0))
             v1, t1 = varz(server.monitor_url), time.time()
             c1 = {r: cpu_seconds(p) for r, p in pids.items()}
             dead = [r for r, p in procs.items() if p.poll() is not None]
@@ -357,11 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--step-s", type=float, default=0.05, help="the stand-in trainer's step")
     p.add_argument("--nats"), p.add_argument("--port", type=int), p.add_argument("--model")
+    p.add_argument("--worker-procs", type=int, default=2, help="processes the workers share")
+    p.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # a workers process's part
     p.add_argument("--out", type=Path)
     p.add_argument("--work-dir", type=Path, help="keep the logs and stores here (default: temp)")
     args = p.parse_args(argv)
     if args.role is not None:
         args.n = args.n[0]
+        args.shard = tuple(int(x) for x in args.shard.split("/"))
         role = {"engines": serve_engines, "workers": run_workers, "buffer": run_buffer,
                 "trainer": run_stand_in_trainer}[args.role]  # fmt: skip
         asyncio.run(role(args))
@@ -398,6 +410,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = []
     for r in rows:
         c = r["cpu"]
+        c["workers"] = sum(v for k, v in c.items() if k.startswith("workers"))
         lines.append(
             f"| {r['n']} | {r['window']} | {r['groups_per_s']:.1f} | {per_engine * r['n']:.0f} "
             f"| {r['p50'] or 0:.2f} / {r['p99'] or 0:.2f} | {r['nats_bytes_per_s'] / 1e6:.2f} "
