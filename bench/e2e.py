@@ -3,6 +3,7 @@
     .venv/bin/python bench/e2e.py [--seconds 300] [--target 0.9] [--staleness 0 1 2]
                                   [--run-dir runs/bench-e2e] [--out bench/results_e2e.md]
     .venv/bin/python bench/e2e.py --quick          # smoke run: k=1 and TRL, 30 s each
+    .venv/bin/python bench/e2e.py --placement --staleness 0 1 --no-trl  # pinned vs not
     .venv/bin/python bench/e2e.py --profile --seconds 90   # k=0 per-stage breakdown
                                                            # (bench/step_profile.py)
 
@@ -136,15 +137,18 @@ def flywheel_result(name: str, dest: Path, target: float) -> RunResult:
     return res
 
 
-def run_flywheel(args: argparse.Namespace, k: int, keep: bool) -> RunResult:
+def run_flywheel(args: argparse.Namespace, k: int, keep: bool, placed: bool = False) -> RunResult:
     name = f"flywheel k={k}"
     cmd = [PY, "-m", "services", "demo", "--run-dir", str(args.run_dir), "--quiet",
            "--max-staleness", str(k), "--rl-seconds", str(args.seconds),
            "--rl-steps", "100000"]  # fmt: skip
     cmd += ["--keep"] if keep else []
     cmd += ["--target-accuracy", str(args.target)] if args.stop_at_target else []
+    if placed:
+        name += " placed"
+        cmd += ["--cpus", *args.placement]
     print(f"e2e: {name}: {' '.join(cmd[1:])}", flush=True)
-    dest = args.run_dir / "bench" / f"k{k}"
+    dest = args.run_dir / "bench" / f"k{k}{'-placed' if placed else ''}"
     load0 = os.getloadavg()[0]
     t = time.monotonic()
     log = args.run_dir.parent / f"{args.run_dir.name}-k{k}.log"
@@ -330,12 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each configuration (interleaved); medians reported")  # fmt: skip
     p.add_argument("--out", type=Path, help="write the markdown table here")
+    p.add_argument("--placement", nargs="*", metavar="ROLE=CORES",
+                   help="also run each k with the roles pinned ([stack] cpus); "
+                   "default: trainer=0 engine=1 (2 cores)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="one k=0 run, then its per-stage breakdown")  # fmt: skip
     args = p.parse_args(argv)
     args.run_dir = args.run_dir.resolve()
     if args.profile:
         return run_profile(args, argv)
+    if args.placement == []:
+        args.placement = ["trainer=0", "engine=1"]
     if args.quick:
         args.seconds, args.staleness = 30.0, [1]
     have_sft = (args.run_dir / "model-sft" / "flywheel-manifest.json").is_file()
@@ -344,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     for rep in range(1, args.repeats + 1):
         for k in args.staleness:
-            results.append(run_flywheel(args, k, keep=have_sft or bool(results)))
-            results[-1].rep = rep
-            print(f"e2e: {results[-1]}", flush=True)
+            for placed in (False, True) if args.placement else (False,):
+                results.append(run_flywheel(args, k, keep=have_sft or bool(results), placed=placed))
+                results[-1].rep = rep
+                print(f"e2e: {results[-1]}", flush=True)
         if args.trl:
             results.append(run_trl(args))
             results[-1].rep = rep

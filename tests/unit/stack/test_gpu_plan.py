@@ -116,3 +116,15 @@ def test_cpus_this_machine_lacks_are_refused_by_name(tmp_path: Path) -> None:
         StackSettings(run_dir=tmp_path, model=tmp_path, cpus={"trainer": [4096]})
     with pytest.raises(ValueError, match=r"cpus\.engine: no cores"):
         StackSettings(run_dir=tmp_path, model=tmp_path, cpus={"engine": []})
+
+
+def test_the_demo_passes_placement_into_its_run_file(tmp_path: Path) -> None:
+    import argparse
+
+    from services.stack.demo import DEFAULT_CONFIG, role_cores, run_file
+
+    cpus = [role_cores("trainer=0"), role_cores("engine=0")]
+    rf = run_file(DEFAULT_CONFIG, tmp_path, tmp_path / "model", None, cpus)
+    assert load_settings(StackSettings, rf).cpus == {"trainer": [0], "engine": [0]}
+    with pytest.raises(argparse.ArgumentTypeError, match="ROLE=CORES"):
+        role_cores("engine=one")
