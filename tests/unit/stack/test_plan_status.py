@@ -88,3 +88,16 @@ def test_summary_and_status_line() -> None:
     assert "step 12" in line and "samples/s 5.0" in line and "trainer idle 25%" in line
     assert "engine-0=v12 engine-1=v11" in line
     assert "acc -" in line  # never evaluated
+
+
+def test_flywheel_status_shows_stale_drops_against_groups_generated() -> None:
+    from services.stack.inspect import render_status
+
+    s = {
+        "run": "r",
+        "streams": {"FLYWHEEL_r_SAMPLES": {"messages": 400, "last_seq": 400}},
+        "dead_letters": {"stale": 6, "zero_variance": 30},
+    }
+    assert "stale drops: 6 of 400 groups generated (1.5%)" in render_status(s)
+    s["streams"] = {}  # nothing generated yet: no line rather than a division by zero
+    assert "stale drops" not in render_status(s)
