@@ -45,15 +45,14 @@ from proto.messages import (
 )
 from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
+from services.buffer.admission import Policy, admission
 from services.buffer.core import (
     Assembler,
     BufferState,
     FailureWatch,
     GroupFilter,
-    Policy,
     TaskMaker,
     Verdict,
-    admission,
     advance,
     group_failure,
     max_length,
@@ -127,7 +126,13 @@ class BufferService:
         )
         self.watch = FailureWatch(settings.halt_after)
         self.halted: RunHalted | None = None
-        self.policy = Policy(settings.groups_per_step, settings.max_staleness, settings.oversample)
+        self.policy = Policy(
+            settings.groups_per_step,
+            settings.max_staleness,
+            oversample=settings.oversample,
+            max_oversample=settings.max_oversample,
+            margin=settings.oversample_margin,
+        )
         self.asm = Assembler(self.policy, BufferState(), make_filters(settings))
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
         self.metrics = BufferMetrics(ctx.registry)
@@ -211,6 +216,9 @@ class BufferService:
             self.metrics.groups.labels(verdict=str(verdict)).inc()
             if verdict == Verdict.DUPLICATE:
                 return
+            tokens = sum(s.num_response_tokens for s in group.samples)
+            self.metrics.group_tokens.labels(verdict=str(verdict)).inc(tokens)
+            self.metrics.filter_rate.set(self.asm.rate)
             self._watch_group(group)
             if verdict == Verdict.ACCEPTED:
                 self.pending_seqs[group.group_id] = d.stream_seq
@@ -334,7 +342,9 @@ class BufferService:
     async def dispatch_once(self) -> int:
         async with self.lock:
             st = self.asm.state
-            n = admission(st.ready_version, self.asm.filled, st.in_flight, self.policy)
+            n = admission(
+                st.ready_version, self.asm.filled, st.in_flight, self.policy, self.asm.rate
+            )
             if n == 0:
                 return 0
             cursor, taken = advance(st.cursor, len(self.task_maker), n)

@@ -1,4 +1,4 @@
-"""The buffer's pure core: dataset cursor, admission control, group assembly.
+"""The buffer's pure core: dataset cursor, group assembly, fail-fast watch.
 
 No I/O here: the NATS adapter (services.buffer.app) feeds events in and
 carries decisions out. All state that must survive a restart is in
@@ -11,19 +11,11 @@ produces version s + 1. A group generated with version w (the oldest
 version any of its tokens came from) may train at step s only if
 `w >= s - k`, k = max_staleness. k = 0 is synchronous on-policy RL.
 
-Admission. Once version v is ready on every engine, groups generated from
-now on have version >= v, so they may fill batches 0 .. v + k: that is
-`(v + k + 1) * G` group slots (G = groups per step). Slots already taken are
-the batched groups plus those pending; tasks in flight will take more. The
-buffer dispatches only while in-flight tasks fit the free slots, scaled by
-`1 + oversample` to make up for groups the filters drop. Any group that
-still arrives too late for its step is rejected as stale (dead-lettered),
-so the bound holds for what is trained, whatever the timing.
+Admission (how many tasks to dispatch) is in services.buffer.admission.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -31,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from proto.messages import PromptTask, SampleGroup, SamplingParams
+from services.buffer.admission import FilterRate, Policy
 from services.common.tasks.prompts import format_row
 from services.common.tasks.taskset import LoadedTask, TrainOrder
 
@@ -122,34 +115,6 @@ class TaskMaker:
         return self._slots[offset]
 
 
-# ── admission control ─────────────────────────────────────────────────────────
-@dataclass(frozen=True)
-class Policy:
-    groups_per_step: int  # G
-    max_staleness: int  # k
-    oversample: float = 0.0  # extra fraction dispatched to cover filtered groups
-
-    def __post_init__(self) -> None:
-        if self.groups_per_step < 1 or self.max_staleness < 0 or self.oversample < 0:
-            raise ValueError(f"invalid policy {self}")
-
-
-def slots(ready_version: int, policy: Policy) -> int:
-    """Group slots that groups generated from now on may fill: batches 0 .. v + k."""
-    return (ready_version + policy.max_staleness + 1) * policy.groups_per_step
-
-
-def admission(ready_version: int, filled: int, in_flight: int, policy: Policy) -> int:
-    """How many tasks may be dispatched now.
-
-    `filled`: groups batched or pending; `in_flight`: tasks dispatched and not
-    yet answered (by a group or a dead letter).
-    """
-    free = slots(ready_version, policy) - filled
-    budget = math.ceil(free * (1.0 + policy.oversample)) if free > 0 else 0
-    return max(0, budget - in_flight)
-
-
 # ── group assembly ────────────────────────────────────────────────────────────
 class Verdict(StrEnum):
     ACCEPTED = "accepted"
@@ -207,6 +172,16 @@ class Assembler:
     state: BufferState
     filters: Sequence[GroupFilter] = (zero_variance,)
     pending: list[SampleGroup] = field(default_factory=list)
+    filter_rate: FilterRate | None = None  # default: learned over 8 batches of groups
+
+    def __post_init__(self) -> None:
+        if self.filter_rate is None:
+            self.filter_rate = FilterRate(horizon=8 * self.policy.groups_per_step)
+
+    @property
+    def rate(self) -> float:
+        """The learned share of groups the filters drop (admission's over-sampling)."""
+        return self.filter_rate.rate if self.filter_rate is not None else 0.0
 
     @property
     def filled(self) -> int:
@@ -228,6 +203,8 @@ class Assembler:
             return Verdict.DUPLICATE
         self.state.answered += 1
         reason = self._drop_reason(group)
+        if self.filter_rate is not None:  # a stale group passed the filters
+            self.filter_rate.observe(reason is not None and reason != Verdict.STALE)
         if reason is not None:
             self.state.settled[gid] = (self.state.next_step, reason)
             return reason

@@ -13,6 +13,14 @@ class BufferMetrics:
         self.dispatched = m.counter("tasks_dispatched", "Tasks published.")
         self.in_flight = m.gauge("tasks_in_flight", "Tasks awaiting a group.")
         self.groups = m.counter("groups", "Sample groups received, by verdict.", ["verdict"])
+        self.group_tokens = m.counter(
+            "group_tokens",
+            "Response tokens of the groups received, by verdict (stale: generated, then wasted).",
+            ["verdict"],
+        )
+        self.filter_rate = m.gauge(
+            "filter_rate", "Learned share of groups the filters drop (admission over-samples it)."
+        )
         self.staleness = m.histogram(
             "staleness_steps",
             "Steps between a group's weight version and the step it trains at.",

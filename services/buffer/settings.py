@@ -26,8 +26,23 @@ class BufferSettings(ServiceSettings):
     max_staleness: int = Field(
         1, ge=0, description="k: a sample of version w trains at step s only if w >= s - k."
     )
-    oversample: float = Field(
-        0.25, ge=0.0, le=4.0, description="Extra fraction of tasks to cover filtered groups."
+    oversample: float | None = Field(
+        None,
+        ge=0.0,
+        le=4.0,
+        description="Extra fraction of tasks dispatched to cover the groups the filters drop. "
+        "None (default): learned from the run's observed filter rate, dispatching only what "
+        "the staleness bound's free slots are expected to take (services/buffer/admission.py); "
+        "a number fixes it, and groups beyond the bound are then generated and dropped stale.",
+    )
+    max_oversample: float = Field(
+        4.0, ge=0.0, description="Cap on the learned extra fraction (filter rate 0.8 at 4.0)."
+    )
+    oversample_margin: float = Field(
+        2.0,
+        ge=0.0,
+        description="Standard deviations of filter luck the learned admission keeps back, so "
+        "that a run of kept groups does not overflow the bound (0: dispatch the expectation).",
     )
     filter_zero_variance: bool = Field(
         True, description="Drop groups whose rewards are all equal (no learning signal)."

@@ -46,10 +46,25 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
+    p.add_argument(
+        "--cpus",
+        nargs="+",
+        metavar="ROLE=CORES",
+        type=role_cores,
+        help="override [stack] cpus, e.g. trainer=0 engine=1,2 (bench/e2e.py --placement)",
+    )
     p.add_argument("--eval-size", type=int, default=500, help="held-out problems")
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
     p.add_argument("--keep", action="store_true", help="reuse an existing SFT model in run_dir")
     return p
+
+
+def role_cores(text: str) -> tuple[str, str]:
+    """`trainer=0` or `engine=1,2`: a [stack] cpus entry from the command line."""
+    role, _, cores = text.partition("=")
+    if not role or not all(c.strip().isdigit() for c in cores.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROLE=CORES, e.g. engine=1,2")
+    return role, cores
 
 
 def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
@@ -85,10 +100,18 @@ def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
     return out
 
 
-def run_file(config: Path, run_dir: Path, model: Path, staleness: int | None) -> Path:
+def run_file(
+    config: Path,
+    run_dir: Path,
+    model: Path,
+    staleness: int | None,
+    cpus: list[tuple[str, str]] | None = None,
+) -> Path:
     """The stack's run file: the config with this run's paths (and overrides) filled in."""
     doc: dict[str, Any] = tomllib.loads(config.read_text())
     stack = doc.setdefault("stack", {})
+    if cpus:
+        stack["cpus"] = {role: [int(c) for c in cores.split(",")] for role, cores in cpus}
     stack["run_dir"] = str(run_dir)
     stack["model"] = str(model)
     trainer = doc.setdefault("trainer", {})
@@ -168,7 +191,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     sft_model = sft_stage(args, run_dir)
     before = held_out_accuracy(tasks, sft_model, args.eval_size)
     print(f"flywheel demo: held-out accuracy after SFT: {before:.3f}", flush=True)
-    rf = run_file(config, run_dir, sft_model, args.max_staleness)
+    rf = run_file(config, run_dir, sft_model, args.max_staleness, args.cpus)
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
     started = time.time()

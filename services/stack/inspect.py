@@ -245,6 +245,17 @@ async def last_heartbeats(js: Any, run: str, subject: str) -> list[Any]:
     return out
 
 
+def stale_line(run: str, streams: dict[str, Any], dead: dict[str, int]) -> list[str]:
+    """Groups generated and then dropped as stale (wasted generation), when any were made."""
+    from proto.streams import stream_name
+
+    generated = streams.get(stream_name(run, "SAMPLES"), {}).get("messages", 0)
+    if not generated:
+        return []
+    stale = dead.get("stale", 0)
+    return [f"  stale drops: {stale} of {generated} groups generated ({stale / generated:.1%})"]
+
+
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"run {s['run']}"]
     b = s.get("buffer")
@@ -269,6 +280,7 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append(
         "  dead letters: " + (", ".join(f"{k} {v}" for k, v in sorted(dl.items())) or "none")
     )
+    lines += stale_line(s["run"], s.get("streams") or {}, dl)
     for name, st in sorted(s["streams"].items()):
         lines.append(f"  stream {name}: {st['messages']} messages (last seq {st['last_seq']})")
     return "\n".join(lines)

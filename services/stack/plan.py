@@ -11,13 +11,15 @@ model path, host/port, `--weight-version 0`, `--mem-fraction-static`,
 by `CUDA_VISIBLE_DEVICES` per process from the `[stack]` GPU map: each
 engine its own, the trainer its ranks'; with a map, every other process
 sees none, so nothing else can take memory on an engine's or trainer's GPU.
+Cores likewise (`[stack] cpus`): a pinned process gets its cores' count as
+its torch threads here, and the supervisor sets the affinity at spawn.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.engine.sglang_launcher import SGLangOptions, command
@@ -36,6 +38,7 @@ class ProcSpec:
     ready_url: str | None = None  # polled until it answers 200
     metrics_url: str | None = None
     gpus: tuple[int, ...] = ()  # its CUDA_VISIBLE_DEVICES (display; env carries it)
+    cpus: tuple[int, ...] = ()  # cores it is pinned to (the supervisor sets the affinity)
     beside: str | None = None  # a rollout worker's engine
 
 
@@ -126,7 +129,21 @@ def plan(
         specs.append(trainer_spec(s, config, run_dir, service))
     if "buffer" in s.services:
         specs.append(service("buffer", "buffer", _py("services.buffer", "-c", str(config)), {}))
-    return sorted(specs, key=lambda p: ORDER.index(p.kind))
+    return sorted((pinned(s, p) for p in specs), key=lambda p: ORDER.index(p.kind))
+
+
+def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
+    """`p` with its `[stack] cpus`: the cores, and torch threads to match them."""
+    cores = s.cpus_of(p.name, p.kind)
+    if not cores:
+        return p
+    n = str(len(cores))
+    env = {**p.env, "OMP_NUM_THREADS": n}
+    if p.kind == "engine" and s.engine == "cpu":
+        env["FLYWHEEL_ENGINE_NUM_THREADS"] = n
+    if p.kind == "trainer":
+        env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] = n
+    return replace(p, env=env, cpus=cores)
 
 
 def trainer_spec(
@@ -170,6 +187,8 @@ def describe(specs: list[ProcSpec]) -> str:
         for i, a in enumerate(argv[:-1]):
             if a == "--api-key":
                 argv[i + 1] = "***"
+        if p.cpus:
+            where += "; cores " + ",".join(map(str, p.cpus))
         lines.append(f"{p.name} [{p.kind}] {where}")
         lines.append(f"  command: {' '.join(argv)}")
         env = " ".join(f"{k}={_redact(k, v)}" for k, v in sorted(p.env.items()))

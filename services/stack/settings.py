@@ -60,6 +60,15 @@ class StackSettings(ServiceSettings):
         description="GPUs of the trainer, one per rank (its CUDA_VISIBLE_DEVICES); must "
         "number trainer_nproc. Empty: not set (CPU, or whatever torch finds).",
     )
+    cpus: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="CPU cores per process, e.g. {trainer = [0, 1], engine = [2, 3], "
+        "'engine-1' = [4]}: keyed by service (engine, rollout, sync, trainer, buffer) or by "
+        "process name (a name wins over its service). The process is pinned to them "
+        "(sched_setaffinity) and its torch threads are their count (OMP_NUM_THREADS; an "
+        "engine's num_threads, the trainer's runtime.cpu_threads), so roles on a many-core "
+        "box do not fight for cores. Empty: no pinning.",
+    )
     services: tuple[str, ...] = Field(
         ("engine", "rollout", "sync", "trainer", "buffer"),
         description="Which services to start here (others run elsewhere, as pods do).",
@@ -103,6 +112,23 @@ class StackSettings(ServiceSettings):
         if shared:
             raise ValueError(f"engine_gpus/trainer_gpus: GPU(s) {shared} given twice")
         return self
+
+    @model_validator(mode="after")
+    def _cpus_exist(self) -> StackSettings:
+        """Cores this machine has, each list non-empty: a bad map fails at start-up, named."""
+        import os
+
+        have = os.cpu_count() or 1
+        for key, cores in self.cpus.items():
+            bad = [c for c in cores if not 0 <= c < have]
+            if not cores or bad:
+                what = f"core(s) {bad} (this machine has 0..{have - 1})" if bad else "no cores"
+                raise ValueError(f"cpus.{key}: {what}")
+        return self
+
+    def cpus_of(self, name: str, kind: str) -> tuple[int, ...]:
+        """The cores of process `name` (of service `kind`); () when not pinned."""
+        return tuple(self.cpus.get(name, self.cpus.get(kind, ())))
 
     @property
     def gpu_map(self) -> bool:

@@ -48,6 +48,9 @@ class Status:
     tasks_in_flight: float | None = None
     dead_letters: float = 0.0  # failures: malformed, handler errors, max deliveries, …
     filtered: float = 0.0  # groups dropped by a filter or as stale
+    groups: float = 0.0  # groups the buffer received (duplicates not counted)
+    stale: float = 0.0  # of which dropped as stale: generated, then wasted
+    stale_tokens: float = 0.0
     at: float = field(default_factory=time.time)
 
 
@@ -68,6 +71,13 @@ def summarise(by_service: dict[str, Samples]) -> Status:
                 st.engines[labels.get("engine", "?")] = int(v)
         elif name.startswith("buffer"):
             st.tasks_in_flight = value(s, "flywheel_buffer_tasks_in_flight")
+            st.stale = value(s, "flywheel_buffer_groups_total", 0.0, verdict="stale") or 0.0
+            st.stale_tokens = (
+                value(s, "flywheel_buffer_group_tokens_total", 0.0, verdict="stale") or 0.0
+            )
+            every = value(s, "flywheel_buffer_groups_total", 0.0) or 0.0
+            dups = value(s, "flywheel_buffer_groups_total", 0.0, verdict="duplicate") or 0.0
+            st.groups = every - dups
         for labels, v in s.get("flywheel_messages_dead_lettered_total", []):
             if labels.get("reason") in FILTERED:
                 st.filtered += v
@@ -85,11 +95,13 @@ def render_line(now: Status, before: Status | None) -> str:
         return "-" if x is None else format(x, fmt)
 
     engines = " ".join(f"{k}=v{v}" for k, v in sorted(now.engines.items())) or "-"
+    stale = f"{now.stale:.0f}" + (f" ({now.stale / now.groups:.1%})" if now.groups else "")
     return (
         f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
         f"| staleness {f(now.staleness, '.0f')} | samples/s {f(rate, '.1f')} "
         f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
-        f"| filtered {now.filtered:.0f} | dead letters {now.dead_letters:.0f} | engines {engines}"
+        f"| filtered {now.filtered:.0f} | stale {stale} "
+        f"| dead letters {now.dead_letters:.0f} | engines {engines}"
     )
 
 

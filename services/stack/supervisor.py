@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -92,6 +93,18 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _in_child(cpus: tuple[int, ...]) -> Callable[[], None]:
+    """What the child runs before exec: die with the parent, and its `[stack] cpus`
+    (set before exec, so every thread it ever starts inherits them)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 class Supervisor:
     def __init__(
         self,
@@ -137,7 +150,7 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=_in_child(p.spec.cpus) if sys.platform == "linux" else None,
         )
         p.started_at = time.time()
         p.pump = asyncio.create_task(self._pump(p))

@@ -68,10 +68,15 @@ class StepResult:
 
 def compute_one(trainer: Trainer, batch: WireBatch) -> StepResult:
     """One optimizer step on `batch`; the weight version follows the step."""
+    received_at = time.time()  # the profile's clock: other services stamp messages with it
     started = time.perf_counter()
-    metrics = trainer.train_step(to_core_batch(batch))
+    core = to_core_batch(batch)
+    encoded = time.perf_counter()
+    metrics = trainer.train_step(core)
     trainer.weight_version = trainer.step
-    return StepResult(metrics, trainer.step, compute_s=time.perf_counter() - started)
+    done = time.perf_counter()
+    metrics |= {"received_at": received_at, "time_encode_s": encoded - started}
+    return StepResult(metrics, trainer.step, compute_s=done - started)
 
 
 def publish_due(trainer: Trainer, s: TrainerSettings) -> bool:
@@ -110,8 +115,8 @@ def train_one(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) 
 def step(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:
     """Rank 0: hand `batch` to every rank and train it; when due, a snapshot to persist
     later (one process) or the saving done in step (a collective under FSDP2)."""
-    broadcast_bytes(encode(batch, max_payload=None), trainer.info)
     if trainer.info.world_size > 1:
+        broadcast_bytes(encode(batch, max_payload=None), trainer.info)
         return train_one(trainer, s, batch, seq)
     r = compute_one(trainer, batch)
     if publish_due(trainer, s):

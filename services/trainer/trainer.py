@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from services.common.stopwatch import Stopwatch
 from services.common.weights import Manifest, write_weights_dir
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
@@ -92,6 +93,7 @@ class Trainer:
         )
         self.step = 0
         self.weight_version = 0
+        self.watch = Stopwatch()  # an RL step's time by stage (its metrics' time_*_s)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.forward_spec = forward_spec(cfg, info)
         self.packing = packs(cfg, info)
@@ -136,15 +138,17 @@ class Trainer:
         self.step += 1
         merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         merged["lr"] = results[-1]["lr"]
-        return {**merged, "step": self.step, "minibatches": len(results)}
+        timings = self.watch.take()  # summed over the mini-batches, not averaged
+        return {**merged, **timings, "step": self.step, "minibatches": len(results)}
 
     def _train_minibatch(self, batch: TrainBatch) -> dict[str, float]:
-        rows = self._rl_rows(batch)
-        micro = self._micro_batches(rows)
-        if self.cfg.loss.old_logprobs == "recompute":
-            self._fill_logprobs(micro, "old_logprobs", self.model, batch.temperature)
-        if self.ref_model is not None:
-            self._fill_logprobs(micro, "ref_logprobs", self.ref_model, batch.temperature)
+        with self.watch("prepare"):  # advantages, layout, micro-batches
+            micro = self._micro_batches(self._rl_rows(batch))
+        with self.watch("logprobs"):  # the no-grad passes: old and reference logprobs
+            if self.cfg.loss.old_logprobs == "recompute":
+                self._fill_logprobs(micro, "old_logprobs", self.model, batch.temperature)
+            if self.ref_model is not None:
+                self._fill_logprobs(micro, "ref_logprobs", self.ref_model, batch.temperature)
         t, entropy = batch.temperature, self._wants_entropy()
         return self._accumulate_and_step(micro, lambda mb: self._rl_loss(mb, t, entropy))
 
@@ -158,6 +162,7 @@ class Trainer:
         """One optimizer step of token-mean negative log-likelihood over `examples`."""
         micro = self._micro_batches(self._sft_rows(examples))
         metrics = self._accumulate_and_step(micro, self._sft_loss)
+        self.watch.take()  # SFT reports no stages
         self.step += 1
         return {**metrics, "step": self.step}
 
@@ -285,15 +290,17 @@ class Trainer:
     ) -> dict[str, float]:
         self.model.train()
         acc = MetricAccumulator()
-        for mb in micro:
-            out = loss_fn(mb)
-            (out.loss * self.info.world_size).backward()
-            acc.add(out)
-        grad_norm = self._clip_grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.watch("forward_backward"):
+            for mb in micro:
+                out = loss_fn(mb)
+                (out.loss * self.info.world_size).backward()
+                acc.add(out)
+        with self.watch("optimizer"):  # clipping (a collective under FSDP2) and the update
+            grad_norm = self._clip_grad_norm()
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return {**self._reduce(acc), "grad_norm": grad_norm, "lr": lr}
 
     def _clip_grad_norm(self) -> float:

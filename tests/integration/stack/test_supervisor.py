@@ -93,3 +93,25 @@ def test_a_service_that_halts_the_run_is_not_restarted(tmp_path: Path) -> None:
         await sup.stop_all()
 
     asyncio.run(scenario())
+
+
+def test_a_pinned_service_runs_on_its_cores_only(tmp_path: Path) -> None:
+    """`[stack] cpus`: the affinity is set in the child before exec, so the service and
+    every thread it starts stay on its cores; an unpinned one keeps the whole machine."""
+    show = (sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)), flush=True)")
+    every = sorted(os.sched_getaffinity(0))
+    mine = (every[-1],)
+
+    async def scenario() -> None:
+        specs = [ProcSpec("pinned", "x", show, cpus=mine), ProcSpec("free", "x", show)]
+        sup = Supervisor(specs, tmp_path / "logs", max_restarts=0, console=None)
+        await sup.start_all()
+        for name in ("pinned", "free"):
+            proc = sup.get(name).proc
+            assert proc is not None
+            await asyncio.wait_for(proc.wait(), 30)
+        await sup.stop_all()
+
+    asyncio.run(scenario())
+    assert (tmp_path / "logs" / "pinned.log").read_text().strip() == str(list(mine))
+    assert (tmp_path / "logs" / "free.log").read_text().strip() == str(every)

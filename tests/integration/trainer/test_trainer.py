@@ -1,5 +1,7 @@
 """The single-process Trainer: exact micro-batching, weights out, resume, load errors."""
 
+import time
+
 import pytest
 import torch
 
@@ -142,3 +144,20 @@ def test_snapshot_written_later_equals_a_checkpoint_written_then(tiny_model_dir,
     got = [resumed.train_step(b) for b in batches[k:]]
     for g, w in zip(got, want[k:], strict=True):
         assert g["lr"] == w["lr"] and abs(g["loss"] - w["loss"]) < 1e-6
+
+
+def test_a_step_reports_where_its_time_went(tiny_model_dir):
+    """The stages bench/e2e.py --profile reads from the metrics rows, summed per step."""
+    trainer = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    t = time.perf_counter()
+    metrics = trainer.train_step(random_batch())
+    wall = time.perf_counter() - t
+    stages = {k: v for k, v in metrics.items() if k.startswith("time_")}
+    want = {"time_prepare_s", "time_logprobs_s", "time_forward_backward_s", "time_optimizer_s"}
+    assert set(stages) == want
+    assert all(v >= 0 for v in stages.values()) and sum(stages.values()) <= wall
+    assert stages["time_forward_backward_s"] > 0
+    t = time.perf_counter()
+    again = trainer.train_step(random_batch(seed=3))  # a fresh count every step
+    wall = time.perf_counter() - t
+    assert sum(v for k, v in again.items() if k.startswith("time_")) <= wall

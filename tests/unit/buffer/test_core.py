@@ -10,17 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto.messages import Sample, SampleGroup, pack_f32, pack_i32, pack_u8
+from services.buffer.admission import Policy, admission, slots
 from services.buffer.core import (
     Assembler,
     BufferState,
     Cursor,
-    Policy,
     Verdict,
-    admission,
     advance,
     epoch_order,
     max_length,
-    slots,
     task_id,
 )
 
@@ -79,7 +77,7 @@ def test_cursor_wraps_epochs_and_orders_are_seeded() -> None:
     ],
 )
 def test_admission_arithmetic(k: int, v: int, filled: int, in_flight: int, expected: int) -> None:
-    policy = Policy(groups_per_step=4, max_staleness=k)
+    policy = Policy(groups_per_step=4, max_staleness=k, oversample=0.0)
     assert slots(v, policy) == (v + k + 1) * 4
     assert admission(v, filled, in_flight, policy) == expected
 
@@ -160,8 +158,13 @@ class World:
         self.asm = Assembler(self.policy, BufferState(), filters=(_odd_dropped,))
 
     def dispatch(self) -> None:
-        n = admission(self.ready, self.asm.filled, self.asm.state.in_flight, self.policy)
-        bound = slots(self.ready, self.policy) * (1 + self.policy.oversample)
+        n = admission(
+            self.ready, self.asm.filled, self.asm.state.in_flight, self.policy, self.asm.rate
+        )
+        extra = self.policy.oversample
+        bound = slots(self.ready, self.policy) * (
+            1 + (self.policy.max_oversample if extra is None else extra)
+        )
         for _ in range(n):
             self.asm.state.dispatched += 1
             self.in_flight.append(self.ready)
@@ -195,13 +198,13 @@ def _odd_dropped(g: SampleGroup) -> str | None:
 @given(
     k=st.integers(0, 3),
     groups_per_step=st.integers(1, 4),
-    oversample=st.sampled_from([0.0, 0.25, 1.0]),
+    oversample=st.sampled_from([None, 0.0, 0.25, 1.0]),
     events=st.lists(
         st.tuples(st.sampled_from("daats"), st.integers(0, 50), st.booleans()), max_size=300
     ),
 )
 def test_every_batch_respects_the_staleness_bound(
-    k: int, groups_per_step: int, oversample: float, events: list[tuple[str, int, bool]]
+    k: int, groups_per_step: int, oversample: float | None, events: list[tuple[str, int, bool]]
 ) -> None:
     w = World(Policy(groups_per_step, k, oversample))
     for kind, which, newer in events:

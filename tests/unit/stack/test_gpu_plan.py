@@ -95,3 +95,36 @@ def test_a_gpu_map_that_cannot_work_is_refused_naming_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(StackSettings, **stack)
+
+
+def test_cpus_pin_each_role_and_set_its_torch_threads(tmp_path: Path) -> None:
+    s = StackSettings(
+        run_dir=tmp_path, model=tmp_path, engines=2,
+        cpus={"trainer": [0], "engine": [1], "engine-1": [0, 1]},
+    )  # fmt: skip
+    specs = {p.name: p for p in plan(s, tmp_path / "run.toml", "nats://x", lambda: next(PORTS))}
+    assert specs["trainer"].cpus == (0,)
+    assert specs["trainer"].env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] == "1"
+    assert specs["engine-0"].cpus == (1,) and specs["engine-1"].cpus == (0, 1)  # a name wins
+    assert specs["engine-1"].env["FLYWHEEL_ENGINE_NUM_THREADS"] == "2"
+    assert specs["engine-1"].env["OMP_NUM_THREADS"] == "2"
+    assert specs["buffer"].cpus == () and "OMP_NUM_THREADS" not in specs["buffer"].env
+
+
+def test_cpus_this_machine_lacks_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"cpus\.trainer: core\(s\) \[4096\]"):
+        StackSettings(run_dir=tmp_path, model=tmp_path, cpus={"trainer": [4096]})
+    with pytest.raises(ValueError, match=r"cpus\.engine: no cores"):
+        StackSettings(run_dir=tmp_path, model=tmp_path, cpus={"engine": []})
+
+
+def test_the_demo_passes_placement_into_its_run_file(tmp_path: Path) -> None:
+    import argparse
+
+    from services.stack.demo import DEFAULT_CONFIG, role_cores, run_file
+
+    cpus = [role_cores("trainer=0"), role_cores("engine=0")]
+    rf = run_file(DEFAULT_CONFIG, tmp_path, tmp_path / "model", None, cpus)
+    assert load_settings(StackSettings, rf).cpus == {"trainer": [0], "engine": [0]}
+    with pytest.raises(argparse.ArgumentTypeError, match="ROLE=CORES"):
+        role_cores("engine=one")

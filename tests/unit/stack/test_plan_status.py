@@ -59,6 +59,23 @@ SYNC = """
 flywheel_sync_engine_version{engine="engine-0"} 12
 flywheel_sync_engine_version{engine="engine-1"} 11
 """
+BUFFER = """
+# TYPE flywheel_buffer_groups counter
+flywheel_buffer_groups_total{verdict="accepted"} 180
+flywheel_buffer_groups_total{verdict="zero_variance"} 16
+flywheel_buffer_groups_total{verdict="stale"} 4
+flywheel_buffer_groups_total{verdict="duplicate"} 7
+# TYPE flywheel_buffer_group_tokens counter
+flywheel_buffer_group_tokens_total{verdict="stale"} 96
+flywheel_buffer_group_tokens_total{verdict="accepted"} 4000
+"""
+
+
+def test_status_line_shows_stale_drops_as_a_share_of_generated_groups() -> None:
+    now = summarise({"buffer": parse(BUFFER)})
+    assert (now.groups, now.stale, now.stale_tokens) == (200, 4, 96)  # duplicates not counted
+    assert "stale 4 (2.0%)" in render_line(now, None)
+    assert "stale 0 |" in render_line(Status(), None)  # nothing received yet: no share
 
 
 def test_summary_and_status_line() -> None:
@@ -71,3 +88,16 @@ def test_summary_and_status_line() -> None:
     assert "step 12" in line and "samples/s 5.0" in line and "trainer idle 25%" in line
     assert "engine-0=v12 engine-1=v11" in line
     assert "acc -" in line  # never evaluated
+
+
+def test_flywheel_status_shows_stale_drops_against_groups_generated() -> None:
+    from services.stack.inspect import render_status
+
+    s = {
+        "run": "r",
+        "streams": {"FLYWHEEL_r_SAMPLES": {"messages": 400, "last_seq": 400}},
+        "dead_letters": {"stale": 6, "zero_variance": 30},
+    }
+    assert "stale drops: 6 of 400 groups generated (1.5%)" in render_status(s)
+    s["streams"] = {}  # nothing generated yet: no line rather than a division by zero
+    assert "stale drops" not in render_status(s)
