@@ -44,7 +44,13 @@ class Publisher:
         self.ctx, self.s, self.trainer, self.metrics = ctx, s, trainer, metrics
         self.subjects = Subjects(s.run)
         wiring = Wiring(
-            s.run, s.weights_root, ctx.js, ctx.max_payload, upload_window=s.weights_upload_window
+            s.run,
+            s.weights_root,
+            ctx.js,
+            ctx.nc,
+            max_payload=ctx.max_payload,
+            upload_window=s.weights_upload_window,
+            snapshot_every=s.weights_snapshot_every,
         )
         self.transport = open_transport(s.weights_transport, wiring)
 
@@ -58,6 +64,7 @@ class Publisher:
         sent = await self.transport.publish(version, path)
         if sent.transfer is not None:
             self._sent(sent.transfer)
+        self.metrics.weights_sent(sent, size)
         msg = WeightsPublished(
             run=self.s.run,
             version=version,
