@@ -207,7 +207,8 @@ class TrainerSettings(ServiceSettings):
         "also sends it as chunks into JetStream (no shared storage needed); 'nats-delta' "
         "sends per version only the elements whose published bits changed (lossless, "
         "rebuilt and verified beside each engine) plus a full snapshot every "
-        "weights_snapshot_every versions.",
+        "weights_snapshot_every versions; 'disk-delta' writes that delta beside each full "
+        "directory and each engine's worker rebuilds its own copy from it.",
     )
     weights_snapshot_every: int = Field(
         10,

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TransportKind = Literal["disk", "nats", "nats-delta"]
+TransportKind = Literal["disk", "nats", "nats-delta", "disk-delta"]
 """`[trainer] weights_transport`: the names in `KINDS`."""
 
 
@@ -169,10 +169,16 @@ class WeightsTransport(Protocol):
 
 def _kinds() -> dict[str, type[WeightsTransport]]:
     from services.common.weights.disk import DiskTransport
+    from services.common.weights.diskdelta import DiskDeltaTransport
     from services.common.weights.nats import NatsTransport
     from services.common.weights.natsdelta import NatsDeltaTransport
 
-    return {"disk": DiskTransport, "nats": NatsTransport, "nats-delta": NatsDeltaTransport}
+    return {
+        "disk": DiskTransport,
+        "nats": NatsTransport,
+        "nats-delta": NatsDeltaTransport,
+        "disk-delta": DiskDeltaTransport,
+    }
 
 
 def open_transport(kind: str, wiring: Wiring) -> WeightsTransport:
