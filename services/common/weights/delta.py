@@ -20,11 +20,13 @@ Format of one delta (MessagePack, `FORMAT`):
 - A file listed in the new manifest but not in `files` is the base's file as is.
 - `whole` carries a file that cannot be patched (not safetensors, a
   different header, i.e. other names, shapes, dtypes or offsets).
-- Per tensor, `mode` is the cheapest of: `idx32` / `idx64` (little-endian
-  element indices, then the new elements in that order), `bitmap` (one bit
-  per element, numpy's little-endian bit order, then the new elements),
-  `whole` (the tensor's new bytes). Elements are compared as unsigned
-  integers of the dtype's width, so a NaN or -0.0 travels bit-exactly.
+- Per tensor, `mode` is `sparse32` / `sparse64` (`index`: the changed
+  elements' positions as gaps from the previous one, u32 / u64; `values`:
+  new − old per changed element, wrapping, as unsigned integers of the
+  dtype's width; each zlib-compressed after grouping its bytes by plane,
+  see `_patch_tensor`) or `whole` (`values` is the tensor's new bytes).
+  Elements are compared as unsigned integers of the dtype's width, so a
+  NaN or -0.0 travels bit-exactly.
 
 Exactness is checked where it matters, not assumed: the receiver's result
 must match the new manifest's sha256 for every file (deltasync.py), and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +48,7 @@ import numpy as np
 from services.common.errors import FlywheelError
 
 FORMAT = "flywheel-delta/1"
+ZLEVEL = 1  # zlib's fastest: the byte planes are what makes it small (bench/sync_deltas.py)
 
 # Bytes per element of each safetensors dtype.
 DTYPE_BYTES = {
@@ -164,28 +168,46 @@ def _uncovered_equal(old: bytes, new: bytes, layout: Layout) -> bool:
     return old[pos:] == new[pos:]
 
 
+def _planes_z(a: np.ndarray) -> bytes:
+    """zlib of a little-endian array's bytes grouped by byte plane (every element's low byte,
+    then the next, ...): small integers leave the high planes all zero, nearly free."""
+    little = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    planes = np.frombuffer(little.tobytes(), np.uint8).reshape(-1, a.itemsize).T
+    return zlib.compress(planes.tobytes(), ZLEVEL)
+
+
+def _unplanes_z(data: bytes, width: int, limit: int, what: str) -> np.ndarray:
+    """The little-endian unsigned array `_planes_z` packed (at most `limit` elements)."""
+    z = zlib.decompressobj()
+    try:
+        raw = z.decompress(data, limit * width + 1)
+    except zlib.error as e:
+        raise DeltaError(f"{what}: {e}") from e
+    if len(raw) % width or len(raw) > limit * width or z.unconsumed_tail:
+        raise DeltaError(f"{what}: {len(raw)} bytes do not make at most {limit} elements")
+    planes = np.frombuffer(raw, np.uint8).reshape(width, -1)
+    return np.frombuffer(planes.T.tobytes(), dtype=np.dtype(_UINT[width]).newbyteorder("<"))
+
+
 def _patch_tensor(name: str, old: np.ndarray, new: np.ndarray) -> tuple[TensorPatch | None, int]:
-    """The cheapest patch turning `old` into `new` (None if equal), and the elements changed."""
+    """The patch turning `old` into `new` (None if equal), and the elements changed.
+
+    `sparse`: the changed positions as gaps from the previous one, and each
+    new element as its (wrapping) difference from the old one, both
+    compressed by byte plane. At RL learning rates a change is mostly one
+    unit in the last place (a difference of ±1) a few dozen elements after
+    the last one, so both compress to about a byte per change. `whole`
+    when that would not be smaller than the tensor itself.
+    """
     idx = np.flatnonzero(old != new)
     if idx.size == 0:
         return None, 0
-    n, width = new.size, new.itemsize
-    values = new[idx].tobytes()
-    wide = n > np.iinfo(np.uint32).max
-    costs = {
-        "idx64" if wide else "idx32": idx.size * (8 if wide else 4) + len(values),
-        "bitmap": (n + 7) // 8 + len(values),
-        "whole": n * width,
-    }
-    mode = min(costs, key=lambda m: costs[m])
-    if mode == "whole":
-        return TensorPatch(name, mode, b"", new.tobytes()), int(idx.size)
-    if mode == "bitmap":
-        mask = np.zeros(n, dtype=bool)
-        mask[idx] = True
-        index = np.packbits(mask, bitorder="little").tobytes()
-    else:
-        index = idx.astype("<u8" if wide else "<u4").tobytes()
+    gaps = np.diff(idx, prepend=-1).astype(np.uint32 if new.size <= 1 << 32 else np.uint64)
+    index = _planes_z(gaps)
+    values = _planes_z(new[idx] - old[idx])  # unsigned: wraps, so any change round-trips
+    if len(index) + len(values) >= new.nbytes:
+        return TensorPatch(name, "whole", b"", new.tobytes()), int(idx.size)
+    mode = "sparse32" if gaps.dtype == np.uint32 else "sparse64"
     return TensorPatch(name, mode, index, values), int(idx.size)
 
 
@@ -299,17 +321,17 @@ def _apply_tensor(buf: bytearray, dtype: str, begin: int, end: int, t: TensorPat
         buf[begin:end] = t.values
         return
     view = _view(buf, dtype, begin, end)  # writable: a view into the bytearray
-    if t.mode == "bitmap":
-        mask = np.unpackbits(np.frombuffer(t.index, np.uint8), count=view.size, bitorder="little")
-        idx = np.flatnonzero(mask)
-    elif t.mode in ("idx32", "idx64"):
-        idx = np.frombuffer(t.index, dtype="<u4" if t.mode == "idx32" else "<u8")
-    else:
+    if t.mode not in ("sparse32", "sparse64"):
         raise DeltaError(f"tensor {t.name}: unknown mode {t.mode!r}")
-    values = np.frombuffer(t.values, dtype=view.dtype)
-    if values.size != idx.size or (idx.size and int(idx.max()) >= view.size):
-        raise DeltaError(f"tensor {t.name}: {idx.size} indices, {values.size} values")
-    view[idx] = values
+    what = f"tensor {t.name}"
+    gaps = _unplanes_z(t.index, 4 if t.mode == "sparse32" else 8, view.size, what)
+    diffs = _unplanes_z(t.values, view.itemsize, view.size, what)
+    if gaps.size != diffs.size or (gaps.size and int(gaps.min()) < 1):
+        raise DeltaError(f"{what}: {gaps.size} positions, {diffs.size} values")
+    idx = np.cumsum(gaps.astype(np.int64)) - 1
+    if idx.size and int(idx[-1]) >= view.size:
+        raise DeltaError(f"{what}: a position past its {view.size} elements")
+    view[idx] = view[idx] + diffs.astype(view.dtype)
 
 
 def apply_file(base: bytes, patch: FilePatch) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_a_changed_layout_or_other_file_travels_whole() -> None:
     assert stats.elements == 0  # nothing was compared element by element
 
 
-def test_encodings_pick_the_cheapest() -> None:
+def test_sparse_changes_travel_sparse() -> None:
     base_t = tensors(0)
     base = files(base_t)
 
@@ -101,8 +102,21 @@ def test_encodings_pick_the_cheapest() -> None:
         )
         return {t.mode for f in unpack(packed).files for t in f.tensors}
 
-    assert modes(0.001) <= {"idx32"}
-    assert modes(0.3) & {"bitmap", "whole"}
+    assert modes(0.001) == {"sparse32"}
+
+
+def test_a_tensor_of_new_random_bits_goes_whole() -> None:
+    base_t = tensors(0)
+    noise = bytearray(random.Random(5).randbytes(base_t["embed.weight"].numel() * 2))
+    new_t = dict(base_t)
+    new_t["embed.weight"] = torch.frombuffer(noise, dtype=torch.bfloat16).reshape(64, 32)
+    base, new = files(base_t), files(new_t)
+    packed, _ = encode(
+        base, new, version=2, base_version=1, base_sha256="b" * 64, manifest=MANIFEST
+    )
+    patches = {t.name: t.mode for f in unpack(packed).files for t in f.tensors}
+    assert patches == {"embed.weight": "whole"}
+    assert apply(base, unpack(packed)) == new
 
 
 def test_unchanged_files_are_left_out() -> None:
@@ -137,3 +151,24 @@ def test_layout_refuses_non_safetensors() -> None:
     assert safetensors_layout(b"\xff" * 16) is None
     assert safetensors_layout((4).to_bytes(8, "little") + b"[1] ") is None
     assert safetensors_layout(save(tensors(0))) is not None
+
+
+def test_a_patch_with_bad_positions_or_values_is_refused() -> None:
+    import zlib
+
+    from services.common.weights.delta import FilePatch, TensorPatch, apply_file
+
+    base = save(tensors(0))
+
+    def patch(index: bytes, values: bytes) -> FilePatch:
+        return FilePatch("m", tensors=(TensorPatch("norm.weight", "sparse32", index, values),))
+
+    one = zlib.compress(b"\x01\x00\x00\x00")  # one gap of 1 (u32, by byte plane)
+    with pytest.raises(DeltaError):
+        apply_file(base, patch(b"not zlib", zlib.compress(b"\x01\x00\x00\x00")))
+    with pytest.raises(DeltaError, match="past"):  # a gap beyond the tensor's 32 elements
+        apply_file(base, patch(zlib.compress(b"\x40\x00\x00\x00"), zlib.compress(bytes(4))))
+    with pytest.raises(DeltaError, match="positions"):  # one position, two values
+        apply_file(base, patch(one, zlib.compress(bytes(8))))
+    with pytest.raises(DeltaError, match="at most"):  # more values than the tensor has
+        apply_file(base, patch(one, zlib.compress(bytes(4 * 33))))
