@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import statistics
@@ -51,8 +52,8 @@ from services.common.weights import (  # noqa: E402
     version_dir,
     write_weights_dir,
 )
-from services.common.weights.deltasync import read_files  # noqa: E402
 from services.common.weights.delta import encode  # noqa: E402
+from services.common.weights.deltasync import read_files  # noqa: E402
 
 RUN = "benchdelta"
 DEMO_LR = 1.5e-4  # configs/demo.toml [trainer.optim] lr
@@ -72,10 +73,15 @@ def build_model(size: str) -> Any:
 
     h, layers, inter, heads, kv = SIZES[size]
     cfg = Qwen2Config(
-        vocab_size=32000, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+        vocab_size=32000,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=512,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg)
 
@@ -118,22 +124,32 @@ def train_versions(size: str, lr: float, steps: int, root: Path, init: dict) -> 
 
 def delta_rows(lr: float, dirs: list[Path]) -> list[dict[str, Any]]:
     rows = []
-    for prev, cur in zip(dirs, dirs[1:], strict=False):
+    for prev, cur in itertools.pairwise(dirs):
         base, new = read_files(prev), read_files(cur)
         manifest = (cur / "flywheel-manifest.json").read_text()
         t = time.perf_counter()
-        _, st = encode(base, new, version=1, base_version=0, base_sha256="0" * 64,
-                       manifest=manifest)  # fmt: skip
-        rows.append({"lr": lr, "version": cur.name, "changed": st.fraction_changed,
-                     "full": st.full_bytes, "delta": st.delta_bytes, "ratio": st.ratio,
-                     "encode_s": time.perf_counter() - t})  # fmt: skip
+        _, st = encode(
+            base, new, version=1, base_version=0, base_sha256="0" * 64, manifest=manifest
+        )
+        rows.append(
+            {
+                "lr": lr,
+                "version": cur.name,
+                "changed": st.fraction_changed,
+                "full": st.full_bytes,
+                "delta": st.delta_bytes,
+                "ratio": st.ratio,
+                "encode_s": time.perf_counter() - t,
+            }
+        )
     return rows
 
 
 def announced(version: int, uri: str, directory: Path) -> WeightsPublished:
     m = read_manifest(directory)
-    return WeightsPublished(run=RUN, version=version, step=version, uri=uri, sha256=m.sha256,
-                            size_bytes=m.total_bytes)  # fmt: skip
+    return WeightsPublished(
+        run=RUN, version=version, step=version, uri=uri, sha256=m.sha256, size_bytes=m.total_bytes
+    )
 
 
 def hold(src: Path, into: Path) -> None:
@@ -148,8 +164,9 @@ def hold(src: Path, into: Path) -> None:
             os.link(p, q)
 
 
-async def receivers_ready(transport_cls: Any, wiring: Wiring, msg: WeightsPublished,
-                          intos: list[Path]) -> None:  # fmt: skip
+async def receivers_ready(
+    transport_cls: Any, wiring: Wiring, msg: WeightsPublished, intos: list[Path]
+) -> None:
     async def one(into: Path) -> None:
         got = await transport_cls(wiring).receive(msg, into, newer_than=1)
         assert got is not None and read_manifest(version_dir(into, 2)).sha256 == msg.sha256
@@ -181,8 +198,15 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
                 for into in intos:
                     hold(src1, into)
                 await ensure_streams(js, streams_for(RUN))
-                w = Wiring(RUN, run_root, js, nc, max_payload=nc.max_payload, snapshot_every=100,
-                           idle_timeout_s=60)  # fmt: skip
+                w = Wiring(
+                    RUN,
+                    run_root,
+                    js,
+                    nc,
+                    max_payload=nc.max_payload,
+                    snapshot_every=100,
+                    idle_timeout_s=60,
+                )
                 sent_bytes = 0
                 if kind in ("nats-delta", "disk-delta"):
                     cls = NatsDeltaTransport if kind == "nats-delta" else DiskDeltaTransport
@@ -204,8 +228,9 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
                     )
                 seconds = time.perf_counter() - t
                 per_rx = sent_bytes if kind != "disk" else read_manifest(src2).total_bytes
-                rows.append({"receivers": n, "kind": kind, "seconds": seconds,
-                             "bytes_per_receiver": per_rx})  # fmt: skip
+                rows.append(
+                    {"receivers": n, "kind": kind, "seconds": seconds, "bytes_per_receiver": per_rx}
+                )
                 print(f"  {kind:10s} x{n:2d}: {seconds:7.2f}s", flush=True)
                 await js.delete_stream(f"FLYWHEEL_{RUN}_WEIGHTDATA")
                 shutil.rmtree(run_root, ignore_errors=True)
@@ -214,10 +239,14 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
 
 
 def report(size: str, params: int, steps: int, deltas: list[dict], rx: list[dict]) -> None:
-    print(f"\nmodel {size}: {params / 1e6:.0f}M params, bf16 published "
-          f"({deltas[0]['full'] / 1e6:.0f} MB per version), {steps} AdamW steps per lr\n")  # fmt: skip
-    print("| lr | fraction of elements changed (per step) | delta bytes (per step) "
-          "| delta / full (per step) | mean delta / full | encode s |")  # fmt: skip
+    print(
+        f"\nmodel {size}: {params / 1e6:.0f}M params, bf16 published "
+        f"({deltas[0]['full'] / 1e6:.0f} MB per version), {steps} AdamW steps per lr\n"
+    )
+    print(
+        "| lr | fraction of elements changed (per step) | delta bytes (per step) "
+        "| delta / full (per step) | mean delta / full | encode s |"
+    )
     print("|---|---|---|---|---|---|")
     for lr in LRS:
         rs = [r for r in deltas if r["lr"] == lr]
@@ -227,11 +256,15 @@ def report(size: str, params: int, steps: int, deltas: list[dict], rx: list[dict
         mean = statistics.mean(r["ratio"] for r in rs)
         enc = statistics.mean(r["encode_s"] for r in rs)
         print(f"| {lr:g} | {pct} | {mb} | {ratio} | {mean:.4f}× | {enc:.2f} |")
-    print("\npublish→ready at lr 1e-6 (v1 held, v2 published), seconds; "
-          "ratio to nats-full in the same run:\n")  # fmt: skip
+    print(
+        "\npublish→ready at lr 1e-6 (v1 held, v2 published), seconds; "
+        "ratio to nats-full in the same run:\n"
+    )
     kinds = ("disk", "nats-full", "nats-delta", "disk-delta")
-    print("| receivers | " + " | ".join(kinds) + " | nats-delta / nats-full "
-          "| disk-delta / disk | bytes per receiver: full → delta |")  # fmt: skip
+    print(
+        "| receivers | " + " | ".join(kinds) + " | nats-delta / nats-full "
+        "| disk-delta / disk | bytes per receiver: full → delta |"
+    )
     print("|---|" + "---|" * (len(kinds) + 3))
     for n in sorted({r["receivers"] for r in rx}):
         by = {r["kind"]: r for r in rx if r["receivers"] == n}
@@ -239,8 +272,10 @@ def report(size: str, params: int, steps: int, deltas: list[dict], rx: list[dict
         nd = by["nats-delta"]["seconds"] / by["nats-full"]["seconds"]
         dd = by["disk-delta"]["seconds"] / by["disk"]["seconds"]
         full, delta = by["nats-full"]["bytes_per_receiver"], by["nats-delta"]["bytes_per_receiver"]
-        print(f"| {n} | {cells} | {nd:.3f}× | {dd:.3f}× "
-              f"| {full / 1e6:.0f} MB → {delta / 1e6:.1f} MB |")  # fmt: skip
+        print(
+            f"| {n} | {cells} | {nd:.3f}× | {dd:.3f}× "
+            f"| {full / 1e6:.0f} MB → {delta / 1e6:.1f} MB |"
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -266,9 +301,11 @@ def main(argv: list[str]) -> None:
             t = time.perf_counter()
             lr_dirs[lr] = train_versions(args.size, lr, args.steps, tmp, init)
             deltas += delta_rows(lr, lr_dirs[lr])
-            print(f"lr {lr:g}: {args.steps} steps in {time.perf_counter() - t:.0f}s; changed "
-                  + ", ".join(f"{r['changed'] * 100:.2f}%" for r in deltas if r["lr"] == lr),
-                  flush=True)  # fmt: skip
+            print(
+                f"lr {lr:g}: {args.steps} steps in {time.perf_counter() - t:.0f}s; changed "
+                + ", ".join(f"{r['changed'] * 100:.2f}%" for r in deltas if r["lr"] == lr),
+                flush=True,
+            )
         counts = [int(n) for n in args.receivers.split(",")]
         v1, v2 = lr_dirs[1e-6][1], lr_dirs[1e-6][2]
         rx = asyncio.run(transports(v1, v2, counts, tmp / "rx"))

@@ -38,6 +38,7 @@ from services.common.weights.delta import Delta, DeltaError, DeltaStats, apply, 
 from services.common.weights.layout import version_dir
 from services.common.weights.manifest import (
     MANIFEST_NAME,
+    WeightsError,
     WeightsMismatchError,
     build_manifest,
     read_manifest,
@@ -217,7 +218,7 @@ async def rebuild(
             if read_manifest(version_dir(into, held)).sha256 != chain[-1].base_sha256:
                 raise DeltaError(f"v{version}: the held v{held} is not the base of its deltas")
             return await _apply(chain, version_dir(into, held), target, sha256, moved)
-        except (DeltaError, WeightsTransferError) as e:
+        except (DeltaError, WeightsError, WeightsTransferError) as e:
             if snapshot <= held:
                 raise
             log.info("v%d: no deltas from the held v%d (%s); from the snapshot", version, held, e)

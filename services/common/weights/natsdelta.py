@@ -25,6 +25,7 @@ need), and drops the delta directories below it on disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -143,7 +144,8 @@ class NatsDeltaTransport:
         self.subjects = Subjects(wiring.run)
         self.writer = DeltaWriter(wiring.snapshot_every)
         self._serving: Any = None
-        self._uploads: dict[int, asyncio.Task[Transfer]] = {}
+        self._uploads: dict[int, asyncio.Future[Transfer]] = {}
+        self.served: list[int] = []  # versions uploaded whole on demand (for tests, logs)
 
     # -- trainer ----------------------------------------------------------------------
 
@@ -184,6 +186,8 @@ class NatsDeltaTransport:
         )
 
     async def _on_request(self, msg: Any) -> None:
+        from nats.errors import Error as NatsError
+
         try:
             version = int(msg.data)
             directory = published_dir(self._root(), self.run, version)
@@ -194,12 +198,15 @@ class NatsDeltaTransport:
                 task = self._uploads[version] = asyncio.ensure_future(
                     self._upload(version, directory)
                 )
+                task.add_done_callback(lambda _t: self._uploads.pop(version, None))
+                self.served.append(version)
             await task
             log.info("trainer: uploaded v%d whole on demand", version)
             await msg.respond(b"ok")
-        except (ValueError, OSError, WeightsTransferError) as e:
+        except (ValueError, OSError, WeightsTransferError, NatsError, TimeoutError) as e:
             log.warning("trainer: cannot upload a version on demand: %r", e)
-            await msg.respond(f"error: {e}".encode())
+            with contextlib.suppress(NatsError):  # the asker times out and tries again
+                await msg.respond(f"error: {e}".encode())
 
     def _root(self) -> Path:
         if self.wiring.root is None:

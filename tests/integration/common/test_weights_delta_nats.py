@@ -8,6 +8,7 @@ the right weights, never in wrong ones.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from services.common.weights import (
 from services.common.weights.chunks import purge, upload
 from services.common.weights.deltasync import DELTA_FILE, delta_dir
 from services.common.weights.natsdelta import NatsDeltaTransport
+from services.common.weights.transport import WeightsTransferError
 from tests.harness.weights import Policy, announced, same_files
 
 MAX_PAYLOAD = 64 * 1024
@@ -105,7 +107,7 @@ def test_a_late_joiner_gets_version_37_from_the_snapshot_and_deltas(
             local = version_dir(tmp_path / "late", 37)
             assert read_manifest(local).sha256 == msg.sha256
             same_files(local, src)
-            assert not trainer._uploads  # nothing was uploaded again on demand
+            assert not trainer.served  # nothing was uploaded again on demand
             await nc.close()
 
     run_async(body())
@@ -162,9 +164,34 @@ def test_a_bad_delta_falls_back_to_the_full_version(tmp_path: Path, run_async, h
             got = await engine.receive(msg, tmp_path / "engine", newer_than=1)
             # the chain 1 → 2 → 3 is broken at 2: v3 came whole, uploaded on demand
             assert got is not None and got.deltas == 0 and got.bytes >= msg.size_bytes
-            assert list(trainer._uploads) == [3]
+            assert trainer.served == [3]
             same_files(version_dir(tmp_path / "engine", 3), src)
             assert not [p for p in (tmp_path / "engine").iterdir() if p.name.startswith(".")]
+            await nc.close()
+
+    run_async(body())
+
+
+def test_no_usable_delta_and_no_full_version_means_no_weights(tmp_path: Path, run_async) -> None:
+    """The trainer no longer has the version whole: the receive fails, nothing is written."""
+    run = "dn"
+
+    async def body() -> None:
+        with NatsServer() as server:
+            nc, js = await connect(server, run)
+            trainer, engine = transports(tmp_path, run, nc, js, every=100)
+            policy = Policy()
+            for v in (1, 2):
+                policy.step()
+                src = policy.save(tmp_path / "root", run, v)
+                sent = await trainer.publish(v, src)
+            await _tamper(js, run, tmp_path / "root", 2, "wrong-delta")
+            msg = announced(run, 2, sent.uri, src)
+            shutil.rmtree(src)  # as sync's clean-up would, once no engine needed it
+            with pytest.raises(WeightsTransferError, match="refused"):
+                await engine.receive(msg, tmp_path / "engine", newer_than=None)
+            # the snapshot v1 it fetched on the way stays (verified); no v2, no partial files
+            assert sorted(p.name for p in (tmp_path / "engine").iterdir()) == ["v000001"]
             await nc.close()
 
     run_async(body())
