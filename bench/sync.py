@@ -1,7 +1,7 @@
 """Weight-sync benchmark: publish→ready latency against model size, both transports.
 
     .venv/bin/python bench/sync.py [--sizes 1m,10m,100m] [--reps 3]
-    .venv/bin/python bench/sync.py --deltas [--size 250m]   # sparse deltas: bench/sync_deltas.py
+    .venv/bin/python bench/sync.py --deltas [--size 191m]   # sparse deltas: bench/sync_deltas.py
 
 For each model size (tiny Qwen2 shapes of ~1M, ~10M, ~100M parameters,
 fp32 safetensors) one real CPU engine and the real sync service

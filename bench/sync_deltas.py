@@ -1,6 +1,6 @@
 """Sparse weight deltas at RL learning rates: bytes per version and publish→ready, in one run.
 
-    .venv/bin/python bench/sync.py --deltas [--size 250m] [--steps 3] [--receivers 1,4,16]
+    .venv/bin/python bench/sync.py --deltas [--size 191m] [--steps 3] [--receivers 1,4,16]
 
 1. A Qwen2-shaped model built from a config (no download; `--size`), fp32
    master weights, real AdamW steps (wd 0) on random tokens, at lr 1e-6,
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import shutil
@@ -58,12 +59,12 @@ from services.common.weights.deltasync import read_files  # noqa: E402
 RUN = "benchdelta"
 DEMO_LR = 1.5e-4  # configs/demo.toml [trainer.optim] lr
 LRS = (1e-6, 1e-5, DEMO_LR)
-SIZES = {  # name → (hidden, layers, intermediate, heads, kv heads); vocab 32000, tied
-    "20m": (256, 4, 704, 4, 2),
-    "60m": (512, 8, 1408, 8, 2),
-    "150m": (768, 12, 2048, 12, 2),
-    "250m": (1024, 14, 2816, 16, 4),
-    "400m": (1280, 16, 3456, 16, 4),
+SIZES = {  # params → (hidden, layers, intermediate, heads, kv heads); vocab 32000, tied
+    "11m": (256, 4, 704, 4, 2),
+    "39m": (512, 8, 1408, 8, 2),
+    "98m": (768, 12, 2048, 12, 2),
+    "191m": (1024, 14, 2816, 16, 4),
+    "319m": (1280, 16, 3456, 16, 4),
 }
 
 
@@ -165,13 +166,17 @@ def hold(src: Path, into: Path) -> None:
 
 
 async def receivers_ready(
-    transport_cls: Any, wiring: Wiring, msg: WeightsPublished, intos: list[Path]
+    transport_cls: Any, wiring: Wiring, msg: WeightsPublished, conns: list[Any], intos: list[Path]
 ) -> None:
-    async def one(into: Path) -> None:
-        got = await transport_cls(wiring).receive(msg, into, newer_than=1)
+    """Every receiver brings v2 in beside its engine, each on its own connection (as each
+    worker process has: a shared one would be cut as a slow consumer)."""
+
+    async def one(nc: Any, into: Path) -> None:
+        w = dataclasses.replace(wiring, nc=nc, js=nc.jetstream())
+        got = await transport_cls(w).receive(msg, into, newer_than=1)
         assert got is not None and read_manifest(version_dir(into, 2)).sha256 == msg.sha256
 
-    await asyncio.gather(*(one(i) for i in intos))
+    await asyncio.gather(*(one(nc, i) for nc, i in zip(conns, intos, strict=True)))
 
 
 async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[dict[str, Any]]:
@@ -188,6 +193,7 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
     with NatsServer(store_dir=tmp / "nats") as server:
         nc = await nats.connect(server.url)
         js = nc.jetstream()
+        conns = [await nats.connect(server.url) for _ in range(max(counts))]
         for n in counts:
             for kind in ("disk", "nats-full", "nats-delta", "disk-delta"):
                 run_root = tmp / f"{kind}-{n}"
@@ -214,12 +220,13 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
                     await trainer.publish(1, src1)  # the base: a snapshot, not timed
                     t = time.perf_counter()
                     sent = await trainer.publish(2, src2)
-                    await receivers_ready(cls, w, announced(2, sent.uri, src2), intos)
+                    await receivers_ready(cls, w, announced(2, sent.uri, src2), conns, intos)
                     sent_bytes = sent.delta.delta_bytes if sent.delta else 0
                 elif kind == "nats-full":
                     t = time.perf_counter()
                     sent = await NatsTransport(w).publish(2, src2)
-                    await receivers_ready(NatsTransport, w, announced(2, sent.uri, src2), intos)
+                    msg = announced(2, sent.uri, src2)
+                    await receivers_ready(NatsTransport, w, msg, conns, intos)
                     sent_bytes = sent.transfer.bytes if sent.transfer else 0
                 else:  # disk: every engine reads and hashes the shared directory
                     t = time.perf_counter()
@@ -234,11 +241,12 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
                 print(f"  {kind:10s} x{n:2d}: {seconds:7.2f}s", flush=True)
                 await js.delete_stream(f"FLYWHEEL_{RUN}_WEIGHTDATA")
                 shutil.rmtree(run_root, ignore_errors=True)
-        await nc.close()
+        for c in [nc, *conns]:
+            await c.close()
     return rows
 
 
-def report(size: str, params: int, steps: int, deltas: list[dict], rx: list[dict]) -> None:
+def report_deltas(size: str, params: int, steps: int, deltas: list[dict]) -> None:
     print(
         f"\nmodel {size}: {params / 1e6:.0f}M params, bf16 published "
         f"({deltas[0]['full'] / 1e6:.0f} MB per version), {steps} AdamW steps per lr\n"
@@ -255,7 +263,10 @@ def report(size: str, params: int, steps: int, deltas: list[dict], rx: list[dict
         ratio = " / ".join(f"{r['ratio']:.4f}×" for r in rs)
         mean = statistics.mean(r["ratio"] for r in rs)
         enc = statistics.mean(r["encode_s"] for r in rs)
-        print(f"| {lr:g} | {pct} | {mb} | {ratio} | {mean:.4f}× | {enc:.2f} |")
+        print(f"| {lr:g} | {pct} | {mb} | {ratio} | {mean:.4f}× | {enc:.2f} |", flush=True)
+
+
+def report_receivers(rx: list[dict]) -> None:
     print(
         "\npublish→ready at lr 1e-6 (v1 held, v2 published), seconds; "
         "ratio to nats-full in the same run:\n"
@@ -280,7 +291,7 @@ def report(size: str, params: int, steps: int, deltas: list[dict], rx: list[dict
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="250m", choices=sorted(SIZES))
+    p.add_argument("--size", default="191m", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--receivers", default="1,4,16")
     p.add_argument("--tmp", default=None)
@@ -306,10 +317,11 @@ def main(argv: list[str]) -> None:
                 + ", ".join(f"{r['changed'] * 100:.2f}%" for r in deltas if r["lr"] == lr),
                 flush=True,
             )
+        report_deltas(args.size, params, args.steps, deltas)
         counts = [int(n) for n in args.receivers.split(",")]
         v1, v2 = lr_dirs[1e-6][1], lr_dirs[1e-6][2]
         rx = asyncio.run(transports(v1, v2, counts, tmp / "rx"))
-    report(args.size, params, args.steps, deltas, rx)
+    report_receivers(rx)
     print(f"\ntotal {time.perf_counter() - started:.0f}s")
 
 

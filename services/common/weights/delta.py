@@ -126,7 +126,7 @@ class Layout:
     tensors: dict[str, tuple[str, int, int]]
 
 
-def safetensors_layout(data: bytes | memoryview) -> Layout | None:
+def safetensors_layout(data: bytes | bytearray | memoryview) -> Layout | None:
     """The layout of a safetensors file, or None if `data` is not one we can patch."""
     if len(data) < 8:
         return None
@@ -334,30 +334,32 @@ def _apply_tensor(buf: bytearray, dtype: str, begin: int, end: int, t: TensorPat
     view[idx] = view[idx] + diffs.astype(view.dtype)
 
 
-def apply_file(base: bytes, patch: FilePatch) -> bytes:
-    """The new bytes of one file from the base's and its patch."""
+def apply_file(base: bytes | bytearray, patch: FilePatch) -> bytes | bytearray:
+    """The new bytes of one file from the base's and its patch (a bytearray base: in place,
+    so that a chain of deltas copies each file once)."""
     if patch.whole is not None:
         return patch.whole
     layout = safetensors_layout(base)
     if layout is None:
         raise DeltaError(f"{patch.name}: the base file is not safetensors")
-    buf = bytearray(base)
+    buf = base if isinstance(base, bytearray) else bytearray(base)
     for t in patch.tensors:
         where = layout.tensors.get(t.name)
         if where is None:
             raise DeltaError(f"{patch.name}: no tensor {t.name!r} in the base")
         _apply_tensor(buf, *where, t)
-    return bytes(buf)
+    return buf
 
 
-def apply(base: Mapping[str, bytes], delta: Delta) -> dict[str, bytes]:
-    """The new version's files (name → bytes) from the base's files and a delta."""
+def apply(base: Mapping[str, bytes | bytearray], delta: Delta) -> dict[str, bytes | bytearray]:
+    """The new version's files (name → bytes) from the base's files and a delta (bytearrays
+    in `base` are patched in place)."""
     try:
         names = [f["name"] for f in json.loads(delta.manifest)["files"]]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DeltaError(f"v{delta.version}: malformed manifest in the delta: {e!r}") from e
     patches = {f.name: f for f in delta.files}
-    out: dict[str, bytes] = {}
+    out: dict[str, bytes | bytearray] = {}
     for name in names:
         patch, old = patches.get(name), base.get(name)
         if patch is not None and patch.whole is not None:

@@ -24,12 +24,14 @@ engine gets the exact weights or none.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -38,9 +40,11 @@ from services.common.weights.delta import Delta, DeltaError, DeltaStats, apply, 
 from services.common.weights.layout import version_dir
 from services.common.weights.manifest import (
     MANIFEST_NAME,
+    FileEntry,
+    Manifest,
     WeightsError,
     WeightsMismatchError,
-    build_manifest,
+    directory_digest,
     read_manifest,
     write_weights_dir,
 )
@@ -174,19 +178,33 @@ async def _chain(
     return chain, size
 
 
-def _write_rebuilt(files: dict[str, bytes], manifest_text: str, target: Path, sha256: str) -> None:
-    """Write the rebuilt files into `target` (atomically) if they are the trainer's exactly."""
+def _check_rebuilt(
+    files: Mapping[str, bytes | bytearray], manifest_text: str, sha256: str, target: Path
+) -> None:
+    """The rebuilt files are the trainer's exactly: every sha256, the digest, the manifest."""
+    entries = tuple(
+        FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+        for name, data in sorted(files.items())
+    )
+    got = Manifest(entries, sum(e.size for e in entries), directory_digest(entries))
+    if got.sha256 != sha256 or got.to_json() != manifest_text:
+        raise WeightsMismatchError(
+            f"{target.name}: rebuilt weights differ from the trainer's", path=target
+        )
+
+
+def _write_rebuilt(
+    files: Mapping[str, bytes | bytearray], manifest_text: str, target: Path, sha256: str
+) -> None:
+    """Write the rebuilt files into `target` (atomically) if they are the trainer's exactly
+    (hashed in memory: the bytes written are the bytes checked)."""
+    _check_rebuilt(files, manifest_text, sha256, target)
     tmp = target.parent / f".{target.name}.rebuild-{uuid.uuid4().hex[:8]}"
     try:
         for name, data in files.items():
             path = tmp / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-        got = build_manifest(tmp)
-        if got.sha256 != sha256 or got.to_json() != manifest_text:
-            raise WeightsMismatchError(
-                f"{target.name}: rebuilt weights differ from the trainer's", path=target
-            )
         (tmp / MANIFEST_NAME).write_text(manifest_text)
         if not target.is_dir():
             os.rename(tmp, target)
@@ -236,7 +254,7 @@ async def _apply(
     t = time.perf_counter()
 
     def build() -> None:
-        files = read_files(base_dir)
+        files: dict[str, bytes | bytearray] = dict(read_files(base_dir))
         for d in reversed(chain):
             files = apply(files, d)
         _write_rebuilt(files, chain[0].manifest, target, sha256)
