@@ -1,6 +1,7 @@
 """Weight-sync benchmark: publish→ready latency against model size, both transports.
 
     .venv/bin/python bench/sync.py [--sizes 1m,10m,100m] [--reps 3]
+    .venv/bin/python bench/sync.py --deltas [--size 191m]   # sparse deltas: bench/sync_deltas.py
 
 For each model size (tiny Qwen2 shapes of ~1M, ~10M, ~100M parameters,
 fp32 safetensors) one real CPU engine and the real sync service
@@ -348,6 +349,12 @@ def fmt(r: dict) -> str:
 
 
 if __name__ == "__main__":
+    if "--deltas" in sys.argv:  # bytes per version at RL learning rates, and delta transports
+        sys.path.insert(0, str(Path(__file__).parent))
+        from sync_deltas import main as deltas_main
+
+        deltas_main([a for a in sys.argv[1:] if a != "--deltas"])
+        sys.exit(0)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1m,10m,100m")
     p.add_argument("--reps", type=int, default=3)

@@ -23,6 +23,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from proto.wirecost import WireCost
+
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 1  # 1.1: Sample.weight_version_spans
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
@@ -282,15 +284,12 @@ class WeightsPublished(Message):
     run: Id
     version: Version
     step: int = Field(ge=0)
-    uri: str = Field(
-        min_length=1,
-        description="file:///… directory (shared), or nats://<WEIGHTDATA stream>/<version> "
-        "(WeightsChunk messages on weightdata.v<version>).",
-    )
+    uri: str = Field(min_length=1, description="Where it is (per transport: proto/README.md).")
     format: Literal["hf-safetensors"] = "hf-safetensors"
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
     published_at: float = 0.0
+    wire: WireCost | None = None  # what it cost on the wire (None: nothing was sent)
 
 
 class WeightsReady(Message):

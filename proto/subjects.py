@@ -64,6 +64,17 @@ class Subjects:
             raise ValueError(f"weight version {version} must be >= 0")
         return f"{self.prefix}.weightdata.v{version}"
 
+    def weightdelta(self, version: int) -> str:
+        """Where the delta into one version travels (NATS delta transport), beside its chunks."""
+        if version < 0:
+            raise ValueError(f"weight version {version} must be >= 0")
+        return f"{self.prefix}.weightdata.d{version}"
+
+    @property
+    def weights_snapshot(self) -> str:
+        """Core request/reply (no stream): a receiver asks the trainer for a full version."""
+        return f"{self.prefix}.weightsnap"
+
     @property
     def weightdata_all(self) -> str:
         return f"{self.prefix}.weightdata.*"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from services.common.metrics import MetricSet
+from services.common.weights import Transfer
 
 
 class RolloutMetrics:
@@ -38,7 +39,17 @@ class RolloutMetrics:
             "weights_download_seconds", "Time to receive one weight version."
         )
 
-    def downloaded(self, version: int, size: int, seconds: float) -> None:
-        self.weights_downloaded.set(version)
-        self.weights_bytes.inc(size)
-        self.weights_seconds.observe(seconds)
+        self.weights_rebuild = m.gauge(
+            "weights_rebuild_seconds",
+            "nats-delta: time the last version took to rebuild from deltas (0: it came whole).",
+        )
+        self.weights_deltas = m.counter(
+            "weights_deltas_applied", "nats-delta: deltas applied to rebuild versions."
+        )
+
+    def downloaded(self, t: Transfer) -> None:
+        self.weights_downloaded.set(t.version)
+        self.weights_bytes.inc(t.bytes)
+        self.weights_seconds.observe(t.seconds)
+        self.weights_rebuild.set(t.rebuild_s)
+        self.weights_deltas.inc(t.deltas)

@@ -32,6 +32,7 @@ from proto.subjects import Subjects
 from services.common.msgloop import pause
 from services.common.weights import (
     BadWeightsUri,
+    Transfer,
     Transports,
     WeightsTransferError,
     Wiring,
@@ -54,7 +55,7 @@ class WeightsFetcher:
         poll_s: float,
         keep: int,
         idle_timeout_s: float,
-        on_download: Callable[[int, int, float], None] | None = None,
+        on_download: Callable[[Transfer], None] | None = None,
     ) -> None:
         self.js, self.nc = js, nc
         self.run = run
@@ -63,9 +64,9 @@ class WeightsFetcher:
         self.poll_s = poll_s
         self.keep = keep
         self.idle_timeout_s = idle_timeout_s
-        self.on_download = on_download  # (version, bytes, seconds), for metrics
+        self.on_download = on_download  # what each received version took, for metrics
         self.downloaded: int | None = None
-        self.transports = Transports(Wiring(run, js=js, idle_timeout_s=idle_timeout_s))
+        self.transports = Transports(Wiring(run, js=js, nc=nc, idle_timeout_s=idle_timeout_s))
         self._wake = asyncio.Event()
 
     def reset(self) -> None:
@@ -107,15 +108,16 @@ class WeightsFetcher:
             return None
         self.downloaded = got.version
         log.info(
-            "rollout: v%d received (%s): %.1f MB in %.2fs (%.0f MB/s)",
+            "rollout: v%d received (%s, %d deltas): %.1f MB in %.2fs (%.0f MB/s)",
             got.version,
             transport.kind,
+            got.deltas,
             got.bytes / 1e6,
             got.seconds,
             got.mb_per_s,
         )
         if self.on_download is not None:
-            self.on_download(got.version, got.bytes, got.seconds)
+            self.on_download(got)
         return got.version
 
     def prune(self, serving: int) -> None:

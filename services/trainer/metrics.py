@@ -25,6 +25,7 @@ from services.trainer.wire import batch_stats
 
 if TYPE_CHECKING:
     from services.common.tasks.evaluate import EvalReport
+    from services.common.weights import Sent
     from services.trainer.step import StepResult
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,32 @@ class TrainerMetrics:
         self.tokens_per_s = m.gauge("tokens_per_second", "Compute tokens/s of the last step.")
         idle = "Fraction of wall time spent waiting for data since start."
         self.idle = m.gauge("idle_fraction", idle)
+        self.weights_full = m.gauge("weights_full_bytes", "Bytes of the last version, whole.")
+        self.weights_wire = m.gauge(
+            "weights_wire_bytes",
+            "Bytes the last version put on the wire (nats: whole; nats-delta: its delta, plus "
+            "the whole when it is a snapshot; disk: 0).",
+        )
+        self.weights_delta = m.gauge(
+            "weights_delta_bytes", "Bytes of the last version's delta (nats-delta)."
+        )
+        self.weights_changed = m.gauge(
+            "weights_changed_fraction",
+            "Fraction of the last version's elements whose published bits changed (nats-delta).",
+        )
+        self.weights_publish_s = m.gauge(
+            "weights_publish_seconds", "Time to make the last version reachable (encode + send)."
+        )
+
+    def weights_sent(self, sent: Sent, full_bytes: int) -> None:
+        """Bytes on the wire for one version: whole, sent, delta, fraction changed."""
+        self.weights_full.set(full_bytes)
+        t = sent.transfer
+        self.weights_wire.set(t.bytes if t is not None else 0)
+        self.weights_publish_s.set(t.seconds if t is not None else 0.0)
+        if sent.delta is not None:
+            self.weights_delta.set(sent.delta.delta_bytes)
+            self.weights_changed.set(sent.delta.fraction_changed)
 
 
 class Recorder:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from proto.messages import WeightsPublished
 from proto.subjects import Subjects
+from proto.wirecost import WireCost
 from services.common.lifecycle import ServiceContext
 from services.common.publish import publish
 from services.common.weights import (
@@ -26,6 +27,7 @@ from services.common.weights import (
     published_dir,
     read_manifest,
 )
+from services.common.weights.delta import DeltaStats
 from services.trainer.batches import Batch
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.settings import TrainerSettings
@@ -33,6 +35,15 @@ from services.trainer.step import StepResult, persist
 from services.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+def wire_cost(t: Transfer, d: DeltaStats | None) -> WireCost:
+    return WireCost(
+        sent_bytes=t.bytes,
+        delta_bytes=d.delta_bytes if d is not None else None,
+        changed_fraction=d.fraction_changed if d is not None else None,
+        publish_s=t.seconds,
+    )
 
 
 class Publisher:
@@ -44,7 +55,13 @@ class Publisher:
         self.ctx, self.s, self.trainer, self.metrics = ctx, s, trainer, metrics
         self.subjects = Subjects(s.run)
         wiring = Wiring(
-            s.run, s.weights_root, ctx.js, ctx.max_payload, upload_window=s.weights_upload_window
+            s.run,
+            s.weights_root,
+            ctx.js,
+            ctx.nc,
+            max_payload=ctx.max_payload,
+            upload_window=s.weights_upload_window,
+            snapshot_every=s.weights_snapshot_every,
         )
         self.transport = open_transport(s.weights_transport, wiring)
 
@@ -58,6 +75,8 @@ class Publisher:
         sent = await self.transport.publish(version, path)
         if sent.transfer is not None:
             self._sent(sent.transfer)
+        self.metrics.weights_sent(sent, size)
+        t, d = sent.transfer, sent.delta
         msg = WeightsPublished(
             run=self.s.run,
             version=version,
@@ -66,6 +85,7 @@ class Publisher:
             sha256=sha256,
             size_bytes=size,
             published_at=time.time(),
+            wire=None if t is None else wire_cost(t, d),
         )
         await publish(self.ctx.js, self.subjects.weights_published, msg, self.ctx.max_payload)
         log.info("trainer: published v%d (%s)", version, path)

@@ -204,7 +204,18 @@ class TrainerSettings(ServiceSettings):
     weights_transport: TransportKind = Field(
         "disk",
         description="How engines get weights: 'disk' announces the shared directory; 'nats' "
-        "also sends it as chunks into JetStream (no shared storage needed).",
+        "also sends it as chunks into JetStream (no shared storage needed); 'nats-delta' "
+        "sends per version only the elements whose published bits changed (lossless, "
+        "rebuilt and verified beside each engine) plus a full snapshot every "
+        "weights_snapshot_every versions; 'disk-delta' writes that delta beside each full "
+        "directory and each engine's worker rebuilds its own copy from it.",
+    )
+    weights_snapshot_every: int = Field(
+        10,
+        ge=1,
+        description="nats-delta: send a full snapshot every this many published versions (a "
+        "late engine catches up from the last one plus the deltas after it; 1: every version "
+        "whole as well).",
     )
     weights_upload_window: int = Field(
         16, ge=1, le=1024, description="NATS transport: chunk publishes in flight at once."

@@ -5,8 +5,10 @@
                manifest, written atomically, verified by every reader;
 - `transport`  the `WeightsTransport` protocol (publish → URI, where an engine
                loads it, receive beside an engine, clean-up) and its registry;
-- `disk`, `nats`  the two transports (`[trainer] weights_transport`);
-- `chunks`     the NATS transport's mechanism: a directory as WeightsChunks.
+- `disk`, `nats`, `natsdelta`, `diskdelta`  the transports (`[trainer] weights_transport`);
+- `chunks`     the NATS transports' mechanism: a directory as WeightsChunks;
+- `delta`      the pure sparse-delta codec (changed elements' indices + bits);
+- `deltasync`  deltas around it: the trainer writes them, a receiver rebuilds.
 
 The trainer, sync and the rollout workers call the transport; nothing
 outside this package branches on which one it is. No torch here: engines

@@ -118,8 +118,11 @@ async def upload(
     *,
     max_payload: int,
     window: int = 16,
+    subject: str | None = None,
 ) -> Transfer:
     """Publish the weights directory `root` (with its manifest) as WeightsChunks.
+
+    On the version's subject unless `subject` names another (a delta's).
 
     Returns once every chunk is acknowledged by JetStream (so a receiver that
     starts after this finds them all). Chunk ids are deterministic: a retry
@@ -129,7 +132,7 @@ async def upload(
     started = time.perf_counter()
     manifest = read_manifest(root)
     pieces = plan_chunks(manifest, max_payload)
-    subject = Subjects(run).weightdata(version)
+    subject = subject or Subjects(run).weightdata(version)
     pending: set[asyncio.Future[object]] = set()
     total = 0
     try:
@@ -224,13 +227,17 @@ async def download(
     js: JetStreamContext,
     run: str,
     version: int,
-    sha256: str,
+    sha256: str | None,
     target: Path,
     *,
     idle_timeout_s: float = 10.0,
     window: int = 8,
+    subject: str | None = None,
 ) -> Transfer:
     """Receive version `version` into `target` (atomically), verified against `sha256`.
+
+    `sha256` None takes the first publication found on the subject (the
+    caller verifies what it rebuilds from it: a delta); `subject` as in `upload`.
 
     Raises WeightsTransferError if no chunk arrives for `idle_timeout_s`, or if
     the files do not match the manifest or the manifest does not match
@@ -245,12 +252,14 @@ async def download(
     tmp.mkdir()
     # An ordered push consumer: the server streams without waiting for
     # fetch round trips (measured ~1 GB/s here against ~700 MB/s pulling).
-    subject, stream = Subjects(run).weightdata(version), stream_name(run, "WEIGHTDATA")
+    subject, stream = subject or Subjects(run).weightdata(version), stream_name(run, "WEIGHTDATA")
     sub = await js.subscribe(subject, stream=stream, ordered_consumer=True)
     receiver = _Receiver(tmp)
     try:
-        count, total = await _receive(sub, receiver, version, sha256, idle_timeout_s, window)
-        await _verify_into_place(receiver, tmp, target, version, sha256)
+        count, total, digest = await _receive(
+            sub, receiver, version, sha256, idle_timeout_s, window
+        )
+        await _verify_into_place(receiver, tmp, target, version, digest)
     except (WeightsError, ProtocolError, ValueError) as e:
         raise WeightsTransferError(f"v{version}: bad chunks or files: {e}", version=version) from e
     finally:
@@ -265,11 +274,11 @@ async def _receive(
     sub: Any,
     receiver: _Receiver,
     version: int,
-    sha256: str,
+    sha256: str | None,
     idle_timeout_s: float,
     window: int,
-) -> tuple[int, int]:
-    """Write every chunk of this publication as it arrives: (chunks, bytes)."""
+) -> tuple[int, int, str]:
+    """Write every chunk of this publication as it arrives: (chunks, bytes, its digest)."""
     from nats.errors import TimeoutError as NatsTimeout
 
     loop = asyncio.get_running_loop()
@@ -291,6 +300,7 @@ async def _receive(
                         version=version,
                     ) from e
                 c = decode(m.data, WeightsChunk)
+                sha256 = sha256 or c.sha256  # None: the first publication found
                 if c.version != version or c.sha256 != sha256:
                     others += 1  # an older publication of the same version (a trainer re-run)
                     continue
@@ -310,7 +320,7 @@ async def _receive(
     finally:
         for f in writes:
             f.cancel()
-    return count or 0, total
+    return count or 0, total, sha256 or ""
 
 
 async def _verify_into_place(
@@ -331,6 +341,7 @@ async def _verify_into_place(
         os.rename(tmp, target)
 
 
-async def purge(js: JetStreamContext, run: str, version: int) -> None:
-    """Drop the chunks of one version from the stream (no error if there are none)."""
-    await js.purge_stream(stream_name(run, "WEIGHTDATA"), subject=Subjects(run).weightdata(version))
+async def purge(js: JetStreamContext, run: str, version: int, subject: str | None = None) -> None:
+    """Drop the chunks of one version (or of `subject`) from the stream (none: no error)."""
+    subject = subject or Subjects(run).weightdata(version)
+    await js.purge_stream(stream_name(run, "WEIGHTDATA"), subject=subject)

@@ -16,15 +16,14 @@ Three parties meet a version, and each asks its transport one thing:
 
 Nothing outside this package looks at a URI's scheme or at the transport's
 kind. A new transport implements the four methods and registers its class
-in `KINDS`; the two sketched next would fit as follows. *Sparse deltas*:
-`publish` sends only the tensors that changed against the previous version
-(a `delta://` URI naming both), `receive` rebuilds the full directory from
-the engine's copy of the base plus the delta (the base must be held:
-`newer_than` says what is), `source` is a `LocalCopy`, `cleanup` drops
-deltas older than the floor. *torch.distributed*: `publish` broadcasts the
-tensors to the engines' process group, `receive` has nothing to do, and
-`source` names the group rather than a directory (the engine-update call
-then becomes SGLang's `update_weights_from_distributed`: sync's one call of
+in `KINDS`. *Sparse deltas* are one (natsdelta.py: `publish` sends the
+elements that changed against the previous version, `receive` rebuilds the
+version from the engine's copy of the base plus the deltas, verified, else
+downloads it whole; `source` is a `LocalCopy`). *torch.distributed* would
+be another: `publish` broadcasts the tensors to the engines' process group,
+`receive` has nothing to do, and `source` names the group rather than a
+directory (the engine-update call then becomes SGLang's
+`update_weights_from_distributed`: sync's one call of
 `update_weights_from_disk` is where that would branch, on the source).
 """
 
@@ -41,10 +40,11 @@ from services.common.weights.layout import remove_versions, version_dir, version
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
+    from services.common.weights.delta import DeltaStats
 
 log = logging.getLogger(__name__)
 
-TransportKind = Literal["disk", "nats"]
+TransportKind = Literal["disk", "nats", "nats-delta", "disk-delta"]
 """`[trainer] weights_transport`: the names in `KINDS`."""
 
 
@@ -71,6 +71,8 @@ class Transfer:
     chunks: int
     bytes: int
     seconds: float
+    deltas: int = 0  # deltas applied to get this version (0: it came whole)
+    rebuild_s: float = 0.0  # of `seconds`, applying them and writing the directory
 
     @property
     def mb_per_s(self) -> float:
@@ -83,6 +85,7 @@ class Sent:
 
     uri: str
     transfer: Transfer | None = None  # None: nothing was sent (engines read the directory)
+    delta: DeltaStats | None = None  # a delta transport's sizes (None: no delta this time)
 
 
 class WeightsSource(Protocol):
@@ -130,6 +133,8 @@ class Wiring:
     run: str
     root: Path | None = None
     js: Any = None
+    nc: Any = None  # core NATS (the delta transport's requests for a full version)
+    snapshot_every: int = 10  # the delta transport: a full snapshot every this many versions
     max_payload: int = 1024 * 1024
     upload_window: int = 16  # NATS: chunk publishes in flight at once
     idle_timeout_s: float = 30.0  # NATS: a download fails after this long with no chunk
@@ -164,9 +169,16 @@ class WeightsTransport(Protocol):
 
 def _kinds() -> dict[str, type[WeightsTransport]]:
     from services.common.weights.disk import DiskTransport
+    from services.common.weights.diskdelta import DiskDeltaTransport
     from services.common.weights.nats import NatsTransport
+    from services.common.weights.natsdelta import NatsDeltaTransport
 
-    return {"disk": DiskTransport, "nats": NatsTransport}
+    return {
+        "disk": DiskTransport,
+        "nats": NatsTransport,
+        "nats-delta": NatsDeltaTransport,
+        "disk-delta": DiskDeltaTransport,
+    }
 
 
 def open_transport(kind: str, wiring: Wiring) -> WeightsTransport:

@@ -327,6 +327,32 @@ TRAINER = Dashboard(
                 ),
             ),
         ),
+        (
+            "Weights on the wire",
+            (
+                p(
+                    "Bytes per version",
+                    ("max(flywheel_trainer_weights_full_bytes)", "whole version"),
+                    ("max(flywheel_trainer_weights_wire_bytes)", "sent"),
+                    ("max(flywheel_trainer_weights_delta_bytes)", "delta (delta transports)"),
+                    unit="bytes",
+                    description="The newest version: its full size, what the trainer put on "
+                    "the wire for it, and its delta against the version before.",
+                ),
+                p(
+                    "Fraction of elements changed",
+                    ("max(flywheel_trainer_weights_changed_fraction)", "changed"),
+                    unit="percentunit",
+                    description="Elements whose published bits changed (nats-delta, disk-delta).",
+                ),
+                p(
+                    "Publish and rebuild time",
+                    ("max(flywheel_trainer_weights_publish_seconds)", "publish (trainer)"),
+                    ("max(flywheel_rollout_weights_rebuild_seconds)", "rebuild (slowest engine)"),
+                    unit="s",
+                ),
+            ),
+        ),
     ),
 )
 
