@@ -106,7 +106,13 @@ class WandbLogger:
         self.run.log(scalars(row), step=int(row.get("step", 0)))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns before W&B's service has written the offline record
+        # log (wandb 0.31: the file held only its 7-byte header right after it);
+        # teardown waits for the service, so a finished trainer's rows are on disk.
+        wandb.teardown()
 
 
 class Loggers:
