@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from services.common.tasks.episode_spec import EpisodeSpec
+
 _FN_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
@@ -309,6 +311,11 @@ class TaskSpec(_Strict):
         None, gt=0, description="Mixtures: share of this task's prompts (default: its size)."
     )
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    episode: EpisodeSpec | None = Field(
+        None,
+        description="Roll out as a multi-turn episode with tools ([task.episode]); "
+        "none: one completion per sample.",
+    )
 
     @field_validator("reward", mode="before")
     @classmethod
