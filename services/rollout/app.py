@@ -15,7 +15,7 @@ from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
 from services.common.tasks.episode_spec import EpisodeSpec
 from services.common.tasks.sandbox import Reward, ToolPool, VerifierPool
-from services.common.tasks.scoring import Scorer, warmup
+from services.common.tasks.scoring import Scorer, tool_pool, warmup
 from services.common.tasks.taskset import TaskSet
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
@@ -51,17 +51,14 @@ class TaskScorer:
 
 
 @contextlib.asynccontextmanager
-async def tool_pool(tasks: TaskSet) -> AsyncIterator[ToolPool | None]:
-    """The tool sandbox, if a task has episodes: sized and limited by the largest ask."""
-    episodes = [s.episode for s in tasks.specs.values() if s.episode is not None]
-    if not episodes:
+async def tools_for(tasks: TaskSet) -> AsyncIterator[ToolPool | None]:
+    """The tool sandbox, if a task has episodes."""
+    pool = tool_pool(tasks)
+    if pool is None:
         yield None
         return
-    size = max(e.tool_processes for e in episodes)
-    memory = max(e.tool_memory_mb for e in episodes)
-    timeout = max(e.tool_timeout_s for e in episodes)
-    async with ToolPool(size=size, timeout_s=timeout, memory_mb=memory) as tools:
-        yield tools
+    async with pool:
+        yield pool
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -78,7 +75,7 @@ async def body(ctx: ServiceContext) -> None:
         ) as c,
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
         VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
-        tool_pool(tasks) as tools,
+        tools_for(tasks) as tools,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
         if tools is not None:

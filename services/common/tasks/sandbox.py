@@ -304,8 +304,16 @@ class ToolPool(VerifierPool):
     a hung tool must not hold a verifier's process.
     """
 
-    def __init__(self, size: int = 2, timeout_s: float = 5.0, memory_mb: int = 1024) -> None:
-        super().__init__(size, timeout_s)
+    def __init__(
+        self,
+        size: int = 2,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        tools: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        # warm-up: import the tools module (and the user's tools) before the first call
+        warm = ("services.common.tasks.tools:warm", (list(tools),))
+        super().__init__(size, timeout_s, warmup=[warm])
         self.argv = ("--confine", str(memory_mb))
 
     async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:

@@ -81,7 +81,7 @@ class ArithmeticRows:
         return self.spec.size
 
     def row(self, index: int) -> Row:
-        p = arithmetic.problem(self.spec.seed, index, self.spec.digits)
+        p = arithmetic.problem(self.spec.seed, index, self.spec.digits, self.spec.op)
         return Row(prompt=p.prompt, answer=p.answer, solution=p.answer)
 
 

@@ -101,12 +101,15 @@ class FunctionSource(_Fields):
 
 
 class ArithmeticSource(_Strict):
-    """The built-in addition task ('a+b=' -> the sum), procedural and seeded."""
+    """The built-in arithmetic task ('a+b=' -> the sum), procedural and seeded."""
 
     type: Literal["arithmetic"]
     size: int = Field(100_000, ge=1, description="Number of distinct problems.")
     seed: int = Field(0, description="Seed of the problems.")
     digits: int = Field(2, ge=1, le=9, description="Operand digits.")
+    op: Literal["+", "*"] = Field(
+        "+", description="'+': addition; '*': multiplication (the tool-use demo)."
+    )
 
 
 SourceSpec = Annotated[

@@ -45,7 +45,10 @@ from services.common.nats_server import NatsServer
 from services.common.settings import NatsSettings
 from services.common.tasks.episode import TurnOutput
 from services.common.tasks.episode_spec import EpisodeSpec
+from services.common.tasks.evaluate import evaluate_dir
 from services.common.tasks.sandbox import ToolPool
+from services.common.tasks.spec import TaskSpec
+from services.common.tasks.taskset import TaskSet
 from services.common.tiny_model import build_tokenizer
 from services.rollout.app import body as rollout_body
 from services.rollout.episodes import EpisodeRunner
@@ -222,3 +225,18 @@ def test_worker_runs_episodes_and_survives_hung_and_raising_tools(
         assert all(lp[i] < 0 for i, m in enumerate(mask) if m == 1)
     assert (reg.get_sample_value("flywheel_rollout_tool_errors_total") or 0) == 4
     assert (reg.get_sample_value("flywheel_rollout_tool_calls_total") or 0) == 8
+
+
+def test_held_out_evaluation_runs_the_same_episodes(model_dir: Path, tmp_path: Path) -> None:
+    """evaluate_dir (the trainer's eval_every, `flywheel eval`, the demo) on a task with
+    episodes: the model's greedy turns, the calculator's observations, the task's reward."""
+    data = tmp_path / "held_out.jsonl"
+    data.write_text('{"prompt": "7*8=", "answer": "57"}\n{"prompt": "7*8=", "answer": "58"}\n')
+    source = {"type": "jsonl", "path": str(data)}
+    spec = {**TASK, "source": source, "eval": {"source": source, "max_new_tokens": 40}}
+    tasks = TaskSet.from_fields(TaskSpec.model_validate(spec), {})
+    report = evaluate_dir(model_dir, tasks)
+    t = report.tasks["jsonl"]
+    assert (t.total, t.pass_at_1) == (2, 0.5)  # the second row's reference is wrong
+    transcript = t.examples[0][1]
+    assert transcript.count("<result>") == 2 and transcript.endswith("<answer>57</answer>")
