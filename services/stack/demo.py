@@ -126,14 +126,23 @@ def run_file(config: Path, run_dir: Path, model: Path, staleness: int | None) ->
     return out
 
 
+def toml_value(v: Any) -> str:
+    """A TOML value: scalars as JSON writes them, lists, and inline tables (`{a = 1}`)."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(v)
+
+
 def dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    """Enough TOML for run files: scalars, strings, lists of scalars, nested tables."""
+    """Enough TOML for run files: scalars, strings, lists (of inline tables), nested tables."""
     lines, tables = [], []
     for k, v in doc.items():
         if isinstance(v, dict):
             tables.append((k, v))
         else:
-            lines.append(f"{k} = {json.dumps(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
     text = "\n".join(lines) + ("\n" if lines else "")
     for k, v in tables:
         name = f"{prefix}{k}"
