@@ -41,11 +41,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-c", "--config", help="run file of the RL stage (default: the task's)")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
-    p.add_argument("--sft-steps", type=int, help="SFT warm-start steps (default 3000; tools: 600)")
+    p.add_argument("--sft-steps", type=int, help="SFT warm-start steps (default 3000; tools: 900)")
     p.add_argument(
         "--tool-fraction",
         type=float,
-        default=0.35,
+        default=0.5,
         help="tools: fraction of SFT traces that call the calculator",
     )
     p.add_argument(
@@ -193,7 +193,7 @@ def latest_weights(run_dir: Path, run: str) -> Path | None:
 def demo_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     tools = args.task == "tools"
-    args.sft_steps = args.sft_steps or (600 if tools else 3000)
+    args.sft_steps = args.sft_steps or (900 if tools else 3000)
     args.rl_steps = args.rl_steps or (60 if tools else 130)
     if args.config is None:
         from services.stack.demo_tools import CONFIG
