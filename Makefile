@@ -3,6 +3,7 @@
 #   make test    lint + the whole test suite (what CI runs)
 #   make test-fast  the edit-test loop: unit + integration, no stack start-ups (< 2 min)
 #   make demo    SFT warm start, then async GRPO through the local stack
+#   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make lint    ruff (lint + format check) and mypy
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test test-fast test-slow demo lint format
+.PHONY: setup tools test test-fast test-slow demo demo-tools lint format
 
 setup: $(STAMP)
 
@@ -43,6 +44,9 @@ test-slow: setup tools
 
 demo: setup
 	$(VENV)/bin/flywheel demo
+
+demo-tools: setup
+	$(VENV)/bin/flywheel demo --task tools
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -19,11 +19,17 @@ class Problem:
     answer: str
 
 
-def problem(seed: int, index: int, digits: int = 2) -> Problem:
-    """The `index`-th addition problem of `seed` with operands of `digits` digits."""
-    rng = random.Random(f"arith:{seed}:{digits}:{index}")
+def problem(seed: int, index: int, digits: int = 2, op: str = "+") -> Problem:
+    """The `index`-th problem of `seed` with operands of `digits` digits: "a+b=" (the
+    addition task) or "a*b=" (`op` "*": the tool demo's multiplication)."""
+    key = f"arith:{seed}:{digits}:{index}" + ("" if op == "+" else f":{op}")
+    rng = random.Random(key)
     lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    if op == "*":
+        return Problem(prompt=f"{a}*{b}=", answer=str(a * b))
+    if op != "+":
+        raise ValueError(f"unknown operator {op!r}")
     return Problem(prompt=f"{a}+{b}=", answer=str(a + b))
 
 

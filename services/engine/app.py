@@ -131,6 +131,18 @@ def claim_rids(state: EngineState, parsed: ParsedGenerate) -> dict[str, asyncio.
 
 @json_route
 async def generate(request: web.Request, state: EngineState, body: Any) -> web.Response:
+    out = await native_generate(request, state, body)
+    if isinstance(out, web.Response):
+        return out
+    outs, as_list = out
+    return web.json_response(outs if as_list else outs[0])
+
+
+async def native_generate(
+    request: web.Request, state: EngineState, body: Any
+) -> web.Response | tuple[list[dict[str, Any]], bool]:
+    """/generate's work: the answers (and whether they are a list), or an error response.
+    Also what the OpenAI-compatible routes run (services/engine/openai_api.py)."""
     parsed = parse_generate(
         body,
         state.encode,
@@ -162,7 +174,7 @@ async def generate(request: web.Request, state: EngineState, body: Any) -> web.R
             c.matched_stop_str,
         )
         out.append(response(spec, c, text, reported_version=reported, caps=state.caps))
-    return web.json_response(out if parsed.as_list else out[0])
+    return out, parsed.as_list
 
 
 @json_route
@@ -291,6 +303,9 @@ def build_app(state: EngineState) -> web.Application:
     r.add_get("/ping", ping)
     if caps.has_ready:
         r.add_get("/ready", ready)
+    from services.engine import openai_api  # imports this module: at call time
+
+    openai_api.add_routes(r)
     return app
 
 

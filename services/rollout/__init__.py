@@ -2,6 +2,6 @@
 
 `core` (pure: request ids, versions, samples), `worker` (one task, one
 group; heartbeats), `weights_fetch` (the engine's local weight copies),
-`envs/` (multi-turn environments), `app` (wiring), `metrics`, `settings`,
+`episodes` (multi-turn episodes through the engine), `app` (wiring), `metrics`, `settings`,
 `cli`.
 """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,10 @@ from proto.streams import consumers_for
 from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
-from services.common.tasks.sandbox import Reward, VerifierPool
-from services.common.tasks.scoring import Scorer, warmup
+from services.common.tasks.episode_spec import EpisodeSpec
+from services.common.tasks.sandbox import Reward, ToolPool, VerifierPool
+from services.common.tasks.scoring import Scorer, tool_pool, warmup
+from services.common.tasks.taskset import TaskSet
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
@@ -39,8 +43,22 @@ class TaskScorer:
     def chat_template(self, task: PromptTask) -> bool:
         return self.scorer.chat_template(task.env)
 
+    def episode(self, task: PromptTask) -> EpisodeSpec | None:
+        return self.scorer.spec(task.env).episode
+
     async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward:
         return await self.scorer.score(task.env, task.index, text, task.answer, response_tokens)
+
+
+@contextlib.asynccontextmanager
+async def tools_for(tasks: TaskSet) -> AsyncIterator[ToolPool | None]:
+    """The tool sandbox, if a task has episodes."""
+    pool = tool_pool(tasks)
+    if pool is None:
+        yield None
+        return
+    async with pool:
+        yield pool
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -57,8 +75,11 @@ async def body(ctx: ServiceContext) -> None:
         ) as c,
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
         VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
+        tools_for(tasks) as tools,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
+        if tools is not None:
+            worker.use_tools(tools)
         worker.fetcher = WeightsFetcher(
             ctx.js,
             ctx.nc,

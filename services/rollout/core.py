@@ -109,8 +109,10 @@ def make_sample(
     r: GenerateResult,
     score: Reward,
     origin: Origin,
+    loss_mask: list[int] | None = None,
 ) -> Sample:
-    """Completion `i` of a task, scored, as the wire's Sample."""
+    """Completion `i` of a task, scored, as the wire's Sample (an episode: with its
+    loss mask, 0 on observation tokens; a single completion: 1 everywhere)."""
     first, last, spans = sample_versions(r, origin.before)
     return Sample(
         sample_id=f"{group_id}:s{i}",
@@ -121,7 +123,7 @@ def make_sample(
         prompt_ids=pack_i32(prompt_ids),
         response_ids=pack_i32(r.output_ids),
         logprobs=pack_f32(r.logprobs),
-        loss_mask=pack_u8([1] * len(r.output_ids)),
+        loss_mask=pack_u8(loss_mask if loss_mask is not None else [1] * len(r.output_ids)),
         reward=score.reward,
         reward_parts=dict(score.parts),
         finish_reason=FinishReason(r.finish_type),

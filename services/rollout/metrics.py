@@ -24,6 +24,16 @@ class RolloutMetrics:
         self.behind = m.counter(
             "engine_behind", "Tasks handed back because the engine was older than the task allows."
         )
+        self.episode_turns = m.histogram(
+            "episode_turns", "Policy turns per multi-turn episode.", (1, 2, 3, 4, 6, 8, 16, 32)
+        )
+        self.tool_calls = m.counter("tool_calls", "Tool calls run in multi-turn episodes.")
+        self.tool_errors = m.counter(
+            "tool_errors", "Tool calls that hung, raised, crashed or were malformed."
+        )
+        self.tool_seconds = m.histogram(
+            "tool_seconds", "Mean time of a tool call, per episode.", (0.01, 0.05, 0.1, 0.5, 1, 5)
+        )
         self.task_seconds = m.histogram(
             "task_seconds",
             "Task time from receipt to group published.",

@@ -13,6 +13,9 @@ keeps `concurrency` tasks in flight so its engine batches them. Per task:
    a completion aborted by a weight update is generated again, never lost;
    a 400 is the engine refusing the request itself (a bad `top_k`, a prompt
    too long): the task is dead-lettered with the engine's message, not retried;
+   a task with an episode (`[task.episode]`) runs `n` multi-turn episodes
+   instead (episodes.py: turns, tool calls in the tool sandbox, observation
+   tokens with loss mask 0);
 3. score each completion with the task's environment, under a time limit;
 4. publish the group (its id is deterministic, so a redelivered task's
    group is stored once) and only then let the loop ack the task.
@@ -53,8 +56,10 @@ from services.common.lifecycle import ServiceContext
 from services.common.msgloop import Delivery, pause, transient_errors
 from services.common.publish import publish
 from services.common.sglang_api import UnsupportedEngine
+from services.common.tasks.episode import Episode
+from services.common.tasks.episode_spec import EpisodeSpec
 from services.common.tasks.prompts import encode
-from services.common.tasks.sandbox import Reward
+from services.common.tasks.sandbox import Reward, ToolPool
 from services.rollout.core import (
     Origin,
     engine_failure,
@@ -64,6 +69,7 @@ from services.rollout.core import (
     request_id,
     sampling_params,
 )
+from services.rollout.episodes import EpisodeRunner, as_result
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
@@ -75,6 +81,8 @@ class Scorer(Protocol):
     """The task's prompt rendering and reward (its spec in the run file; rewards in the sandbox)."""
 
     def chat_template(self, task: PromptTask) -> bool: ...
+
+    def episode(self, task: PromptTask) -> EpisodeSpec | None: ...
 
     async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward: ...
 
@@ -97,6 +105,18 @@ class RolloutWorker:
         self.metrics = RolloutMetrics(ctx.registry)
         self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
         self.warned_errors: set[str] = set()  # verifier errors already logged once
+        self.episodes: EpisodeRunner | None = None  # set by use_tools: tasks with episodes
+
+    def use_tools(self, tools: ToolPool) -> None:
+        """Run tasks with `[task.episode]` as episodes, their tool calls in `tools`."""
+        self.episodes = EpisodeRunner(
+            self.client,
+            tools,
+            lambda text: list(self.tok(text, add_special_tokens=False)["input_ids"]),
+            self.s.generate_timeout_s,
+            self.s.max_abort_retries,
+            self.metrics.aborted.inc,
+        )
 
     # tokenization
     def prompt_ids(self, task: PromptTask) -> list[int]:
@@ -153,6 +173,26 @@ class RolloutWorker:
             )
         return r
 
+    async def run_episodes(
+        self, task: PromptTask, ids: list[int], d: Delivery, spec: EpisodeSpec
+    ) -> list[Episode]:
+        if self.episodes is None:
+            raise ConfigError("a task has [task.episode] but the worker has no tool sandbox")
+        await d.in_progress()  # episodes take several generations
+        params = sampling_params(task, 1)
+        return await self.episodes.run(spec, ids, params, request_id(task, d.delivered), task.n)
+
+    def count_episode(self, ep: Episode, score: Reward) -> Reward:
+        """The episode's figures into the metrics and the sample's reward parts."""
+        self.metrics.episode_turns.observe(ep.turns)
+        self.metrics.tool_calls.inc(ep.tool_calls)
+        self.metrics.tool_errors.inc(ep.tool_errors)
+        if ep.tool_calls:
+            self.metrics.tool_seconds.observe(ep.tool_seconds / ep.tool_calls)
+        for why in ep.errors:
+            log.debug("rollout: tool call failed: %s", why)
+        return Reward(score.reward, {**score.parts, **ep.parts()}, score.error)
+
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
         received = time.time()
         self.metrics.in_flight.inc()
@@ -179,7 +219,13 @@ class RolloutWorker:
                     f"cannot tokenize task {task.task_id}: {e}", reason="bad_task"
                 ) from e
             started = time.time()
-            results = await self.generate(task, ids, d)
+            episode = self.scorer.episode(task)
+            episodes = await self.run_episodes(task, ids, d, episode) if episode else None
+            results = (
+                [as_result(e, f"{task.task_id}:e{i}") for i, e in enumerate(episodes)]
+                if episodes is not None
+                else await self.generate(task, ids, d)
+            )
         except EngineError as e:
             raise engine_failure(e, self.s.engine_url, task.task_id) from e
         group_id = f"{task.task_id}:a{task.attempt}"
@@ -187,7 +233,11 @@ class RolloutWorker:
         for i, r in enumerate(results):
             score = await self.score(task, r.text, len(r.output_ids))
             origin = Origin(self.s.engine_id, before, started)
-            samples.append(make_sample(task, group_id, i, ids, r, score, origin))
+            mask = None
+            if episodes is not None:
+                score = self.count_episode(episodes[i], score)
+                mask = episodes[i].loss_mask
+            samples.append(make_sample(task, group_id, i, ids, r, score, origin, mask))
             self.metrics.samples.labels(finish=r.finish_type).inc()
             self.metrics.tokens.inc(len(r.output_ids))
             self.metrics.reward.observe(score.reward)

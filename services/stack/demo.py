@@ -8,6 +8,10 @@
    NATS, two CPU engines with a rollout worker each, buffer, trainer, sync);
 5. held-out accuracy after RL, metrics as JSONL and a PNG plot of reward
    and accuracy against step and time in the run directory.
+
+`--task tools` runs the same stages on the tool-use task instead
+(services/stack/demo_tools.py, configs/demo-tools.toml): 3-digit
+multiplication with a calculator, multi-turn episodes through the stack.
 """
 
 from __future__ import annotations
@@ -29,16 +33,28 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("-c", "--config", default=str(DEFAULT_CONFIG), help="run file of the RL stage")
+    p.add_argument(
+        "--task",
+        choices=("arithmetic", "tools"),
+        default="arithmetic",
+        help="arithmetic: 2-digit addition; tools: 3-digit multiplication with a calculator",
+    )
+    p.add_argument("-c", "--config", help="run file of the RL stage (default: the task's)")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
-    p.add_argument("--sft-steps", type=int, default=3000, help="SFT warm-start steps")
+    p.add_argument("--sft-steps", type=int, help="SFT warm-start steps (default 3000; tools: 900)")
+    p.add_argument(
+        "--tool-fraction",
+        type=float,
+        default=0.5,
+        help="tools: fraction of SFT traces that call the calculator",
+    )
     p.add_argument(
         "--sft-corrupt",
         type=float,
         default=0.6,
         help="fraction of SFT labels that drop the carry out of the tens",
     )
-    p.add_argument("--rl-steps", type=int, default=130, help="RL optimizer steps")
+    p.add_argument("--rl-steps", type=int, help="RL optimizer steps (default 130; tools: 60)")
     p.add_argument(
         "--target-accuracy",
         type=float,
@@ -74,16 +90,26 @@ def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
     return evaluate_dir(model_dir, tasks, size=n).pass_at_1
 
 
-def warm_start(run_dir: Path, steps: int, corrupt: float) -> Path:
+def sft_data(args: argparse.Namespace, run_dir: Path) -> Path:
+    """The warm start's JSONL; seed 7: not the RL prompts (seed 0) nor the held-out ones."""
+    if args.task == "tools":
+        from services.stack.demo_tools import write_tool_traces
+
+        return write_tool_traces(run_dir / "sft.jsonl", 50_000, 7, args.tool_fraction)
+    from services.trainer.sft.data import write_arithmetic_jsonl
+
+    return write_arithmetic_jsonl(
+        run_dir / "sft.jsonl", 50_000, seed=7, corrupt_fraction=args.sft_corrupt,
+        corrupt="final_carry",
+    )  # fmt: skip
+
+
+def warm_start(run_dir: Path, steps: int, data: Path) -> Path:
     from services.common.tiny_model import write_tiny_model
     from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
-    from services.trainer.sft.data import write_arithmetic_jsonl
     from services.trainer.sft.loop import run_sft
 
     init = write_tiny_model(run_dir / "model-init")
-    data = write_arithmetic_jsonl(
-        run_dir / "sft.jsonl", 50_000, seed=7, corrupt_fraction=corrupt, corrupt="final_carry"
-    )  # seed 7: not the RL prompts (seed 0) nor the held-out ones
     out = run_dir / "model-sft"
     settings = SftSettings(
         model_dir=init,
@@ -123,14 +149,23 @@ def run_file(
     return out
 
 
+def toml_value(v: Any) -> str:
+    """A TOML value: scalars as JSON writes them, lists, and inline tables (`{a = 1}`)."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(v)
+
+
 def dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    """Enough TOML for run files: scalars, strings, lists of scalars, nested tables."""
+    """Enough TOML for run files: scalars, strings, lists (of inline tables), nested tables."""
     lines, tables = [], []
     for k, v in doc.items():
         if isinstance(v, dict):
             tables.append((k, v))
         else:
-            lines.append(f"{k} = {json.dumps(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
     text = "\n".join(lines) + ("\n" if lines else "")
     for k, v in tables:
         name = f"{prefix}{k}"
@@ -180,6 +215,13 @@ def latest_weights(run_dir: Path, run: str) -> Path | None:
 
 def demo_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    tools = args.task == "tools"
+    args.sft_steps = args.sft_steps or (900 if tools else 3000)
+    args.rl_steps = args.rl_steps or (60 if tools else 130)
+    if args.config is None:
+        from services.stack.demo_tools import CONFIG
+
+        args.config = str(CONFIG if tools else DEFAULT_CONFIG)
     from services.common.settings import load_settings
     from services.stack.cli import up
     from services.stack.settings import StackSettings
@@ -206,6 +248,8 @@ def demo_main(argv: list[str] | None = None) -> int:
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
     steps = version_of(final.name)
     summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after}
+    if tools:
+        summary |= tool_summary(run_dir)
     summary |= {"rl_seconds": rl_s, "rl_steps": steps, "weights": str(final)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
@@ -216,6 +260,21 @@ def demo_main(argv: list[str] | None = None) -> int:
         f"flywheel demo: metrics {run_dir / 'metrics.jsonl'}, plot {png}, logs {run_dir / 'logs'}"
     )
     return 0
+
+
+def tool_summary(run_dir: Path) -> dict[str, Any]:
+    """The tool demo's plot (tools.png) and its tool-call rates, first and last step."""
+    from services.stack.demo_tools import plot_tools
+
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    png = plot_tools(rows, run_dir / "tools.png")
+    calls = [r["reward/episode.tool_calls"] for r in rows if "reward/episode.tool_calls" in r]
+    out: dict[str, Any] = {"tools_plot": str(png) if png else None}
+    if calls:
+        out |= {"tool_calls_first_step": calls[0], "tool_calls_last_step": calls[-1]}
+        print(f"flywheel demo: tool calls per episode {calls[0]:.2f} → {calls[-1]:.2f}")
+    return out
 
 
 def sft_stage(args: argparse.Namespace, run_dir: Path) -> Path:
@@ -229,9 +288,10 @@ def sft_stage(args: argparse.Namespace, run_dir: Path) -> Path:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    print(
-        f"flywheel demo: SFT warm start, {args.sft_steps} steps "
-        f"({args.sft_corrupt:.0%} of labels drop the carry out of the tens)",
-        flush=True,
+    what = (
+        f"{args.tool_fraction:.0%} of traces call the calculator"
+        if args.task == "tools"
+        else f"{args.sft_corrupt:.0%} of labels drop the carry out of the tens"
     )
-    return warm_start(run_dir, args.sft_steps, args.sft_corrupt)
+    print(f"flywheel demo: SFT warm start, {args.sft_steps} steps ({what})", flush=True)
+    return warm_start(run_dir, args.sft_steps, sft_data(args, run_dir))

@@ -16,8 +16,8 @@ from typing import Any
 from proto.messages import TrainBatch
 from services.common.errors import ConfigError
 from services.common.tasks.evaluate import EvalReport, evaluate, load_model
-from services.common.tasks.sandbox import VerifierPool
-from services.common.tasks.scoring import Scorer, warmup
+from services.common.tasks.sandbox import ToolPool, VerifierPool
+from services.common.tasks.scoring import Scorer, tool_pool, warmup
 from services.trainer.settings import TrainerSettings
 
 
@@ -34,21 +34,27 @@ class HeldOut:
                 "set eval.holdout = 0.1 (a fraction of the source) or eval.source (a test file)"
             )
         self.pool: VerifierPool | None = None
+        self.tools: ToolPool | None = None  # tasks with episodes: their tools' sandbox
 
     async def __aenter__(self) -> HeldOut:
         if self.enabled:
             self.pool = VerifierPool(size=2, warmup=warmup(self.tasks))
             await self.pool.start()
+            self.tools = tool_pool(self.tasks)
+            if self.tools is not None:
+                await self.tools.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self.pool is not None:
             await self.pool.close()
+        if self.tools is not None:
+            await self.tools.close()
 
     async def run(self, path: Path) -> EvalReport:
         assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
         model, tok = await asyncio.to_thread(load_model, path)
-        return await evaluate(model, tok, self.loaded, Scorer(self.tasks, self.pool))
+        return await evaluate(model, tok, self.loaded, Scorer(self.tasks, self.pool, self.tools))
 
 
 def reward_parts(batch: TrainBatch) -> dict[str, float]:

@@ -87,9 +87,21 @@ def test_the_scan_finds_what_it_forbids() -> None:
     assert violations(ok) == []
 
 
+# The one exception, by design: the Python tool of multi-turn episodes runs the policy's
+# code, only inside a confined tool-sandbox child (ToolPool: memory limit, no sockets or
+# subprocesses, killed on timeout), never on message content in a service process.
+ALLOWED = {"services/common/tasks/tools.py": {"exec()", "eval()"}}
+
+
 def test_no_pickle_multiprocessing_or_unsafe_torch_load_in_the_tree() -> None:
     files = python_files()
     assert len(files) > 50  # the scan really covers the tree
-    problems = {str(p.relative_to(ROOT)): v for p in files if (v := violations(p.read_text()))}
+    problems = {}
+    for p in files:
+        name = str(p.relative_to(ROOT))
+        allowed = ALLOWED.get(name, set())
+        v = [x for x in violations(p.read_text()) if x.split(": ", 1)[1] not in allowed]
+        if v:
+            problems[name] = v
     if problems:
         pytest.fail(f"forbidden deserialisation / process pools: {problems}")

@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import ConfigError
+from services.common.tasks.episode_eval import run_episodes
+from services.common.tasks.episode_spec import EpisodeSpec
 from services.common.tasks.prompts import encode, format_row
 from services.common.tasks.sandbox import VerifierPool
-from services.common.tasks.scoring import Scorer, correct, warmup
+from services.common.tasks.scoring import Scorer, correct, tool_pool, warmup
 from services.common.tasks.taskset import LoadedTask, TaskSet
 
 
@@ -134,6 +137,16 @@ def _cut(tokenizer: Any, ids: list[int], eos: int | None) -> tuple[str, int]:
     return tokenizer.decode(ids[:n], skip_special_tokens=True), n
 
 
+async def episode_completions(
+    model: Any, tokenizer: Any, spec: EpisodeSpec, ids: list[list[int]], e: Any, scorer: Scorer
+) -> list[list[tuple[str, int]]]:
+    """Greedy episodes (services/common/tasks/episode_eval.py) as (transcript, tokens)."""
+    if scorer.tools is None:
+        raise ConfigError("a task with [task.episode] is evaluated without a tool sandbox")
+    episodes = await run_episodes(model, tokenizer, spec, ids, e.max_new_tokens, scorer.tools)
+    return [[(ep.text, len(ep.response_ids))] for ep in episodes]
+
+
 async def evaluate_task(
     model: Any,
     tokenizer: Any,
@@ -162,9 +175,12 @@ async def evaluate_task(
             )
         )
 
-    greedy = await asyncio.to_thread(
-        generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
-    )
+    if spec.episode is not None:
+        greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer)
+    else:
+        greedy = await asyncio.to_thread(
+            generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
+        )
     scored = [rs[0] for rs in await score_all(greedy)]
     n = max(len(rows), 1)
     result = TaskEval(
@@ -176,7 +192,7 @@ async def evaluate_task(
             for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
         ),
     )
-    if e.k == 1:
+    if e.k == 1 or spec.episode is not None:  # episodes: greedy pass@1 only
         return result
     sampled = await asyncio.to_thread(
         generate,
@@ -239,18 +255,23 @@ class Evaluator:
         self.tasks, self.size = tasks, size
         self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
         self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
+        self.tools = tool_pool(tasks)
         self.loop = asyncio.new_event_loop()
 
     def __enter__(self) -> Evaluator:
         self.loop.run_until_complete(self.pool.start())
+        if self.tools is not None:
+            self.loop.run_until_complete(self.tools.start())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.loop.run_until_complete(self.pool.close())
+        if self.tools is not None:
+            self.loop.run_until_complete(self.tools.close())
         self.loop.close()
 
     def __call__(self, model: Any, tokenizer: Any) -> EvalReport:
-        scorer = Scorer(self.tasks, self.pool)
+        scorer = Scorer(self.tasks, self.pool, self.tools)
         return self.loop.run_until_complete(
             evaluate(model, tokenizer, self.loaded, scorer, size=self.size)
         )

@@ -13,6 +13,13 @@ Children are plain subprocesses (`python -m services.common.tasks.sandbox`)
 speaking length-prefixed MessagePack on stdin/stdout — no pickle, and no
 fork of a parent that runs an event loop, NATS and torch threads. Request
 `[path, args]`; answer `["ok", reward, parts]` or `["error", message]`.
+Request `[path, args, "value"]` (a tool call) answers `["value", text]`.
+
+Tool children (`ToolPool`) also start confined: an address-space limit
+(RLIMIT_AS) and an audit hook that refuses sockets, subprocesses and
+exec. The hook cannot be removed from Python code; it is a guard against
+a policy's code reaching out, not a jail against a determined attacker
+(ctypes could step around it): run untrusted tools in a container too.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ import logging
 import math
 import struct
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 import msgpack
 
@@ -89,19 +97,53 @@ def _frame(obj: Any) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-def _child_main() -> None:
-    """Child loop: read [path, args], answer ["ok", reward, parts] or ["error", message]."""
+_DENIED_EVENTS = (
+    "socket.connect",
+    "socket.bind",
+    "socket.sendto",
+    "socket.getaddrinfo",
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.fork",
+    "os.forkpty",
+)
+
+
+def confine(memory_mb: int) -> None:
+    """A tool child's limits: address space, and no network or new processes."""
+    import resource
+
+    limit = memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    def hook(event: str, _args: tuple[Any, ...]) -> None:
+        if event in _DENIED_EVENTS:
+            raise PermissionError(f"{event} is not allowed in the tool sandbox")
+
+    sys.addaudithook(hook)
+
+
+def _child_main(argv: Sequence[str]) -> None:
+    """Child loop: read [path, args(, "value")], answer ["ok", reward, parts],
+    ["value", text] or ["error", message]."""
+    if argv[:1] == ["--confine"]:
+        confine(int(argv[1]))
     cache: dict[str, Callable[..., Any]] = {}
     out = sys.stdout.buffer
     while True:
         try:
-            path, args = _read_frame(sys.stdin.buffer)
+            path, args, *mode = _read_frame(sys.stdin.buffer)
         except EOFError:
             return
         try:
             fn = cache.get(path) or cache.setdefault(path, resolve(path))
-            r = to_reward(fn(*args))
-            out.write(_frame(["ok", r.reward, r.parts]))
+            if mode == ["value"]:
+                out.write(_frame(["value", str(fn(*args))]))
+            else:
+                r = to_reward(fn(*args))
+                out.write(_frame(["ok", r.reward, r.parts]))
         except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
             out.write(_frame(["error", f"{type(e).__name__}: {e}"]))
         out.flush()
@@ -114,19 +156,20 @@ class _Child:
         self.proc = proc
 
     @classmethod
-    async def start(cls) -> _Child:
+    async def start(cls, argv: Sequence[str] = ()) -> _Child:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "services.common.tasks.sandbox",
+            *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
         return cls(proc)
 
-    async def roundtrip(self, path: str, args: tuple[Any, ...]) -> Any:
+    async def roundtrip(self, path: str, args: tuple[Any, ...], mode: str | None = None) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(_frame([path, list(args)]))
+        self.proc.stdin.write(_frame([path, list(args), *([mode] if mode else [])]))
         await self.proc.stdin.drain()
         try:
             header = await self.proc.stdout.readexactly(_LEN.size)
@@ -171,7 +214,7 @@ class VerifierPool:
         self._idle: asyncio.Queue[_Child] | None = None
         self._all: list[_Child] = []
 
-    async def __aenter__(self) -> VerifierPool:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -184,8 +227,10 @@ class VerifierPool:
         for child in children:
             self._idle.put_nowait(child)
 
+    argv: tuple[str, ...] = ()  # the children's command-line options
+
     async def _spawn(self, strict: bool = False) -> _Child:
-        child = await _Child.start()
+        child = await _Child.start(self.argv)
         self._all.append(child)
         for path, args in self.warmup:
             try:
@@ -209,31 +254,77 @@ class VerifierPool:
             await child.kill()
         self._all.clear()
 
-    async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
-        """Run `path(*args)` in a child; Reward(0, error=...) on timeout, raise or crash."""
+    async def _exchange(
+        self, path: str, args: tuple[Any, ...], limit: float, mode: str | None = None
+    ) -> list[Any]:
+        """One call in a child: its answer, or ["error", why] after a timeout or crash."""
         if self._idle is None:
-            raise RuntimeError("VerifierPool used before start()")
+            raise RuntimeError(f"{type(self).__name__} used before start()")
         self.calls += 1
-        limit = timeout_s or self.timeout_s
         child = await self._idle.get()
         try:
-            answer = await asyncio.wait_for(child.roundtrip(path, args), limit)
+            answer: list[Any] = await asyncio.wait_for(child.roundtrip(path, args, mode), limit)
         except TimeoutError:
-            log.warning("verifier %s timed out after %.1fs; killing its process", path, limit)
+            log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
             self.errors["timeout"] += 1
             child = await self._retire(child)
-            return Reward(0.0, error=f"verifier {path} timed out after {limit}s")
+            return ["error", f"{path} timed out after {limit}s", "timeout"]
         except (EOFError, OSError, ConnectionError) as e:
             self.errors["crashed"] += 1
             child = await self._retire(child)
-            return Reward(0.0, error=f"verifier {path} process died: {e!r}")
+            return ["error", f"{path} process died: {e!r}", "crashed"]
         finally:
             self._idle.put_nowait(child)
         if answer[0] == "error":
             self.errors["raised"] += 1
-            return Reward(0.0, error=f"verifier {path} raised {answer[1]}")
+            return ["error", f"{path} raised {answer[1]}", "raised"]
+        return answer
+
+    async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
+        """Run `path(*args)` in a child; Reward(0, error=...) on timeout, raise or crash."""
+        answer = await self._exchange(path, args, timeout_s or self.timeout_s)
+        if answer[0] == "error":
+            return Reward(0.0, error=f"verifier {answer[1]}")
         return Reward(float(answer[1]), {str(k): float(v) for k, v in answer[2].items()})
 
 
+@dataclass(frozen=True)
+class ToolOutcome:
+    """A tool call's text, or why it failed ("timeout", "raised", "crashed") and how long."""
+
+    text: str
+    error: str | None
+    seconds: float
+
+
+class ToolPool(VerifierPool):
+    """Confined children (memory limit, no network or subprocesses) that run tool calls.
+
+    Apart from the verifiers: a tool's limits must not apply to a reward, and
+    a hung tool must not hold a verifier's process.
+    """
+
+    def __init__(
+        self,
+        size: int = 2,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        tools: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        # warm-up: import the tools module (and the user's tools) before the first call
+        warm = ("services.common.tasks.tools:warm", (list(tools),))
+        super().__init__(size, timeout_s, warmup=[warm])
+        self.argv = ("--confine", str(memory_mb))
+
+    async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:
+        """`path(*args)` as text; a hang, raise or crash is an outcome with its error."""
+        started = time.monotonic()
+        answer = await self._exchange(path, args, timeout_s or self.timeout_s, "value")
+        seconds = time.monotonic() - started
+        if answer[0] == "error":
+            return ToolOutcome(str(answer[1]).removeprefix(f"{path} "), str(answer[2]), seconds)
+        return ToolOutcome(str(answer[1]), None, seconds)
+
+
 if __name__ == "__main__":
-    _child_main()
+    _child_main(sys.argv[1:])

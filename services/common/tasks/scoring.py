@@ -12,7 +12,7 @@ from typing import Any
 
 from services.common.errors import PermanentError
 from services.common.tasks import rewards
-from services.common.tasks.sandbox import Reward, VerifierPool
+from services.common.tasks.sandbox import Reward, ToolPool, VerifierPool
 from services.common.tasks.spec import ReasoningGymSource, TaskSpec
 from services.common.tasks.taskset import TaskSet
 
@@ -36,9 +36,10 @@ def reward_payload(spec: TaskSpec) -> list[dict[str, Any]]:
 class Scorer:
     """Rewards of a run's tasks, computed in `pool`."""
 
-    def __init__(self, tasks: TaskSet, pool: VerifierPool) -> None:
+    def __init__(self, tasks: TaskSet, pool: VerifierPool, tools: ToolPool | None = None) -> None:
         self.tasks = tasks
         self.pool = pool
+        self.tools = tools  # where episodes' tool calls run (tasks with [task.episode])
         self._parts = {n: reward_payload(s) for n, s in tasks.specs.items()}
 
     def spec(self, name: str) -> TaskSpec:
@@ -81,6 +82,20 @@ def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
             )
             calls.append((rewards.WARM, (reward_payload(spec), ctx)))
     return calls
+
+
+def tool_pool(tasks: TaskSet) -> ToolPool | None:
+    """The tool sandbox the run's episodes need (None: no task has one), not yet started:
+    sized and limited by the largest ask among its tasks."""
+    episodes = [s.episode for s in tasks.specs.values() if s.episode is not None]
+    if not episodes:
+        return None
+    return ToolPool(
+        size=max(e.tool_processes for e in episodes),
+        timeout_s=max(e.tool_timeout_s for e in episodes),
+        memory_mb=max(e.tool_memory_mb for e in episodes),
+        tools=[t.model_dump(mode="json") for e in episodes for t in e.tools],
+    )
 
 
 def correct(spec: TaskSpec, r: Reward) -> bool:

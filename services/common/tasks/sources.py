@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from services.common import arithmetic
 from services.common.errors import ConfigError
+from services.common.tasks.episode_spec import FunctionTool
 from services.common.tasks.spec import (
     ArithmeticSource,
     CustomReward,
@@ -80,7 +81,7 @@ class ArithmeticRows:
         return self.spec.size
 
     def row(self, index: int) -> Row:
-        p = arithmetic.problem(self.spec.seed, index, self.spec.digits)
+        p = arithmetic.problem(self.spec.seed, index, self.spec.digits, self.spec.op)
         return Row(prompt=p.prompt, answer=p.answer, solution=p.answer)
 
 
@@ -262,6 +263,25 @@ def import_function(path: str, key: str) -> Any:
     return fn
 
 
+def check_tool(tool: FunctionTool, key: str) -> None:
+    """The function imports and accepts exactly the declared parameters (by keyword)."""
+    import inspect
+
+    fn = import_function(tool.fn, f"{key}.fn")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: checked by its calls
+    try:
+        sig.bind(**dict.fromkeys(tool.required))
+        sig.bind(**dict.fromkeys(tool.parameters))
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}.parameters: {tool.fn} does not take {sorted(tool.parameters)} "
+            f"(required {list(tool.required)}): {e}"
+        ) from e
+
+
 def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
     """Start-up checks that need the disk or optional packages (not the data itself).
 
@@ -277,6 +297,9 @@ def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
                     f"{key} reward[{i}]: needs math-verify: pip install "
                     "'flywheel[math]' (or set fallback = true)"
                 )
+    for i, tool in enumerate(spec.episode.tools if spec.episode else ()):
+        if isinstance(tool, FunctionTool):
+            check_tool(tool, f"{key} episode.tools[{i}]")
     sources = [(f"{key} source", spec.source)]
     if spec.eval.source is not None:
         sources.append((f"{key} eval.source", spec.eval.source))

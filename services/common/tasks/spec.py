@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from services.common.tasks.episode_spec import EpisodeSpec
+
 _FN_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
@@ -99,12 +101,15 @@ class FunctionSource(_Fields):
 
 
 class ArithmeticSource(_Strict):
-    """The built-in addition task ('a+b=' -> the sum), procedural and seeded."""
+    """The built-in arithmetic task ('a+b=' -> the sum), procedural and seeded."""
 
     type: Literal["arithmetic"]
     size: int = Field(100_000, ge=1, description="Number of distinct problems.")
     seed: int = Field(0, description="Seed of the problems.")
     digits: int = Field(2, ge=1, le=9, description="Operand digits.")
+    op: Literal["+", "*"] = Field(
+        "+", description="'+': addition; '*': multiplication (the tool-use demo)."
+    )
 
 
 SourceSpec = Annotated[
@@ -309,6 +314,11 @@ class TaskSpec(_Strict):
         None, gt=0, description="Mixtures: share of this task's prompts (default: its size)."
     )
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    episode: EpisodeSpec | None = Field(
+        None,
+        description="Roll out as a multi-turn episode with tools ([task.episode]); "
+        "none: one completion per sample.",
+    )
 
     @field_validator("reward", mode="before")
     @classmethod

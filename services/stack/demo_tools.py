@@ -1,0 +1,86 @@
+"""`flywheel demo --task tools`: the warm start and the plot of the tool-use demo.
+
+The problem is 3-digit multiplication ("123*456="), which a 0.5M-parameter
+model cannot do in its head; the task (configs/demo-tools.toml) gives it a
+calculator (`<calc>123*456</calc>` -> `<result>56088</result>`). The SFT
+traces call the calculator only in a fraction of cases and otherwise
+answer straight away with the true product, which the model can only
+guess: after SFT it calls the tool now and then and is mostly wrong. The
+episodes in which it calls the tool are the ones rewarded, so GRPO raises
+the tool-call rate and, with it, the held-out accuracy.
+
+Everything else (the stack, the held-out evaluation, the summary) is the
+addition demo's (services/stack/demo.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from services.common.arithmetic import problem
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-tools.toml"
+
+
+def tool_records(n: int, seed: int, tool_fraction: float, digits: int = 3) -> list[dict[str, str]]:
+    """prompt/completion traces: a calculator call with probability `tool_fraction`."""
+    rng = random.Random(f"tools:{seed}")
+    out = []
+    for i in range(n):
+        p = problem(seed, i, digits, "*")
+        expr = p.prompt.rstrip("=")
+        if rng.random() < tool_fraction:
+            # The observation is in the trace as the engine will append it (SFT trains on
+            # it too: harmless, as the engine stops at </calc> and inserts the real one).
+            text = f"<calc>{expr}</calc><result>{p.answer}</result><answer>{p.answer}</answer>"
+        else:
+            text = f"<answer>{p.answer}</answer>"
+        out.append({"prompt": p.prompt, "completion": text})
+    return out
+
+
+def write_tool_traces(path: Path, n: int, seed: int, tool_fraction: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for rec in tool_records(n, seed, tool_fraction):
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def plot_tools(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """Held-out accuracy and the tool-call rate of training episodes against step."""
+    acc = [r for r in rows if "eval_accuracy" in r]
+    calls = [r for r in rows if "reward/episode.tool_calls" in r]
+    if not acc and not calls:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(
+        [r["step"] for r in calls],
+        [r["reward/episode.tool_calls"] for r in calls],
+        label="tool calls per training episode",
+    )
+    ax.plot(
+        [r["step"] for r in calls],
+        [r["reward_mean"] for r in calls],
+        label="train reward (groups the filter kept)",
+        alpha=0.6,
+    )
+    ax.plot(
+        [r["step"] for r in acc], [r["eval_accuracy"] for r in acc], "o-", label="held-out accuracy"
+    )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylim(0, 1.5)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.suptitle("Flywheel demo: async GRPO learns to call a calculator (3-digit ×)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
