@@ -57,6 +57,7 @@ from services.buffer.core import (
     advance,
     group_failure,
     max_length,
+    settled_horizon,
     task_id,
     zero_variance,
 )
@@ -142,6 +143,8 @@ class BufferService:
             subject=self.subjects.tasks,
         )
         self._fill_started: float | None = None
+        # when each step began filling (this process's clock), for settled_horizon
+        self._step_starts: dict[int, float] = {0: time.monotonic()}
 
     # state
     async def restore(self) -> None:
@@ -155,6 +158,8 @@ class BufferService:
         assert entry.value is not None
         state, pending = load_state(entry.value)
         self.asm.state = state
+        # Steps before this one began no later than now: none is forgotten for keep_settled_s.
+        self._step_starts = {state.next_step: time.monotonic()}
         for gid, seq in pending:
             raw = await self.ctx.js.get_msg(stream_name(self.s.run, "SAMPLES"), seq)
             self.asm.pending.append(decode(raw.data or b"", SampleGroup))
@@ -251,7 +256,16 @@ class BufferService:
             log.info("buffer: published batch %d (%d groups, %d parts)", step, len(groups), parts)
         if batches:
             await self.kv.put(OUTBOX_KEY, b"")
-        self.asm.forget_before(self.asm.state.next_step - self.s.keep_settled_steps)
+        self._forget_settled()
+
+    def _forget_settled(self) -> None:
+        now = time.monotonic()
+        self._step_starts.setdefault(self.asm.state.next_step, now)
+        horizon = settled_horizon(self._step_starts, now, self.s.keep_settled_s)
+        if horizon is None:
+            return
+        self.asm.forget_before(min(self.asm.state.next_step - self.s.keep_settled_steps, horizon))
+        self._step_starts = {s: t for s, t in self._step_starts.items() if s >= horizon}
 
     async def _publish_batch(self, step: int, groups: list[SampleGroup], created_at: float) -> int:
         msg = TrainBatch(
