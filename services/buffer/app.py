@@ -57,7 +57,6 @@ from services.buffer.core import (
     advance,
     group_failure,
     max_length,
-    settled_horizon,
     task_id,
     zero_variance,
 )
@@ -143,6 +142,8 @@ class BufferService:
             subject=self.subjects.tasks,
         )
         self._fill_started: float | None = None
+        self.unpublished: list[tuple[int, float, list[SampleGroup]]] = []  # step, at, groups
+        self._outbox_saved = True  # the KV outbox holds every batch in `unpublished`
         # when each step began filling (this process's clock), for settled_horizon
         self._step_starts: dict[int, float] = {0: time.monotonic()}
 
@@ -234,19 +235,25 @@ class BufferService:
             )
 
     async def _publish_ready_batches(self) -> None:
-        """Outbox, then state, then publish (module docstring: why in this order)."""
-        batches = []
+        """Outbox, then state, then publish (module docstring: why in this order). Taken
+        batches wait in `unpublished` until published: a failed KV write or publish leaves
+        them to the next call (else a step was lost: `make chaos`, a write timed out)."""
         while (batch := self.asm.take_batch()) is not None:
-            batches.append((batch[0], time.time(), batch[1]))
-        if batches:
+            self.unpublished.append((batch[0], time.time(), batch[1]))
+            self._outbox_saved = False
+        if self.unpublished and not self._outbox_saved:
             outbox = [
                 (step, at, [self.pending_seqs[g.group_id] for g in groups])
-                for step, at, groups in batches
+                for step, at, groups in self.unpublished
             ]
             await self.kv.put(OUTBOX_KEY, dump_outbox(outbox))
             await self.persist()
-        for step, at, groups in batches:
+            self._outbox_saved = True
+        published = bool(self.unpublished)
+        while self.unpublished:
+            step, at, groups = self.unpublished[0]
             parts = await self._publish_batch(step, groups, at)
+            self.unpublished.pop(0)
             for g in groups:
                 self.pending_seqs.pop(g.group_id, None)
             self.metrics.batches.inc()
@@ -254,18 +261,10 @@ class BufferService:
                 self.metrics.batch_fill.observe(time.monotonic() - self._fill_started)
             self._fill_started = time.monotonic() if self.asm.pending else None
             log.info("buffer: published batch %d (%d groups, %d parts)", step, len(groups), parts)
-        if batches:
+        if published:
             await self.kv.put(OUTBOX_KEY, b"")
-        self._forget_settled()
-
-    def _forget_settled(self) -> None:
-        now = time.monotonic()
-        self._step_starts.setdefault(self.asm.state.next_step, now)
-        horizon = settled_horizon(self._step_starts, now, self.s.keep_settled_s)
-        if horizon is None:
-            return
-        self.asm.forget_before(min(self.asm.state.next_step - self.s.keep_settled_steps, horizon))
-        self._step_starts = {s: t for s, t in self._step_starts.items() if s >= horizon}
+        now, keep = time.monotonic(), (self.s.keep_settled_s, self.s.keep_settled_steps)
+        self._step_starts = self.asm.forget_settled(self._step_starts, now, *keep)
 
     async def _publish_batch(self, step: int, groups: list[SampleGroup], created_at: float) -> int:
         msg = TrainBatch(

@@ -266,6 +266,18 @@ class Assembler:
         """
         self.state.settled = {k: v for k, v in self.state.settled.items() if v[0] >= step}
 
+    def forget_settled(
+        self, step_starts: dict[int, float], now: float, keep_s: float, keep_steps: int
+    ) -> dict[int, float]:
+        """Forget ids settled over `keep_steps` steps and `keep_s` seconds ago (when each
+        step began filling: `step_starts`, which is returned pruned)."""
+        starts = {**step_starts, self.state.next_step: step_starts.get(self.state.next_step, now)}
+        horizon = settled_horizon(starts, now, keep_s)
+        if horizon is None:
+            return starts
+        self.forget_before(min(self.state.next_step - keep_steps, horizon))
+        return {s: t for s, t in starts.items() if s >= horizon}
+
 
 def settled_horizon(step_starts: dict[int, float], now: float, keep_s: float) -> int | None:
     """The step before which every settled id is at least `keep_s` seconds old (None: none).
