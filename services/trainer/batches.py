@@ -157,8 +157,7 @@ class BatchReader:
             except (TimeoutError, NatsTimeout):
                 quiet += 1
                 if quiet % CHECK_AFTER == 0 and not await self._consumer_exists():
-                    log.warning("trainer: batch consumer gone; reading again from seq %d",
-                                self.start_seq)  # fmt: skip
+                    log.warning("trainer: batch consumer gone; reading from %d", self.start_seq)
                     await self._drop_consumer()
                 continue
             except ConnectionClosedError:

@@ -71,8 +71,9 @@ TAIL_STEPS = 12  # steps trained after the last fault's scheduled step, before t
 WORK_STREAMS = ("TASKS", "SAMPLES", "BATCHES")  # whose leader a `leader9` fault kills
 
 
-def chaos_config(root: Path, model: Path, nats_url: str, update_mode: str = "retract",
-                 replicas: int = 1) -> str:  # fmt: skip
+def chaos_config(
+    root: Path, model: Path, nats_url: str, update_mode: str = "retract", replicas: int = 1
+) -> str:
     return run_file(
         RUN,
         nats={"url": nats_url, "replicas": replicas},
@@ -151,8 +152,10 @@ class ChaosRun:
         else:
             self.nats = NatsCluster(self.nats_servers, store_root=store).start()
         config = self.root / "run.toml"
-        config.write_text(chaos_config(self.root, self.model, self.nats.url, self.update_mode,
-                                       replicas=self.nats_servers))  # fmt: skip
+        text = chaos_config(
+            self.root, self.model, self.nats.url, self.update_mode, replicas=self.nats_servers
+        )
+        config.write_text(text)
         self.up = UpRun(config, self.run_dir, "--quiet").start()
 
     def finish(self, steps: int, timeout_s: float = 240) -> int:

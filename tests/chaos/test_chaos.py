@@ -78,9 +78,8 @@ CLUSTER_FULL_FAULTS = [
 
 
 def run_with_faults(
-    root: Path, model: Path, faults: list[Fault], seed: int, update_mode: str,
-    nats_servers: int = 1,
-) -> None:  # fmt: skip
+    root: Path, model: Path, faults: list[Fault], seed: int, update_mode: str, nats_servers: int = 1
+) -> None:
     at = schedule(len(faults), seed)
     chaos = ChaosRun(root, model, seed=seed, update_mode=update_mode, nats_servers=nats_servers)
     t0 = time.monotonic()
