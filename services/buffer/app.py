@@ -346,6 +346,8 @@ class BufferService:
 
     async def dispatch_once(self) -> int:
         async with self.lock:
+            if self.unpublished:  # left by a failed write; with admission full, no group comes
+                await self._publish_ready_batches()
             st = self.asm.state
             n = admission(st.ready_version, self.asm.filled, st.in_flight, self.policy)
             if n == 0:
