@@ -67,7 +67,9 @@ deploy-check: setup tools
 
 # The chaos suite, full variant: every fault kind (kill -9 of each service,
 # nats-server restart and kill -9, SIGSTOP/SIGCONT) during one run, with the
-# stream accounting asserted. CI runs the smaller variant (tests/chaos).
+# stream accounting asserted; and on a local 3-server NATS cluster with
+# replicas = 3, kill -9 of the work streams' leader, its restart, rolling
+# restarts. CI runs the smaller variants (tests/chaos).
 # FLYWHEEL_CHAOS_SEED picks the seeded fault moments (default 0).
 .PHONY: chaos
 chaos: setup

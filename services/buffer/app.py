@@ -147,6 +147,10 @@ class BufferService:
             subject=self.subjects.tasks,
         )
         self._fill_started: float | None = None
+        self.unpublished: list[tuple[int, float, list[SampleGroup]]] = []  # step, at, groups
+        self._outbox_saved = True  # the KV outbox holds every batch in `unpublished`
+        # when each step began filling (this process's clock), for settled_horizon
+        self._step_starts: dict[int, float] = {0: time.monotonic()}
 
     # state
     async def restore(self) -> None:
@@ -160,6 +164,8 @@ class BufferService:
         assert entry.value is not None
         state, pending = load_state(entry.value)
         self.asm.state = state
+        # Steps before this one began no later than now: none is forgotten for keep_settled_s.
+        self._step_starts = {state.next_step: time.monotonic()}
         for gid, seq in pending:
             raw = await self.ctx.js.get_msg(stream_name(self.s.run, "SAMPLES"), seq)
             self.asm.pending.append(decode(raw.data or b"", SampleGroup))
@@ -237,19 +243,25 @@ class BufferService:
             )
 
     async def _publish_ready_batches(self) -> None:
-        """Outbox, then state, then publish (module docstring: why in this order)."""
-        batches = []
+        """Outbox, then state, then publish (module docstring: why in this order). Taken
+        batches wait in `unpublished` until published: a failed KV write or publish leaves
+        them to the next call (else a step was lost: `make chaos`, a write timed out)."""
         while (batch := self.asm.take_batch()) is not None:
-            batches.append((batch[0], time.time(), batch[1]))
-        if batches:
+            self.unpublished.append((batch[0], time.time(), batch[1]))
+            self._outbox_saved = False
+        if self.unpublished and not self._outbox_saved:
             outbox = [
                 (step, at, [self.pending_seqs[g.group_id] for g in groups])
-                for step, at, groups in batches
+                for step, at, groups in self.unpublished
             ]
             await self.kv.put(OUTBOX_KEY, dump_outbox(outbox))
             await self.persist()
-        for step, at, groups in batches:
+            self._outbox_saved = True
+        published = bool(self.unpublished)
+        while self.unpublished:
+            step, at, groups = self.unpublished[0]
             parts = await self._publish_batch(step, groups, at)
+            self.unpublished.pop(0)
             for g in groups:
                 self.pending_seqs.pop(g.group_id, None)
             self.metrics.batches.inc()
@@ -257,9 +269,10 @@ class BufferService:
                 self.metrics.batch_fill.observe(time.monotonic() - self._fill_started)
             self._fill_started = time.monotonic() if self.asm.pending else None
             log.info("buffer: published batch %d (%d groups, %d parts)", step, len(groups), parts)
-        if batches:
+        if published:
             await self.kv.put(OUTBOX_KEY, b"")
-        self.asm.forget_before(self.asm.state.next_step - self.s.keep_settled_steps)
+        now, keep = time.monotonic(), (self.s.keep_settled_s, self.s.keep_settled_steps)
+        self._step_starts = self.asm.forget_settled(self._step_starts, now, *keep)
 
     async def _publish_batch(self, step: int, groups: list[SampleGroup], created_at: float) -> int:
         msg = TrainBatch(
@@ -341,6 +354,8 @@ class BufferService:
 
     async def dispatch_once(self) -> int:
         async with self.lock:
+            if self.unpublished:  # left by a failed write; with admission full, no group comes
+                await self._publish_ready_batches()
             st = self.asm.state
             n = admission(
                 st.ready_version, self.asm.filled, st.in_flight, self.policy, self.asm.rate

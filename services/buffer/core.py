@@ -239,9 +239,40 @@ class Assembler:
     def forget_before(self, step: int) -> None:
         """Drop settled ids of batches before `step`, bounding the state.
 
-        Safe once their messages were acked: acked messages are not redelivered.
+        Safe once their messages can no longer come back (see `settled_horizon`).
         """
         self.state.settled = {k: v for k, v in self.state.settled.items() if v[0] >= step}
+
+    def forget_settled(
+        self, step_starts: dict[int, float], now: float, keep_s: float, keep_steps: int
+    ) -> dict[int, float]:
+        """Forget ids settled over `keep_steps` steps and `keep_s` seconds ago (when each
+        step began filling: `step_starts`, which is returned pruned)."""
+        starts = {**step_starts, self.state.next_step: step_starts.get(self.state.next_step, now)}
+        horizon = settled_horizon(starts, now, keep_s)
+        if horizon is None:
+            return starts
+        self.forget_before(min(self.state.next_step - keep_steps, horizon))
+        return {s: t for s, t in starts.items() if s >= horizon}
+
+
+def settled_horizon(step_starts: dict[int, float], now: float, keep_s: float) -> int | None:
+    """The step before which every settled id is at least `keep_s` seconds old (None: none).
+
+    An acked message is not redelivered, but an ack can be lost: the buffer
+    killed between persisting its decision and acking, or a nats-server
+    killed before it stored the ack (then an acked task comes back too, and
+    its group is generated again). Such a message returns after its
+    consumer's ack wait, which may be many steps later when steps are
+    fast; forgotten by then, its group was decided again: trained twice,
+    or trained and dead-lettered, and counted as answered twice (admission
+    then dispatched one task too many for the rest of the run). So an id
+    is kept for a time, not only for a number of steps. `step_starts[s]`:
+    when the buffer began filling step s; an id settled at step s was
+    settled before step s + 1 began.
+    """
+    old = [s for s, t in step_starts.items() if t <= now - keep_s]
+    return max(old) if old else None
 
 
 # ── fail fast ─────────────────────────────────────────────────────────────────

@@ -59,6 +59,12 @@ class BufferSettings(ServiceSettings):
     keep_settled_steps: int = Field(
         8, ge=1, description="Remember batched group ids this many steps back (dedupe)."
     )
+    keep_settled_s: float = Field(
+        180.0,
+        ge=0,
+        description="... and at least this many seconds: a message whose ack was lost comes "
+        "back after its consumer's ack wait (tasks 60 s plus the generation, samples 30 s).",
+    )
 
     halt_after: int = Field(
         16,

@@ -7,6 +7,14 @@ reassembled; one that does not decode is dead-lettered with its reason and
 the next is read; an older step than the trainer's (a re-publish) is
 skipped; a newer one means the stream skipped a step, which training must
 not paper over (`BatchStreamError`).
+
+An ephemeral consumer has one replica, whatever the stream's: on a NATS
+cluster it lives on one server, and is gone with it (found by the cluster
+chaos run: every fetch answered 503 for good after a kill -9). So a failed
+fetch drops the consumer and the next fetch makes a new one from the
+sequence after the last message read; the step check keeps that exact.
+A fetch of a consumer that is gone may also just time out: after
+`CHECK_AFTER` quiet fetches the reader asks whether it still exists.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from services.common.msgloop import DeadLetterPublisher, pause, stored_origin, t
 
 log = logging.getLogger(__name__)
 
+CHECK_AFTER = 5
+"""Fetches in a row that time out (1 s each) before the reader checks its consumer exists."""
+
 
 class BatchStreamError(FlywheelError, RuntimeError):
     """The batch stream skips a step: training it would break the run's order."""
@@ -50,7 +61,7 @@ class BatchReader:
     def __init__(self, ctx: ServiceContext, run: str, start_seq: int) -> None:
         self.ctx = ctx
         self.run = run
-        self.start_seq = max(1, start_seq)
+        self.start_seq = max(1, start_seq)  # where the next consumer starts reading
         self.subjects = Subjects(run)
         self.reassembler = Reassembler()
         self.sub: Any = None
@@ -84,6 +95,33 @@ class BatchReader:
             self.subjects.batches, durable=None, stream=stream_name(self.run, "BATCHES"), config=cfg
         )
 
+    async def _consumer_exists(self) -> bool:
+        """False if JetStream says our consumer is gone (True when it cannot tell now)."""
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import NotFoundError
+
+        passing: tuple[type[BaseException], ...] = (TimeoutError, NatsTimeout, *transient_errors())
+        try:
+            await self.sub.consumer_info()
+        except NotFoundError:
+            return False
+        except passing as e:
+            log.info("trainer: cannot check the batch consumer now: %s: %s", type(e).__name__, e)
+        return True
+
+    async def _drop_consumer(self) -> None:
+        """Unsubscribe from a consumer that may be gone (it expires by its inactive_threshold)."""
+        sub, self.sub = self.sub, None
+        if sub is None:
+            return
+        from nats.errors import Error as NatsError
+
+        passing: tuple[type[BaseException], ...] = (NatsError, *transient_errors())
+        try:
+            await sub.unsubscribe()
+        except passing as e:
+            log.info("trainer: leaving the old batch consumer: %s: %s", type(e).__name__, e)
+
     async def close(self) -> None:
         """Unsubscribe (a pull subscription left open makes the connection's drain hang)."""
         if self.sub is not None:
@@ -110,20 +148,34 @@ class BatchReader:
         from nats.errors import ConnectionClosedError
         from nats.errors import TimeoutError as NatsTimeout
 
+        quiet = 0
         while not stop.is_set():
             try:
+                if self.sub is None:
+                    await self.open()  # a new consumer, from the message after the last read
                 msgs = await self.sub.fetch(1, timeout=1.0)
             except (TimeoutError, NatsTimeout):
+                quiet += 1
+                if quiet % CHECK_AFTER == 0 and not await self._consumer_exists():
+                    log.warning("trainer: batch consumer gone; reading from %d", self.start_seq)
+                    await self._drop_consumer()
                 continue
             except ConnectionClosedError:
                 raise  # final (reconnecting is not): nothing more will come
             except transient_errors() as e:
-                # NATS restarting: JetStream answers 503 while it recovers its streams
-                # (found by the chaos suite); as the message loop does, retry.
-                log.warning("trainer: fetch failed (%s: %s)", type(e).__name__, e)
+                # NATS restarting (JetStream answers 503 while it recovers its streams),
+                # or the server holding our consumer gone: retry on a new consumer.
+                log.warning(
+                    "trainer: fetch failed (%s: %s); reading again from seq %d",
+                    type(e).__name__,
+                    e,
+                    self.start_seq,
+                )
+                await self._drop_consumer()
                 await pause(stop, 1.0)
                 continue
             msg = msgs[0]
+            self.start_seq = msg.metadata.sequence.stream + 1
             await msg.ack()
             try:
                 whole = self.reassembler.feed(msg.data)

@@ -17,6 +17,20 @@ Faults (`Fault.kind`):
 | stop    | SIGSTOP a service for `hold_s`, then SIGCONT (a partition / GC pause)  |
 | nats    | restart nats-server (SIGTERM: JetStream flushes) on the same port/store |
 | nats9   | SIGKILL nats-server, start it again (what survives is what was synced) |
+| leader9 | cluster: SIGKILL the member leading most of the work streams (TASKS,  |
+|         | SAMPLES, BATCHES); the other two carry the run                        |
+| rejoin  | cluster: start the member `leader9` killed again (same ports, store)  |
+| roll    | cluster: rolling restart (SIGTERM, start, rejoined; one after another) |
+
+With `nats_servers = 3` the run is on a local `NatsCluster` (three
+nats-servers routed on loopback, each with its own store) with `[nats]
+replicas = 3`, and services get all three client URLs.
+
+Time to recover (`Injected.to_first_step_s`): from the last trained step
+before the fault (its metrics row's `time`) to the first trained step
+after the fault began; `longest_gap_s`: the longest pause between trained
+steps from then until the fault recovered (see `run_faults`), which for a rolling
+restart spans all three restarts.
 
 Accounting (`account`), from the streams and the buffer's KV state only:
 the dispatched task ids are the first `dispatched` positions of the
@@ -35,6 +49,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +57,7 @@ from proto.codec import decode
 from proto.messages import DeadLetter, PromptTask, SampleGroup, TrainBatch
 from proto.streams import kv_bucket, stream_name
 from proto.subjects import Subjects
+from services.common.nats_cluster import NatsCluster
 from services.common.nats_server import NatsServer
 from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
@@ -52,12 +68,15 @@ RUN = "chaos"
 G = 2  # groups per step
 K = 2  # max staleness (2: a killed worker's stranded tasks do not stop admission)
 TAIL_STEPS = 12  # steps trained after the last fault's scheduled step, before the stop
+WORK_STREAMS = ("TASKS", "SAMPLES", "BATCHES")  # whose leader a `leader9` fault kills
 
 
-def chaos_config(root: Path, model: Path, nats_url: str, update_mode: str = "retract") -> str:
+def chaos_config(
+    root: Path, model: Path, nats_url: str, update_mode: str = "retract", replicas: int = 1
+) -> str:
     return run_file(
         RUN,
-        nats={"url": nats_url},
+        nats={"url": nats_url, "replicas": replicas},
         stack={"run_dir": str(root / "run"), "model": str(model), "embedded_nats": False,
                "engines": 2, "engine_threads": 1, "on_failure": "restart", "max_restarts": 20,
                "status_interval_s": 0.5, "stop_grace_s": 10.0, "ready_timeout_s": 150.0},
@@ -77,7 +96,7 @@ def chaos_config(root: Path, model: Path, nats_url: str, update_mode: str = "ret
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # kill | stop | nats | nats9
+    kind: str  # kill | stop | nats | nats9 | leader9 | rejoin | roll
     target: str = ""  # a service name from pids.json (kill, stop)
     hold_s: float = 4.0  # stop: how long the process stays frozen
 
@@ -90,9 +109,13 @@ class Injected:
     fault: Fault
     at_step: int  # trainer step when it was injected
     at: float
-    recovered_s: float = 0.0  # until the trainer did two more steps
+    recovered_s: float = 0.0  # until the trainer did two more steps than were batched ahead
     old_pid: int | None = None
     new_pid: int | None = None
+    detail: str = ""  # e.g. which cluster member, and what it led
+    done: float = 0.0  # when it had recovered
+    to_first_step_s: float = 0.0  # last step before the fault -> first step after (from rows)
+    longest_gap_s: float = 0.0  # longest pause between steps until it recovered (from rows)
 
 
 @dataclass
@@ -111,7 +134,9 @@ class ChaosRun:
     model: Path
     seed: int = 0
     update_mode: str = "retract"  # sync's: each update pauses the engines, requeues, continues
-    nats: NatsServer = field(init=False)
+    nats_servers: int = 1  # 3: a local NatsCluster, [nats] replicas = 3
+    nats: NatsServer | NatsCluster = field(init=False)
+    down: NatsServer | None = None  # the cluster member `leader9` killed, until `rejoin`
     up: UpRun = field(init=False)
     injected: list[Injected] = field(default_factory=list)
 
@@ -121,9 +146,16 @@ class ChaosRun:
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     def start(self) -> None:
-        self.nats = NatsServer(store_dir=self.root / "nats-store").start()
+        store = self.root / "nats-store"
+        if self.nats_servers == 1:
+            self.nats = NatsServer(store_dir=store).start()
+        else:
+            self.nats = NatsCluster(self.nats_servers, store_root=store).start()
         config = self.root / "run.toml"
-        config.write_text(chaos_config(self.root, self.model, self.nats.url, self.update_mode))
+        text = chaos_config(
+            self.root, self.model, self.nats.url, self.update_mode, replicas=self.nats_servers
+        )
+        config.write_text(text)
         self.up = UpRun(config, self.run_dir, "--quiet").start()
 
     def finish(self, steps: int, timeout_s: float = 240) -> int:
@@ -189,31 +221,86 @@ class ChaosRun:
                     time.sleep(fault.hold_s)  # the fault itself: a frozen process, not a sync
                 finally:
                     os.kill(pid, signal.SIGCONT)
-        elif fault.kind == "nats":
-            self.nats.restart()
-        elif fault.kind == "nats9":
-            self.nats.kill()
-            self.nats.start()
+        elif fault.kind in ("nats", "nats9"):
+            server = self.nats
+            assert isinstance(server, NatsServer), f"{fault} is a single-server fault"
+            if fault.kind == "nats":
+                server.restart()
+            else:
+                server.kill()
+                server.start()
+        elif fault.kind in ("leader9", "rejoin", "roll"):
+            self._cluster_fault(fault, rec)
         else:
             raise ValueError(f"unknown fault {fault}")
         self.injected.append(rec)
         return rec
 
+    def _cluster_fault(self, fault: Fault, rec: Injected) -> None:
+        cluster = self.nats
+        assert isinstance(cluster, NatsCluster), f"{fault} needs a NATS cluster"
+        if fault.kind == "leader9":
+            assert self.down is None, "one member down at a time (a majority must stay)"
+            node, led = work_stream_leader(cluster)
+            rec.old_pid, rec.detail = node.pid, f"{node.server_name} (led {', '.join(led)})"
+            cluster.kill(node)
+            self.down = node
+            for what in led:  # the other two elect new leaders (RAFT election timeout: seconds)
+                cluster.wait_stream_leader(stream_name(RUN, what), other_than=node, timeout_s=60)
+            rec.detail += f", its streams led again after {time.time() - rec.at:.1f}s"
+        elif fault.kind == "rejoin":
+            assert self.down is not None, "rejoin without a member down"
+            node, self.down = self.down, None
+            cluster.start_node(node)  # returns once it has rejoined and every stream is led
+            rec.new_pid, rec.detail = node.pid, f"{node.server_name}"
+        else:
+            before = [n.pid for n in cluster.nodes]
+            cluster.rolling_restart()
+            rec.detail = f"pids {before} -> {[n.pid for n in cluster.nodes]}"
+
     def run_faults(self, faults: list[Fault], schedule: list[int]) -> None:
         """Fault i once the trainer reaches step `schedule[i]`, plus a seeded random delay.
 
         A fault whose step has passed while the run recovered from the last
-        one comes at once. Recovery: the trainer did two more steps.
+        one comes at once. Recovery: the trainer did two more steps than
+        the batches that may already have been stored when the fault came
+        (the buffer publishes up to k + 1 ahead): a step trained from a
+        batch stored before the fault proves nothing about recovery (on a
+        cluster, a consumer led elsewhere delivers those without the dead
+        stream leader).
         """
         rng = random.Random(self.seed)
         for f, at in zip(faults, schedule, strict=True):
             wait_for(lambda a=at: self._check_up() and self.step() >= a, 150, f"step {at}", 0.05)
             time.sleep(rng.uniform(0.0, 0.5))  # the seeded random moment (not a synchronisation)
             rec = self.inject(f)
-            want = max(self.step(), rec.at_step) + 2
+            want = max(self.step(), rec.at_step + K + 1) + 2
             wait_for(lambda w=want: self._check_up() and self.step() >= w, 150,
                      f"2 steps after '{f}'", 0.2)  # fmt: skip
-            rec.recovered_s = time.time() - rec.at
+            rec.done = time.time()
+            rec.recovered_s = rec.done - rec.at
+
+    def measure_recovery(self) -> None:
+        """Each fault's `to_first_step_s` and `longest_gap_s`, from the metrics rows' times."""
+        times = sorted(float(r["time"]) for r in self.rows())
+        for rec in self.injected:
+            before = [t for t in times if t <= rec.at]
+            after = [t for t in times if t > rec.at]
+            if not before or not after:
+                continue
+            rec.to_first_step_s = after[0] - before[-1]
+            window = [before[-1]] + [t for t in after if t <= rec.done]
+            rec.longest_gap_s = max((b - a for a, b in pairwise(window)), default=0.0)
+
+
+def work_stream_leader(cluster: NatsCluster) -> tuple[NatsServer, list[str]]:
+    """The member leading most of the run's work streams, and which it leads."""
+    leads: dict[str, list[str]] = {}
+    for what in WORK_STREAMS:
+        leader = cluster.wait_stream_leader(stream_name(RUN, what))
+        leads.setdefault(leader.server_name or "", []).append(what)
+    name = max(leads, key=lambda n: len(leads[n]))  # ties: the first seen, TASKS' leader
+    return cluster.node(name), leads[name]
 
 
 def schedule(n_faults: int, seed: int, first: int = 4, every: int = 8) -> list[int]:
@@ -237,6 +324,11 @@ class Accounting:
     stale: list[tuple[str, int, int]]  # (sample id, version, step) beyond the bound
     batch_steps: list[int]
     state: Any
+    # task id -> where it was seen (batches, dead letters): to explain a failed assertion
+    seen: dict[str, list[str]] = field(default_factory=dict)
+
+    def explain(self, task_ids: list[str]) -> str:
+        return "\n".join(f"  {t}: {'; '.join(self.seen.get(t, []))}" for t in task_ids)
 
 
 def account(nats_url: str, trained_steps: int) -> Accounting:
@@ -249,7 +341,7 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
     from services.buffer.state import STATE_KEY, load_state
 
     async def kv_state() -> bytes:
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))
         try:
             kv = await nc.jetstream().key_value(kv_bucket(RUN, "buffer"))
             entry = await kv.get(STATE_KEY)
@@ -280,8 +372,13 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
     twice: list[str] = []
     untrained: set[str] = set()
     stale: list[tuple[str, int, int]] = []
+    seen: dict[str, list[str]] = {}
     for step, b in sorted(by_step.items()):
         for g in b.groups:
+            versions = sorted({smp.weight_version for smp in g.samples})
+            seen.setdefault(g.task_id, []).append(
+                f"batch step {step} group {g.group_id} versions {versions} by {g.worker_id}"
+            )
             for smp in g.samples:
                 if smp.weight_version < step - K:
                     stale.append((smp.sample_id, smp.weight_version, step))
@@ -304,6 +401,10 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
             tid = decode(dl.payload, SampleGroup).task_id
         if tid is not None:
             dead.setdefault(tid, dl.reason)
+            seen.setdefault(tid, []).append(
+                f"dlq {dl.reason} ({dl.message_type} by {dl.service}, delivered {dl.delivered}, "
+                f"at {dl.at:.1f}): {dl.error[:160]}"
+            )
 
     known = set(dispatched)
     return Accounting(
@@ -319,4 +420,5 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
         stale=stale,
         batch_steps=sorted(by_step),
         state=state,
+        seen=seen,
     )

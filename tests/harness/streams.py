@@ -21,7 +21,7 @@ async def read_stream_async(nats_url: str, stream: str, subject: str) -> list[by
 
     from proto.chunking import Reassembler
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url.split(","))  # a cluster: every member's URL
     try:
         js = nc.jetstream()
         info = await js.stream_info(stream, subjects_filter=subject)
@@ -62,7 +62,7 @@ def publish_raw(nats_url: str, subject: str, datas: list[bytes]) -> None:
     async def body() -> None:
         import nats
 
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))  # a cluster: every member's URL
         try:
             js = nc.jetstream()
             for d in datas:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats
@@ -225,4 +226,71 @@ async def _scenario(tmp_path: Path, url: str, k: int) -> None:
     }
     unaccounted = published - set(batched) - set(dropped)
     assert len(unaccounted) < 2 * G * (k + 2), unaccounted  # only the tail still pending
+    await nc.close()
+
+
+def test_a_batched_group_that_comes_back_steps_later_is_a_duplicate(tmp_path: Path) -> None:
+    """A group's message can come back after its batch was trained, and many steps
+    later: its ack was lost (a nats-server killed before it stored the ack, the
+    buffer killed before it acked), so it is redelivered after the ack wait.
+    Found by `make chaos`: the buffer had forgotten the id (8 steps back) and
+    decided it again, stale: trained and dead-lettered, and answered twice."""
+    with NatsServer() as server:
+        asyncio.run(asyncio.wait_for(_comes_back(tmp_path, server.url), 120))
+
+
+async def _comes_back(tmp_path: Path, url: str) -> None:
+    from proto.codec import encode
+    from proto.streams import streams_for
+
+    k = 1
+    config = run_file(tmp_path, url, k)
+    with config.open("a") as f:
+        f.write("keep_settled_steps = 1\n")  # steps alone would forget it at once
+    log = tmp_path / "buffer.log"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure_streams(js, streams_for(RUN))
+    for role in ("rollout", "trainer"):
+        await ensure_consumer(js, consumers_for(RUN)[role])
+    stack = Stack(js, nc.max_payload)
+    stack.resume.set()
+    stop = asyncio.Event()
+    workers = [asyncio.create_task(stack.rollout(stop)), asyncio.create_task(stack.trainer(stop))]
+    proc = start_buffer(config, log)
+    deadline = time.monotonic() + 60
+
+    async def until(done: Callable[[], Awaitable[bool]]) -> None:
+        while not await done():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+
+    async def trained(n: int) -> bool:
+        return len(stack.trained) >= n
+
+    try:
+        await until(lambda: trained(k + 3))  # step 0's groups are stale for the next batch
+        first = decode((await read_all(js, stream_name(RUN, "BATCHES")))[0], TrainBatch)
+        back = first.groups[0]
+        # The same group again, as a redelivery brings it (no message id: a new message).
+        await js.publish(Subjects(RUN).samples, encode(back))
+        published = (await js.stream_info(stream_name(RUN, "SAMPLES"))).state.last_seq
+
+        async def decided() -> bool:
+            c = await js.consumer_info(stream_name(RUN, "SAMPLES"), "buffer")
+            return c.delivered.stream_seq >= published and c.num_ack_pending == 0
+
+        await until(decided)
+        await until(lambda: trained(STEPS))
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    batches = [decode(b, TrainBatch) for b in await read_all(js, stream_name(RUN, "BATCHES"))]
+    batched = [g.group_id for b in batches for g in b.groups]
+    assert batched.count(back.group_id) == 1
+    dead = [decode(d, DeadLetter) for d in await read_all(js, stream_name(RUN, "DLQ"))]
+    assert back.group_id not in {decode(d.payload, SampleGroup).group_id for d in dead}
     await nc.close()

@@ -19,6 +19,7 @@ from services.buffer.core import (
     advance,
     epoch_order,
     max_length,
+    settled_horizon,
     task_id,
 )
 
@@ -139,6 +140,17 @@ def test_duplicates_are_dropped_pending_and_settled() -> None:
     assert a.state.answered == 2 and a.state.next_step == 1
     a.forget_before(1)
     assert a.state.settled == {}
+
+
+def test_settled_ids_are_kept_for_a_time_not_only_for_steps() -> None:
+    """Steps 0..9 began one second apart; ids settled at a step are forgotten only
+    once the next step began `keep_s` ago (their messages may come back that late)."""
+    starts = {s: 100.0 + s for s in range(10)}
+    assert settled_horizon(starts, now=109.0, keep_s=60) is None  # nothing that old
+    assert settled_horizon(starts, now=160.0, keep_s=60) == 0  # step 0 began 60 s ago
+    assert settled_horizon(starts, now=163.5, keep_s=60) == 3  # ids of steps 0..2 may go
+    assert settled_horizon(starts, now=500.0, keep_s=60) == 9
+    assert settled_horizon({}, now=500.0, keep_s=0) is None
 
 
 # ── property: the staleness bound holds for any interleaving ──
