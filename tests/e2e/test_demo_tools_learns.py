@@ -43,7 +43,8 @@ def test_grpo_teaches_the_calculator(tmp_path: Path) -> None:
     assert s["accuracy_after"] >= TARGET, s
     assert s["accuracy_after"] - s["accuracy_before"] >= GAIN, s
     assert s["tool_calls_last_step"] > s["tool_calls_first_step"], s
-    rows = [json.loads(x) for x in (tmp_path / "demo-tools" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "demo-tools" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
     trained = [r["step"] for r in rows if "loss" in r]
     assert trained == list(range(1, len(trained) + 1))
     assert (tmp_path / "demo-tools" / "tools.png").stat().st_size > 10_000
