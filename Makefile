@@ -13,7 +13,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test test-fast test-slow demo demo-tools lint format
+.PHONY: setup tools test test-fast test-slow test-long demo demo-tools lint format
 
 setup: $(STAMP)
 
@@ -30,13 +30,17 @@ tools:
 
 test: setup tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 -m "not long"
 
 # The edit-test loop: everything not marked slow (no whole-stack start-ups, no
 # e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines
 # and subprocesses all the same. `make test` runs these and the slow ones.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Learning runs too long for make test (the tool-use demo's: SFT + RL, ~6 min).
+test-long: setup tools
+	$(PY) -m pytest -q -m long
 
 # Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).
 test-slow: setup tools
