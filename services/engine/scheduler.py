@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 from services.common.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
@@ -146,7 +146,7 @@ class Scheduler:
 
         def cmd() -> None:
             if self._update is not None:
-                fut.set_result((False, "another weight update is in progress", 0))
+                answer(fut, (False, "another weight update is in progress", 0))
                 return
             if abort_all:
                 self._abort_matching(None, True, "Aborted by a weight update")
@@ -206,9 +206,11 @@ class Scheduler:
 
         def cmd() -> None:
             try:
-                fut.set_result(fn())
+                result = fn()
             except Exception as e:  # noqa: BLE001 -- handed to the awaiting caller, who re-raises
-                fut.set_exception(e)
+                answer(fut, error=e)
+            else:
+                answer(fut, result)
 
         if not self.alive():
             fut.set_exception(self._stopped())
@@ -229,6 +231,10 @@ class Scheduler:
         except SchedulerCrashed as e:
             # SGLang's scheduler process dies here and takes the server with it.
             log.critical("engine scheduler crashed: %s", e)
+            return
+        except Exception as e:  # a bug: say so, and let the server exit with it (app.serve)
+            self.crashed = f"the engine scheduler crashed: {type(e).__name__}: {e}"
+            log.critical(self.crashed, exc_info=True)
             return
         self._abort_matching(None, True, "Engine shutting down")
 
@@ -332,11 +338,11 @@ class Scheduler:
             self.runner.load_weights(upd.path)
         except WeightsLoadError as e:
             log.warning("weight update refused: %s", e)
-            upd.future.set_result((False, str(e), 0))
+            answer(upd.future, (False, str(e), 0))
             return
         except Exception as e:  # any failure must answer the caller; weights unchanged
             log.exception("weight update from %s failed", upd.path)
-            upd.future.set_result((False, f"Failed to update weights: {e}.", 0))
+            answer(upd.future, (False, f"Failed to update weights: {e}.", 0))
             return
         if upd.version is not None and upd.version != self.served_version:
             for seq in [*self._running, *self._waiting]:
@@ -347,13 +353,13 @@ class Scheduler:
             if not self.caps.flush_refusal_is_400:
                 why = f"AssertionError: {FLUSH_ASSERT}"
                 self.crashed = f"the engine scheduler crashed: {why}"
-                upd.future.set_exception(SchedulerCrashed(why))
+                answer(upd.future, error=SchedulerCrashed(why))
                 raise SchedulerCrashed(why)
-            upd.future.set_result((False, FLUSH_REFUSED, 0))
+            answer(upd.future, (False, FLUSH_REFUSED, 0))
             return
         if upd.version is not None:
             self.weight_version = upd.version
-        upd.future.set_result((True, "Succeeded to update model weights.", 0))
+        answer(upd.future, (True, "Succeeded to update model weights.", 0))
 
     def _flush_possible(self) -> bool:
         """SGLang's `flush_cache` precondition (`is_fully_idle`): nothing running, and
@@ -386,3 +392,16 @@ class Scheduler:
         self._batch.decode(self._finish)
         if self._step_sleep:
             time.sleep(self._step_sleep)
+
+
+def answer(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Settle a caller's future, unless the caller has gone: an HTTP handler cancelled
+    by its client hanging up cancels the future it waits on, and setting a cancelled
+    future raises (in this thread, which must not die of it)."""
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except InvalidStateError:
+        log.info("a caller went before its answer (%s)", "error" if error else "result")

@@ -413,3 +413,32 @@ def test_update_with_abort_all_requests_aborts_running(
             assert later.weight_version == "v-abort"
 
     run_async(body())
+
+
+def test_a_client_hanging_up_on_a_waiting_update_leaves_the_engine_serving(
+    run_async: Any, engine: EngineProcess
+) -> None:
+    """The update is applied (SGLang's scheduler does not see the client go) and the
+    scheduler, whose answer now has nobody to take it, goes on serving. A chaos run
+    once lost an engine this way: sync was killed mid-update and the scheduler
+    thread died on the cancelled answer, behind an HTTP server that stayed up."""
+
+    async def body() -> None:
+        async with EngineClient(engine.url) as c:
+            async with slowed(c, 0.003):
+                running = asyncio.create_task(c.generate(text="5+", sampling_params=LONG))
+                await wait_running(c)
+                with pytest.raises(asyncio.TimeoutError):  # waits for the running request
+                    async with aiohttp.ClientSession() as s:
+                        await s.post(
+                            engine.url + "/update_weights_from_disk",
+                            json={"model_path": str(engine.model_dir), "weight_version": "v-hup"},
+                            timeout=aiohttp.ClientTimeout(total=0.3),
+                        )
+                [res] = await running
+            assert res.finish_type == "length"
+            [later] = await c.generate(text="5+", sampling_params={"max_new_tokens": 2})
+            assert later.weight_version == "v-hup"
+            assert (await raw(engine, "GET", "/health"))[0] == 200
+
+    run_async(body(), timeout_s=120)
