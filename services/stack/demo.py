@@ -213,6 +213,19 @@ def latest_weights(run_dir: Path, run: str) -> Path | None:
     return published_dir(run_dir / "weights", run, versions[-1]) if versions else None
 
 
+def best_weights(run_dir: Path, final: Path, steps: int) -> tuple[Path, int]:
+    """The weights the demo hands over, and their step: those of the trainer's best
+    held-out evaluation of a trained version (services/trainer/best.py), else the
+    last version. A run stopped on its target ends a step or two after
+    the evaluation that met it; those newer weights were never evaluated."""
+    from services.trainer.best import best_record
+
+    best = best_record(run_dir / "checkpoints")
+    if best is None:
+        return final, steps
+    return Path(best["weights"]), int(best["step"])
+
+
 def demo_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     tools = args.task == "tools"
@@ -244,17 +257,20 @@ def demo_main(argv: list[str] | None = None) -> int:
     if code != 0 or final is None:
         print("flywheel demo: the RL stage failed; see the logs above", file=sys.stderr)
         return code or 1
-    after = held_out_accuracy(tasks, final, args.eval_size)
+    steps = version_of(final.name) or 0
+    weights, best_step = best_weights(run_dir, final, steps)
+    after = held_out_accuracy(tasks, weights, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    steps = version_of(final.name)
     summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after}
     if tools:
         summary |= tool_summary(run_dir)
-    summary |= {"rl_seconds": rl_s, "rl_steps": steps, "weights": str(final)}
+    summary |= {
+        "rl_seconds": rl_s, "rl_steps": steps, "best_step": best_step, "weights": str(weights)
+    }  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
         f"\nflywheel demo: held-out greedy accuracy {before:.3f} → {after:.3f} "
-        f"after {steps} RL steps ({rl_s:.0f}s)"
+        f"(weights of step {best_step}) after {steps} RL steps ({rl_s:.0f}s)"
     )
     print(
         f"flywheel demo: metrics {run_dir / 'metrics.jsonl'}, plot {png}, logs {run_dir / 'logs'}"

@@ -11,7 +11,8 @@ Rank 0 runs this loop (all NATS I/O); every rank runs each step
     publish   weights → <weights_root>/<run>/v000012/ (atomic, sha256
               manifest), checkpoint (with the batch's stream position),
               then the transport and WeightsPublished (publishing.py)
-    record    held-out evaluation when due, then the metrics row (metrics.py)
+    record    held-out evaluation when due (the best one's weights kept: best.py),
+              then the metrics row (metrics.py)
 
 Overlap. In one process, publishing is not on the critical path: step N's
 publish and record run while step N+1 trains, and step N+2 waits for them.
@@ -31,6 +32,7 @@ from typing import Any
 
 from services.common.lifecycle import ServiceContext
 from services.trainer.batches import Batch, BatchReader
+from services.trainer.best import keep_if_best
 from services.trainer.heldout import HeldOut, eval_line
 from services.trainer.metrics import Recorder
 from services.trainer.publishing import Publisher
@@ -76,6 +78,9 @@ class RLLoop:
             await self.publisher.announce(r.step, r.published, r.sha256, r.size_bytes)
             if self.s.eval_every and r.step % self.s.eval_every == 0:
                 await self.evaluate(r.published, row)
+                await asyncio.to_thread(
+                    keep_if_best, self.s.checkpoint_dir, r.published, r.step, row["eval_accuracy"]
+                )
         self.recorder.write(row)  # last: a row means its step is checkpointed
         self.recorder.log_step(row, r, batch.waited_s)
 

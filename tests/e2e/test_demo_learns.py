@@ -9,9 +9,12 @@ Each RL run stops once the trainer's held-out evaluation reaches what the
 test asserts (`flywheel demo --target-accuracy`), not at its step cap. The
 demo's before/after accuracy is measured on the trainer's own held-out
 problems (`--eval-size 200`: configs/demo.toml's `[task.eval] size`), so
-the stop and the assertion measure the same thing; the stop's target is
-`MARGIN` above the assertion because the final weights are a step or two
-newer than the ones the trainer evaluated when the run was told to stop.
+the stop and the assertion measure the same thing. The run ends a step or
+two after the evaluation that met the target, so the demo hands over (and
+scores) the weights of the trainer's best evaluation, not the never-evaluated
+last ones: a CI run once scored those 0.895 after an evaluation of 0.92. The
+stop's target is still `MARGIN` above the assertion, for the two processes'
+thread counts (greedy ties can break differently).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ pytestmark = pytest.mark.slow  # the whole stack, twice, after an SFT warm start
 RL_SECONDS = 300  # the issue's budget: 0.9 within 5 minutes of RL
 TARGET = 0.90  # held-out greedy accuracy the async run must reach
 SYNC_GAIN = 0.10  # what the synchronous run must add to the SFT model's accuracy
-MARGIN = 0.02  # the stop's target above the assertion (see the module docstring)
+MARGIN = 0.02  # the stop's target above the assertion (the module docstring)
 EVAL_SIZE = "200"  # configs/demo.toml [task.eval] size: the trainer's held-out problems
 
 
@@ -68,6 +71,7 @@ def test_async_grpo_reaches_090_within_5_minutes(async_run: tuple[Path, dict]) -
     assert s["accuracy_after"] >= TARGET, s
     assert s["accuracy_after"] - s["accuracy_before"] >= 0.25, s
     assert s["rl_seconds"] <= RL_SECONDS + 30, s
+    assert 0 < s["best_step"] <= s["rl_steps"], s  # the best evaluation's weights, scored
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r["step"] for r in rows if "loss" in r]
     assert trained == list(range(1, len(trained) + 1))  # every step once, in order
