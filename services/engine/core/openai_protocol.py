@@ -165,6 +165,21 @@ def _pairs(meta: dict[str, Any]) -> list[tuple[float, int]]:
     return [(float(lp), int(t)) for lp, t, _ in meta.get("output_token_logprobs") or []]
 
 
+def _envelope(
+    kind: str, body: dict[str, Any], outs: list[dict[str, Any]], model: str, choices: list[Any]
+) -> dict[str, Any]:
+    """What both /v1 responses wrap their choices in (SGLang's serving_*.py)."""
+    return {
+        "id": outs[0]["meta_info"]["id"],
+        "object": kind,
+        "created": int(time.time()),
+        "model": body.get("model") or model,
+        "choices": choices,
+        "usage": _usage(outs, int(body.get("n") or 1)),
+        "metadata": _metadata(outs[0]["meta_info"]),
+    }
+
+
 def completion_response(
     body: dict[str, Any],
     outs: list[dict[str, Any]],
@@ -194,15 +209,7 @@ def completion_response(
             choice["token_ids"] = list(o["output_ids"])
             choice["prompt_token_ids"] = list(prompt_ids)
         choices.append(choice)
-    return {
-        "id": outs[0]["meta_info"]["id"],
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.get("model") or model,
-        "choices": choices,
-        "usage": _usage(outs, int(body.get("n") or 1)),
-        "metadata": _metadata(outs[0]["meta_info"]),
-    }
+    return _envelope("text_completion", body, outs, model, choices)
 
 
 def chat_response(
@@ -236,12 +243,4 @@ def chat_response(
         if want_ids:
             choice["response_token_ids"] = list(o["output_ids"])
         choices.append(choice)
-    return {
-        "id": outs[0]["meta_info"]["id"],
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.get("model") or model,
-        "choices": choices,
-        "usage": _usage(outs, int(body.get("n") or 1)),
-        "metadata": _metadata(outs[0]["meta_info"]),
-    }
+    return _envelope("chat.completion", body, outs, model, choices)
