@@ -19,7 +19,9 @@ per engine (N engines: N times the model from sync, as the full disk and
 NATS transports cost), so this is SGLang's protocol end to end, not yet
 fleet-scale broadcast; that needs one group over all engines (re-formed on
 every membership change) and the trainer's rank 0 as the sender from GPU
-memory (NCCL). The engines must reach `dist_address` on any port.
+memory (NCCL). The engines must reach `dist_address` on any port. An engine
+that refuses mid-way leaves sync's side of the collective waiting for the
+group's timeout (60 s) before the update counts as failed and is retried.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class Groups:
     async def update(
         self, client: EngineClient, path: str, version: str, update_mode: str
     ) -> UpdateResult:
-        from services.common.engine_client import UpdateResult
+        from services.common.engine_client import EngineError, UpdateResult
         from services.common.weights.distgroup import broadcast_tensors
 
         try:
@@ -131,9 +133,12 @@ class Groups:
             finally:
                 if session:
                     await client.request("POST", "/end_weight_update", {})
-        except BaseException:
+        except EngineError:
             self.drop(client.url)  # re-formed at the next attempt
             raise
+        except Exception as e:  # a gloo timeout or a broken group: a failed update to retry
+            self.drop(client.url)
+            raise EngineError(f"distributed weights update failed: {e}", client.url) from e
         return UpdateResult(bool(out["success"]), str(out["message"]), 0)
 
 
