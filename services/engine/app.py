@@ -194,7 +194,9 @@ async def update_weights_from_disk(
     flush = bool(body.get("flush_cache", True)) if state.caps.has_flush_cache_field else True
     try:
         ok, message, paused = await asyncio.wrap_future(
-            state.scheduler.update_weights(path, version, abort_all, flush)
+            state.scheduler.update_weights(
+                state.scheduler.runner.disk_loader(path), version, abort_all, flush
+            )
         )
     except SchedulerStopped as e:
         if state.scheduler.crashed:
@@ -305,9 +307,10 @@ def build_app(state: EngineState) -> web.Application:
     r.add_get("/ping", ping)
     if caps.has_ready:
         r.add_get("/ready", ready)
-    from services.engine import openai_api  # imports this module: at call time
+    from services.engine import dist_api, openai_api  # imports this module: at call time
 
     openai_api.add_routes(r)
+    dist_api.add_routes(app, state)
     return app
 
 

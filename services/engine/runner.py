@@ -13,10 +13,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.errors import FlywheelError
 from services.engine.core.kvbatch import KVBatch, left_pad_ids, positions, zero_padding
+from services.engine.core.sequence import UpdateRefused
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "flywheel-manifest.json"
 
 
-class WeightsLoadError(FlywheelError, ValueError):
+class WeightsLoadError(UpdateRefused):
     """A weights directory was refused; `path` names it. The old weights keep serving."""
 
     def __init__(self, path: str | Path, reason: str) -> None:
@@ -143,6 +145,21 @@ class ModelRunner:
 
     # ---- weights --------------------------------------------------------------------
 
+    def disk_loader(self, path: str) -> Callable[[], str]:
+        """`/update_weights_from_disk`'s load (for `Scheduler.update_weights`)."""
+
+        def load() -> str:
+            try:
+                self.load_weights(path)
+            except WeightsLoadError:
+                raise
+            except Exception as e:  # any failure must answer the caller; weights unchanged
+                log.exception("weight update from %s failed", path)
+                raise UpdateRefused(f"Failed to update weights: {e}.") from e
+            return "Succeeded to update model weights."
+
+        return load
+
     def load_weights(self, path: str | Path) -> None:
         """Replace the weights with those in `path`; on WeightsLoadError nothing changed."""
         import torch
@@ -183,3 +200,22 @@ class ModelRunner:
         self.model_dir = p
         self._cache = None
         log.info("loaded weights from %s (%d tensors)", p, len(loaded))
+
+    def load_named(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy received tensors in, in order, as SGLang's `model.load_weights` does: a bad
+        one stops there, leaving the weights partly updated (its message says so)."""
+        import torch
+
+        live = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in live:
+                    log.warning("Parameter %s not found in params_dict", name)
+                    continue
+                if tuple(tensor.shape) != tuple(live[name].shape):
+                    raise ValueError(
+                        f"Attempted to load weight ({tensor.size()}) "
+                        f"into parameter ({live[name].size()})"
+                    )
+                live[name].copy_(tensor.to(live[name].dtype))
+        self._cache = None

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from services.common.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
@@ -51,8 +51,9 @@ from services.engine.core.sequence import (
     SchedulerStopped,
     Seq,
     Update,
+    UpdateRefused,
+    answer,
 )
-from services.engine.runner import WeightsLoadError
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerCrashed", "SchedulerStopped", "Seq"]
 
@@ -123,12 +124,12 @@ class Scheduler:
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> Future[int]:
         """Abort sequences whose request id (or completion id) is `rid`, or all; count them."""
-        return self._call(lambda: self._abort_matching(rid, abort_all, "Abort requested"))
+        return self.run(lambda: self._abort_matching(rid, abort_all, "Abort requested"))
 
     def pause(self, mode: str) -> Future[None]:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}")
-        return self._call(lambda: self._pause(mode))
+        return self.run(lambda: self._pause(mode))
 
     def resume(self) -> Future[None]:
         def cmd() -> None:
@@ -136,12 +137,13 @@ class Scheduler:
             if self._update is None:
                 self._release_held()
 
-        return self._call(cmd)
+        return self.run(cmd)
 
     def update_weights(
-        self, path: str, version: str | None, abort_all: bool, flush: bool = True
+        self, load: Callable[[], str], version: str | None, abort_all: bool, flush: bool = True
     ) -> Future[tuple[bool, str, int]]:
-        """Load weights (see the module docstring); resolves to (success, message, 0)."""
+        """Update the weights with `load` (from disk, or received from a group), under
+        the rules of the module docstring; resolves to (success, message, 0)."""
         fut: Future[tuple[bool, str, int]] = Future()
 
         def cmd() -> None:
@@ -150,7 +152,7 @@ class Scheduler:
                 return
             if abort_all:
                 self._abort_matching(None, True, "Aborted by a weight update")
-            self._update = Update(path, version, flush, fut)
+            self._update = Update(load, version, flush, fut)
 
         if not self.alive():
             fut.set_exception(self._stopped())
@@ -164,11 +166,11 @@ class Scheduler:
         def cmd() -> None:
             self._step_sleep = max(0.0, seconds or 0.0)
 
-        return self._call(cmd)
+        return self.run(cmd)
 
     def flush_possible(self) -> Future[bool]:
         """Whether SGLang would flush its cache now (for /flush_cache)."""
-        return self._call(self._flush_possible)
+        return self.run(self._flush_possible)
 
     def load(self) -> dict[str, Any]:
         """A racy but consistent-enough snapshot for /v1/loads (ints read atomically)."""
@@ -201,7 +203,9 @@ class Scheduler:
     def _stopped(self) -> SchedulerStopped:
         return SchedulerStopped(self.crashed or "the engine scheduler is not running")
 
-    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+    def run(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the scheduler thread between steps (also SGLang's weights-update
+        group requests: generation waits while a group forms)."""
         fut: Future[Any] = Future()
 
         def cmd() -> None:
@@ -335,14 +339,10 @@ class Scheduler:
         if not self._paused:
             self._release_held()
         try:
-            self.runner.load_weights(upd.path)
-        except WeightsLoadError as e:
+            message = upd.load()
+        except UpdateRefused as e:
             log.warning("weight update refused: %s", e)
             answer(upd.future, (False, str(e), 0))
-            return
-        except Exception as e:  # any failure must answer the caller; weights unchanged
-            log.exception("weight update from %s failed", upd.path)
-            answer(upd.future, (False, f"Failed to update weights: {e}.", 0))
             return
         if upd.version is not None and upd.version != self.served_version:
             for seq in [*self._running, *self._waiting]:
@@ -359,7 +359,7 @@ class Scheduler:
             return
         if upd.version is not None:
             self.weight_version = upd.version
-        answer(upd.future, (True, "Succeeded to update model weights.", 0))
+        answer(upd.future, (True, message, 0))
 
     def _flush_possible(self) -> bool:
         """SGLang's `flush_cache` precondition (`is_fully_idle`): nothing running, and
@@ -392,16 +392,3 @@ class Scheduler:
         self._batch.decode(self._finish)
         if self._step_sleep:
             time.sleep(self._step_sleep)
-
-
-def answer(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
-    """Settle a caller's future, unless the caller has gone: an HTTP handler cancelled
-    by its client hanging up cancels the future it waits on, and setting a cancelled
-    future raises (in this thread, which must not die of it)."""
-    try:
-        if error is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(error)
-    except InvalidStateError:
-        log.info("a caller went before its answer (%s)", "error" if error else "result")

@@ -137,9 +137,7 @@ class SyncService:
                 if mode != "wait":
                     await c.pause_generation(mode)
                 try:
-                    res = await c.update_weights_from_disk(
-                        path_for(e, p), str(p.version), update_mode=mode
-                    )
+                    res = await p.source.load(c, path_for(e, p), str(p.version), mode)
                 finally:
                     if mode != "wait":
                         await c.continue_generation()

@@ -208,7 +208,9 @@ class TrainerSettings(ServiceSettings):
         "sends per version only the elements whose published bits changed (lossless, "
         "rebuilt and verified beside each engine) plus a full snapshot every "
         "weights_snapshot_every versions; 'disk-delta' writes that delta beside each full "
-        "directory and each engine's worker rebuilds its own copy from it.",
+        "directory and each engine's worker rebuilds its own copy from it; 'distributed' "
+        "has sync broadcast each version from the shared directory into every engine over "
+        "SGLang's torch.distributed protocol (one gloo/NCCL group per engine, sync rank 0).",
     )
     weights_snapshot_every: int = Field(
         10,

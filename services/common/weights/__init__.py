@@ -5,7 +5,9 @@
                manifest, written atomically, verified by every reader;
 - `transport`  the `WeightsTransport` protocol (publish → URI, where an engine
                loads it, receive beside an engine, clean-up) and its registry;
-- `disk`, `nats`, `natsdelta`, `diskdelta`  the transports (`[trainer] weights_transport`);
+- `disk`, `nats`, `natsdelta`, `diskdelta`, `distributed`  the transports
+               (`[trainer] weights_transport`);
+- `distgroup`  the torch.distributed weights-update group (SGLang's, both sides);
 - `chunks`     the NATS transports' mechanism: a directory as WeightsChunks;
 - `delta`      the pure sparse-delta codec (changed elements' indices + bits);
 - `deltasync`  deltas around it: the trainer writes them, a receiver rebuilds.

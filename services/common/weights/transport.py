@@ -19,12 +19,12 @@ kind. A new transport implements the four methods and registers its class
 in `KINDS`. *Sparse deltas* are one (natsdelta.py: `publish` sends the
 elements that changed against the previous version, `receive` rebuilds the
 version from the engine's copy of the base plus the deltas, verified, else
-downloads it whole; `source` is a `LocalCopy`). *torch.distributed* would
-be another: `publish` broadcasts the tensors to the engines' process group,
-`receive` has nothing to do, and `source` names the group rather than a
-directory (the engine-update call then becomes SGLang's
-`update_weights_from_distributed`: sync's one call of
-`update_weights_from_disk` is where that would branch, on the source).
+downloads it whole; `source` is a `LocalCopy`). *torch.distributed* is another
+(distributed.py): `publish` announces the saved directory, `receive` has
+nothing to do, and its `source` broadcasts it, sync being rank 0, into each
+engine's group through SGLang's `update_weights_from_distributed`: sync
+updates an engine by calling its source's `load`, the one place the engine
+call differs by transport.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from services.common.weights.layout import remove_versions, version_dir, version
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
+    from services.common.engine_client import EngineClient, UpdateResult
     from services.common.weights.delta import DeltaStats
 
 log = logging.getLogger(__name__)
 
-TransportKind = Literal["disk", "nats", "nats-delta", "disk-delta"]
+TransportKind = Literal["disk", "nats", "nats-delta", "disk-delta", "distributed"]
 """`[trainer] weights_transport`: the names in `KINDS`."""
 
 
@@ -99,6 +100,12 @@ class WeightsSource(Protocol):
         """
         ...
 
+    async def load(
+        self, client: EngineClient, path: str, version: str, update_mode: str
+    ) -> UpdateResult:
+        """Sync: update the engine behind `client` to this version from `path`."""
+        ...
+
 
 @dataclass(frozen=True)
 class SharedDir:
@@ -108,6 +115,11 @@ class SharedDir:
 
     def engine_path(self, engine_dir: str | None, downloaded: int | None) -> str | None:
         return self.path
+
+    async def load(
+        self, client: EngineClient, path: str, version: str, update_mode: str
+    ) -> UpdateResult:
+        return await client.update_weights_from_disk(path, version, update_mode=update_mode)
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,11 @@ class LocalCopy:
         if engine_dir is None or downloaded is None or downloaded < self.version:
             return None
         return str(version_dir(engine_dir, self.version))
+
+    async def load(
+        self, client: EngineClient, path: str, version: str, update_mode: str
+    ) -> UpdateResult:
+        return await client.update_weights_from_disk(path, version, update_mode=update_mode)
 
 
 @dataclass(frozen=True)
@@ -138,6 +155,7 @@ class Wiring:
     max_payload: int = 1024 * 1024
     upload_window: int = 16  # NATS: chunk publishes in flight at once
     idle_timeout_s: float = 30.0  # NATS: a download fails after this long with no chunk
+    dist_address: str = "127.0.0.1"  # distributed: where sync (rank 0) hosts its groups
 
 
 class WeightsTransport(Protocol):
@@ -170,6 +188,7 @@ class WeightsTransport(Protocol):
 def _kinds() -> dict[str, type[WeightsTransport]]:
     from services.common.weights.disk import DiskTransport
     from services.common.weights.diskdelta import DiskDeltaTransport
+    from services.common.weights.distributed import DistTransport
     from services.common.weights.nats import NatsTransport
     from services.common.weights.natsdelta import NatsDeltaTransport
 
@@ -178,6 +197,7 @@ def _kinds() -> dict[str, type[WeightsTransport]]:
         "nats": NatsTransport,
         "nats-delta": NatsDeltaTransport,
         "disk-delta": DiskDeltaTransport,
+        "distributed": DistTransport,
     }
 
 

@@ -7,13 +7,16 @@ versions its tokens came from), `stop_reason` decides when one ends.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import FlywheelError
 from services.engine.core.protocol import Completion, SeqSpec
+
+log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -62,11 +65,20 @@ def stop_reason(
     return None, None
 
 
+class UpdateRefused(FlywheelError, ValueError):
+    """A weight update failed with the message SGLang answers (the old weights may serve)."""
+
+
 @dataclass
 class Update:
-    """A pending `/update_weights_from_disk` (the scheduler runs one at a time)."""
+    """A pending weight update (the scheduler runs one at a time).
 
-    path: str
+    `load` does it on the scheduler thread and returns SGLang's success message
+    (from disk, or received from the weights-update group); it raises
+    UpdateRefused with SGLang's failure message.
+    """
+
+    load: Callable[[], str]
     version: str | None
     flush: bool
     future: Future[tuple[bool, str, int]]
@@ -74,3 +86,16 @@ class Update:
 
 class SchedulerCrashed(SchedulerStopped):
     """The scheduler died the way SGLang's does (an assertion); the engine must exit."""
+
+
+def answer(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Settle a caller's future, unless the caller has gone: an HTTP handler cancelled
+    by its client hanging up cancels the future it waits on, and setting a cancelled
+    future raises (in this thread, which must not die of it)."""
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except InvalidStateError:
+        log.info("a caller went before its answer (%s)", "error" if error else "result")
