@@ -40,8 +40,6 @@ from services.engine.state import STATE, EngineState
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 0.5  # how often serve() checks that the scheduler thread is alive
-
 __all__ = ["STATE", "EngineState", "build_app", "create_state", "serve"]
 
 
@@ -358,19 +356,6 @@ class EngineCrashed(SystemExit):
     """The scheduler died (as SGLang's does on a failed post-update flush): exit 1."""
 
 
-async def watch_scheduler(
-    sched: Scheduler, on_crash: Callable[[str], None], stop: asyncio.Event
-) -> None:
-    """Exit with the scheduler thread, however it ended: an HTTP server up in front
-    of a dead scheduler answers 503s that nobody restarts it for (SGLang's server
-    dies with its scheduler process, and its pod is restarted)."""
-    while not stop.is_set():
-        await asyncio.sleep(WATCH_S)
-        if not sched.alive():
-            on_crash(sched.crashed or "the engine scheduler stopped")
-            return
-
-
 async def serve(settings: EngineSettings, stop: asyncio.Event) -> None:
     """Serve until `stop` is set (or the scheduler crashes: EngineCrashed)."""
     state = await asyncio.to_thread(create_state, settings)
@@ -394,7 +379,7 @@ async def serve(settings: EngineSettings, stop: asyncio.Event) -> None:
         port,
         settings.sglang_version,
     )
-    watchdog = asyncio.create_task(watch_scheduler(state.scheduler, on_crash, stop))
+    watchdog = asyncio.create_task(probes.watch_scheduler(state.scheduler, on_crash, stop))
     try:
         await stop.wait()
     finally:

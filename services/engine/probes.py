@@ -24,12 +24,15 @@ import hmac
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from services.common.sglang_api import Capabilities
 from services.engine.core.protocol import Completion, SamplingParams, SeqSpec
+
+if TYPE_CHECKING:
+    from services.engine.scheduler import Scheduler
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -93,3 +96,19 @@ class Health:
 
 async def status_only(status: int) -> web.Response:
     return web.Response(status=status)
+
+
+WATCH_S = 0.5  # how often the server checks that the scheduler thread is alive
+
+
+async def watch_scheduler(
+    sched: Scheduler, on_crash: Callable[[str], None], stop: asyncio.Event
+) -> None:
+    """Exit with the scheduler thread, however it ended: an HTTP server up in front
+    of a dead scheduler answers 503s that nobody restarts it for (SGLang's server
+    dies with its scheduler process, and its pod is restarted)."""
+    while not stop.is_set():
+        await asyncio.sleep(WATCH_S)
+        if not sched.alive():
+            on_crash(sched.crashed or "the engine scheduler stopped")
+            return

@@ -1,4 +1,4 @@
-"""The engine exits with its scheduler thread, however that thread ended (app.watch_scheduler)."""
+"""The engine exits with its scheduler thread, however it ended (probes.watch_scheduler)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import threading
 from concurrent.futures import Future
 
-from services.engine.app import watch_scheduler
+from services.engine.probes import watch_scheduler
 from services.engine.scheduler import answer
 
 
