@@ -62,7 +62,15 @@ class SyncService:
         self.sizes: dict[int, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         # the transports that announced URIs name (and the version directories to prune)
-        self.weights = Transports(Wiring(s.run, s.weights_root, ctx.js, ctx.max_payload))
+        self.weights = Transports(
+            Wiring(
+                s.run,
+                s.weights_root,
+                ctx.js,
+                max_payload=ctx.max_payload,
+                dist_address=s.distributed_address,
+            )
+        )
         self.releases: dict[str, Capabilities] = {}  # engine URL -> its SGLang release
         self.resumed: set[str] = set()  # engine URLs this process told to continue
         self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop

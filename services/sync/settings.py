@@ -45,3 +45,10 @@ class SyncSettings(ServiceSettings):
     tick_s: float = Field(
         0.2, gt=0, description="Reconcile at least this often (events also wake it at once)."
     )
+    distributed_address: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="weights_transport 'distributed': the address engines reach sync at to "
+        "join its weight-update groups (rank 0 is sync). 127.0.0.1 when they share a host; "
+        "the sync pod's IP on Kubernetes (FLYWHEEL_SYNC_DISTRIBUTED_ADDRESS from status.podIP).",
+    )
