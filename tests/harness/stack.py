@@ -296,6 +296,14 @@ def printing_logs_on_failure(stack: Stack) -> Iterator[Stack]:
         raise
 
 
+def start_loop(st: Stack) -> None:
+    """The whole loop in readiness order (two engines and their workers), logs on failure."""
+    with printing_logs_on_failure(st):
+        st.start("engine-0", "engine-1")
+        st.start("rollout-0", "rollout-1", "sync", "trainer")
+        st.start("buffer")
+
+
 def stack_table(root: Path, model: Path, engines: int = 2, **more: Any) -> dict[str, Any]:
     """The `[stack]` table of a test's run file: the run under `root`, an external
     nats-server (the test's), `engines` CPU engines with one torch thread each."""

@@ -56,6 +56,15 @@ def messages(nats_url: str, run: str, what: str, subject: str, cls: type) -> lis
     return [decode(b, cls) for b in read_stream(nats_url, stream_name(run, what), subject)]
 
 
+def published_versions(nats_url: str, run: str) -> dict:
+    """Every WeightsPublished of the run, by version."""
+    from proto.messages import WeightsPublished
+    from proto.subjects import Subjects
+
+    msgs = messages(nats_url, run, "WEIGHTS", Subjects(run).weights_published, WeightsPublished)
+    return {m.version: m for m in msgs}
+
+
 def publish_raw(nats_url: str, subject: str, datas: list[bytes]) -> None:
     """Publish bytes as they are (bad input included) to a JetStream subject."""
 

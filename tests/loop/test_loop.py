@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from proto.messages import SampleGroup, TrainBatch, WeightsPublished, WeightsReady
+from proto.messages import SampleGroup, TrainBatch, WeightsReady
 from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
 from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
-from tests.harness.stack import Stack, printing_logs_on_failure, stack_table
-from tests.harness.streams import messages
+from tests.harness.stack import Stack, stack_table, start_loop
+from tests.harness.streams import messages, published_versions
 
 RUN = "loop"
 STALENESS = 1
@@ -69,15 +69,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         NatsServer(store_dir=root / "nats") as nats,
         Stack(config, nats.url, env=no_weights) as st,
     ):
-        with printing_logs_on_failure(st):
-            st.start("engine-0", "engine-1")
-            st.start("rollout-0", "rollout-1", "sync", "trainer")
-            st.start("buffer")
+        start_loop(st)
         yield st
-
-
-def published(st: Stack) -> list[WeightsPublished]:
-    return messages(st.nats_url, RUN, "WEIGHTS", S.weights_published, WeightsPublished)
 
 
 def ready(st: Stack) -> list[WeightsReady]:
@@ -133,7 +126,7 @@ def test_weights_travel_over_nats_to_each_engines_own_copy(stack: Stack) -> None
     st = stack
     wait_for(lambda: all((st.engine_version(i) or 0) >= 4 for i in (0, 1)), 90,
              "both engines at v4")  # fmt: skip
-    pubs = published(st)
+    pubs = list(published_versions(st.nats_url, RUN).values())
     assert pubs and all(p.uri.startswith("nats://") for p in pubs), pubs
     for i in (0, 1):
         # each engine loaded its own verified copy, not the trainer's directory
@@ -167,7 +160,7 @@ def test_trainer_kill9_resumes_without_gaps_or_repeats(stack: Stack) -> None:
 def test_engine_added_mid_run_serves_the_latest_version_first(stack: Stack) -> None:
     st = stack
     wait_for(lambda: latest_ready(st) >= 3, 60, "v3 ready")
-    joined_at = max(p.version for p in published(st))
+    joined_at = max(published_versions(st.nats_url, RUN))
     st.start("engine-2")
     st.start("rollout-2")
 

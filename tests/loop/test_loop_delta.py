@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from proto.messages import SampleGroup, WeightsPublished
+from proto.messages import SampleGroup
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
 from services.common.weights import read_manifest, version_of
 from tests.harness.poll import wait_for
-from tests.harness.stack import Stack, printing_logs_on_failure
-from tests.harness.streams import messages
+from tests.harness.stack import Stack, start_loop
+from tests.harness.streams import messages, published_versions
 from tests.loop.test_loop import loop_config
 
 RUN = "loopdelta"
@@ -50,16 +50,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         NatsServer(store_dir=root / "nats") as nats,
         Stack(config, nats.url, env=no_weights) as st,
     ):
-        with printing_logs_on_failure(st):
-            st.start("engine-0", "engine-1")
-            st.start("rollout-0", "rollout-1", "sync", "trainer")
-            st.start("buffer")
+        start_loop(st)
         yield st
-
-
-def published(st: Stack) -> dict[int, WeightsPublished]:
-    msgs = messages(st.nats_url, RUN, "WEIGHTS", S.weights_published, WeightsPublished)
-    return {m.version: m for m in msgs}
 
 
 def engine_copy_is_exact(st: Stack, i: int) -> int:
@@ -68,7 +60,7 @@ def engine_copy_is_exact(st: Stack, i: int) -> int:
     assert path.is_relative_to((st.root / f"engine-weights-{i}").resolve()), path
     version = version_of(path.name)
     assert version is not None, path
-    assert read_manifest(path).sha256 == published(st)[version].sha256
+    assert read_manifest(path).sha256 == published_versions(st.nats_url, RUN)[version].sha256
     return version
 
 
@@ -77,7 +69,7 @@ def test_engines_follow_every_version_from_deltas_exactly(stack: Stack) -> None:
     wait_for(
         lambda: all((st.engine_version(i) or 0) >= 5 for i in (0, 1)), 150, "both engines at v5"
     )
-    pubs = published(st)
+    pubs = published_versions(st.nats_url, RUN)
     assert all(p.uri.startswith("natsdelta://") for p in pubs.values()), pubs
     for i in (0, 1):
         assert engine_copy_is_exact(st, i) >= 5
@@ -94,7 +86,7 @@ def test_engines_follow_every_version_from_deltas_exactly(stack: Stack) -> None:
 
 def test_a_late_engine_catches_up_from_the_snapshot_and_deltas(stack: Stack) -> None:
     st = stack
-    wait_for(lambda: max(published(st), default=0) >= 7, 150, "v7 published")
+    wait_for(lambda: max(published_versions(st.nats_url, RUN), default=0) >= 7, 150, "v7 published")
     st.start("engine-2")
     st.start("rollout-2")
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from proto.messages import SampleGroup, WeightsPublished
+from proto.messages import SampleGroup
 from proto.subjects import Subjects
 from services.common.nats_server import NatsServer
 from tests.harness.poll import wait_for
-from tests.harness.stack import Stack, printing_logs_on_failure
-from tests.harness.streams import messages
+from tests.harness.stack import Stack, start_loop
+from tests.harness.streams import messages, published_versions
 from tests.loop.test_loop import loop_config
 
 RUN = "loopdist"
@@ -36,16 +36,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         loop_config(RUN, root, tiny_model, engines=3, weights_transport="distributed")
     )
     with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
-        with printing_logs_on_failure(st):
-            st.start("engine-0", "engine-1")
-            st.start("rollout-0", "rollout-1", "sync", "trainer")
-            st.start("buffer")
+        start_loop(st)
         yield st
-
-
-def published(st: Stack) -> dict[int, WeightsPublished]:
-    msgs = messages(st.nats_url, RUN, "WEIGHTS", S.weights_published, WeightsPublished)
-    return {m.version: m for m in msgs}
 
 
 def test_engines_follow_every_version_over_gloo(stack: Stack, tiny_model: Path) -> None:
@@ -53,14 +45,14 @@ def test_engines_follow_every_version_over_gloo(stack: Stack, tiny_model: Path) 
     wait_for(
         lambda: all((st.engine_version(i) or 0) >= 4 for i in (0, 1)), 150, "both engines at v4"
     )
-    assert all(p.uri.startswith("dist://") for p in published(st).values())
+    assert all(p.uri.startswith("dist://") for p in published_versions(st.nats_url, RUN).values())
     for i in (0, 1):  # never loaded from disk: the model directory is still the first one
         assert Path((st.engine_info(i) or {})["model_path"]) == tiny_model
 
 
 def test_a_late_engine_gets_its_own_group(stack: Stack) -> None:
     st = stack
-    wait_for(lambda: max(published(st), default=0) >= 5, 150, "v5 published")
+    wait_for(lambda: max(published_versions(st.nats_url, RUN), default=0) >= 5, 150, "v5 published")
     st.start("engine-2")
     st.start("rollout-2")
 
