@@ -2,8 +2,9 @@
 
 Real everything: embedded nats-server, two CPU engines with a rollout
 worker each, buffer, trainer, sync; a tiny model warmed up by SFT on
-addition where many labels forget to carry, then async GRPO. The same
-SFT model is then trained synchronously (max_staleness = 0).
+addition where most labels write the carry out of the tens as 0, then
+async GRPO. The same SFT model is then trained synchronously
+(max_staleness = 0).
 
 Each RL run stops once the trainer's held-out evaluation reaches what the
 test asserts (`flywheel demo --target-accuracy`), not at its step cap. The

@@ -124,6 +124,27 @@ def drop_final_carry(a: int, b: int, digits: int) -> int:
     return (a + b) % 10**digits
 
 
+def zero_final_carry(a: int, b: int, digits: int) -> str:
+    """The carry out of the top digit written as 0, at the sum's width: 58 + 67 -> 025.
+
+    Unchanged where there is no such carry (12 + 34 -> 46).
+    """
+    if a + b < 10**digits:
+        return str(a + b)
+    return "0" + f"{drop_final_carry(a, b, digits):0{digits}d}"
+
+
+CORRUPTIONS = ("all_carries", "final_carry", "zero_final_carry")
+
+
+def _corrupted(corrupt: str, a: int, b: int, digits: int) -> str:
+    if corrupt == "all_carries":
+        return str(add_without_carry(a, b))
+    if corrupt == "final_carry":
+        return str(drop_final_carry(a, b, digits))
+    return zero_final_carry(a, b, digits)
+
+
 def arithmetic_records(
     n: int,
     seed: int,
@@ -139,21 +160,18 @@ def arithmetic_records(
     probability p by a plausible mistake (unchanged where the mistake
     cannot happen): `corrupt="all_carries"` adds without any carry (58 + 67
     -> 15), `"final_carry"` drops only the carry out of the top digit
-    (58 + 67 -> 25). A warm start that is plausible but wrong, for RL to repair.
+    (58 + 67 -> 25), `"zero_final_carry"` writes that carry as 0 (58 + 67 ->
+    025). A warm start that is plausible but wrong, for RL to repair.
     """
-    if corrupt not in ("all_carries", "final_carry"):
-        raise ValueError(f"unknown corruption {corrupt!r}")
+    if corrupt not in CORRUPTIONS:
+        raise ValueError(f"unknown corruption {corrupt!r}; one of {CORRUPTIONS}")
     rng = random.Random(f"corrupt:{seed}")
     for i in range(start, start + n):
         pr = problem(seed, i, digits)
         answer = pr.answer
         if corrupt_fraction > 0 and rng.random() < corrupt_fraction:
             a, b = (int(x) for x in pr.prompt.rstrip("=").split("+"))
-            answer = str(
-                add_without_carry(a, b)
-                if corrupt == "all_carries"
-                else drop_final_carry(a, b, digits)
-            )
+            answer = _corrupted(corrupt, a, b, digits)
         yield {"prompt": pr.prompt, "completion": answer}
 
 
