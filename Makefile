@@ -28,15 +28,20 @@ $(STAMP): pyproject.toml
 tools:
 	deploy/ci-tools.sh
 
+# Four pytest-xdist workers on 2 cores: most of a test's time is waiting
+# (processes starting, NATS round trips, engines answering), not computing.
+# loadscope keeps a module's tests on one worker, so a module's stack starts once.
+PARALLEL ?= -n 4 --dist loadscope
+
 test: setup tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=20 -m "not long"
+	$(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL)
 
 # The edit-test loop: everything not marked slow (no whole-stack start-ups, no
 # e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines
 # and subprocesses all the same. `make test` runs these and the slow ones.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PARALLEL)
 
 # Learning runs too long for make test (the tool-use demo's: SFT + RL, ~6 min).
 test-long: setup tools
@@ -44,7 +49,7 @@ test-long: setup tools
 
 # Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).
 test-slow: setup tools
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow $(PARALLEL)
 
 demo: setup
 	$(VENV)/bin/flywheel demo

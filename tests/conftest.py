@@ -8,15 +8,25 @@ closed inside it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.common import ports
 from services.common.nats_server import NatsServer
 from services.common.settings import NatsSettings
 from tests.harness.poll import eventually, run_async
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`), each worker hands out ports from its own slice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if worker:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        ports.start_at(int(worker.removeprefix("gw")) / count)
 
 
 @pytest.fixture

@@ -44,6 +44,17 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def start_at(fraction: float) -> None:
+    """Begin the next search `fraction` of the way up the range below the ephemeral one.
+
+    Parallel test workers (pytest-xdist) each start in their own slice, so
+    two of them do not hand out one port in the moment before it is bound.
+    """
+    global _next
+    with _lock:
+        _next = LOWEST + int((_ephemeral_start() - LOWEST) * min(max(fraction, 0.0), 0.999))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now, below the ephemeral range where there is room."""
     global _next
