@@ -18,7 +18,11 @@
      engine with `weights_check = "sha256"` does);
    - nats-full: `nats` transport upload + every receiver downloads;
    - nats-delta: encode + upload of the delta, every receiver rebuilds;
-   - disk-delta: the delta beside the directory, every receiver rebuilds.
+   - disk-delta: the delta beside the directory, every receiver rebuilds;
+   - distributed: sync's rank 0 (`DistTransport`) broadcasts v2 over one
+     two-rank gloo group per receiver, each receiver a separate process
+     serving the engine's own distributed routes (bench/sync_dist.py says
+     what is and is not included; group formation is timed apart).
    Receivers share this machine's 2 cores (at most 2 rebuilds at once), so
    16 receivers here cost what 16 machines would not.
 """
@@ -42,6 +46,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from sync_dist import Receivers, measure  # noqa: E402
 
 from proto.messages import WeightsPublished  # noqa: E402
 from proto.streams import streams_for  # noqa: E402
@@ -190,7 +196,7 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
 
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2))  # 2 cores
     rows: list[dict[str, Any]] = []
-    with NatsServer(store_dir=tmp / "nats") as server:
+    with NatsServer(store_dir=tmp / "nats") as server, Receivers(max(counts), v1) as engines:
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         conns = [await nats.connect(server.url) for _ in range(max(counts))]
@@ -241,6 +247,14 @@ async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[d
                 print(f"  {kind:10s} x{n:2d}: {seconds:7.2f}s", flush=True)
                 await js.delete_stream(f"FLYWHEEL_{RUN}_WEIGHTDATA")
                 shutil.rmtree(run_root, ignore_errors=True)
+            # sync's own loop and executor, as in its process (bench/sync_dist.py)
+            dist = measure(v2, engines.urls[:n], tmp / f"distributed-{n}")
+            rows.append(await asyncio.to_thread(asyncio.run, dist))
+            print(
+                f"  {'distributed':10s} x{n:2d}: {rows[-1]['seconds']:7.2f}s "
+                f"(groups formed in {rows[-1]['formed_s']:.2f}s, not counted)",
+                flush=True,
+            )
         for c in [nc, *conns]:
             await c.close()
     return rows
@@ -271,22 +285,32 @@ def report_receivers(rx: list[dict]) -> None:
         "\npublish→ready at lr 1e-6 (v1 held, v2 published), seconds; "
         "ratio to nats-full in the same run:\n"
     )
-    kinds = ("disk", "nats-full", "nats-delta", "disk-delta")
+    kinds = ("disk", "nats-full", "nats-delta", "disk-delta", "distributed")
     print(
         "| receivers | " + " | ".join(kinds) + " | nats-delta / nats-full "
-        "| disk-delta / disk | bytes per receiver: full → delta |"
+        "| disk-delta / disk | distributed / nats-full | bytes per receiver: full → delta |"
     )
-    print("|---|" + "---|" * (len(kinds) + 3))
-    for n in sorted({r["receivers"] for r in rx}):
+    print("|---|" + "---|" * (len(kinds) + 4))
+    counts = sorted({r["receivers"] for r in rx})
+    for n in counts:
         by = {r["kind"]: r for r in rx if r["receivers"] == n}
         cells = " | ".join(f"{by[k]['seconds']:.2f}" for k in kinds)
         nd = by["nats-delta"]["seconds"] / by["nats-full"]["seconds"]
         dd = by["disk-delta"]["seconds"] / by["disk"]["seconds"]
+        xd = by["distributed"]["seconds"] / by["nats-full"]["seconds"]
         full, delta = by["nats-full"]["bytes_per_receiver"], by["nats-delta"]["bytes_per_receiver"]
         print(
-            f"| {n} | {cells} | {nd:.3f}× | {dd:.3f}× "
+            f"| {n} | {cells} | {nd:.3f}× | {dd:.3f}× | {xd:.3f}× "
             f"| {full / 1e6:.0f} MB → {delta / 1e6:.1f} MB |"
         )
+    print(
+        "\ndistributed, outside publish→ready: one two-rank group per receiver, formed at "
+        "once; inside it: the slowest receiver's sha256 of what it received\n"
+    )
+    print("| receivers | groups formed s | receiver sha256 s (max) |\n|---|---|---|")
+    for n in counts:
+        d = next(r for r in rx if r["receivers"] == n and r["kind"] == "distributed")
+        print(f"| {n} | {d['formed_s']:.2f} | {d['verify_s']:.2f} |")
 
 
 def main(argv: list[str]) -> None:
