@@ -9,18 +9,14 @@ matches its manifest is not.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from bench.sync_dist import Receivers, measure
 from services.common.weights import published_dir, write_weights_dir
-from tests.harness import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-from sync_dist import Receivers, measure
 
 
 def version(root: Path, n: int, seed: int) -> Path:
