@@ -28,7 +28,6 @@ twice (in s and later), another never.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -50,14 +49,12 @@ from services.buffer.core import (
     Assembler,
     BufferState,
     FailureWatch,
-    GroupFilter,
     TaskMaker,
     Verdict,
     advance,
     group_failure,
-    max_length,
+    make_filters,
     task_id,
-    zero_variance,
 )
 from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
@@ -80,25 +77,6 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
 log = logging.getLogger(__name__)
-
-
-def import_filter(ref: str) -> GroupFilter:
-    module, _, name = ref.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"[buffer] custom_filter {ref!r} cannot be imported: {e}") from e
-
-
-def make_filters(s: BufferSettings) -> list[GroupFilter]:
-    filters: list[GroupFilter] = []
-    if s.filter_zero_variance:
-        filters.append(zero_variance)
-    if s.max_response_tokens is not None:
-        filters.append(max_length(s.max_response_tokens))
-    if s.custom_filter:
-        filters.append(import_filter(s.custom_filter))
-    return filters
 
 
 class BufferService:

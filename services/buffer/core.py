@@ -16,16 +16,22 @@ Admission (how many tasks to dispatch) is in services.buffer.admission.
 
 from __future__ import annotations
 
+import importlib
 import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from proto.messages import PromptTask, SampleGroup, SamplingParams
 from services.buffer.admission import FilterRate, Policy
+from services.common.errors import ConfigError
 from services.common.tasks.prompts import format_row
 from services.common.tasks.taskset import LoadedTask, TrainOrder
+
+if TYPE_CHECKING:
+    from services.buffer.settings import BufferSettings
 
 
 # ── dataset cursor ────────────────────────────────────────────────────────────
@@ -143,6 +149,27 @@ def max_length(limit: int) -> GroupFilter:
         return Verdict.TOO_LONG if longest > limit else None
 
     return check
+
+
+def import_filter(ref: str) -> GroupFilter:
+    """A user's filter named `module:function`; ConfigError (exit 2 at start-up) if absent."""
+    module, _, name = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"[buffer] custom_filter {ref!r} cannot be imported: {e}") from e
+
+
+def make_filters(s: BufferSettings) -> list[GroupFilter]:
+    """The filters `[buffer]` asks for, in the order a group meets them."""
+    filters: list[GroupFilter] = []
+    if s.filter_zero_variance:
+        filters.append(zero_variance)
+    if s.max_response_tokens is not None:
+        filters.append(max_length(s.max_response_tokens))
+    if s.custom_filter:
+        filters.append(import_filter(s.custom_filter))
+    return filters
 
 
 @dataclass
