@@ -147,6 +147,20 @@ async def episode_completions(
     return [[(ep.text, len(ep.response_ids))] for ep in episodes]
 
 
+async def _score(
+    scorer: Scorer, name: str, rows: Any, completions: list[list[tuple[str, int]]]
+) -> list[list[Any]]:
+    """Every completion of every held-out row, scored concurrently; per row, in order."""
+    return await asyncio.gather(
+        *(
+            asyncio.gather(
+                *(scorer.score(name, idx, text, row.answer, n, held_out=True) for text, n in comps)
+            )
+            for (idx, row), comps in zip(rows, completions, strict=True)
+        )
+    )
+
+
 async def evaluate_task(
     model: Any,
     tokenizer: Any,
@@ -162,26 +176,13 @@ async def evaluate_task(
     formatted = [format_row(spec, r) for _, r in rows]
     ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
 
-    async def score_all(completions: list[list[tuple[str, int]]]) -> list[list[Any]]:
-        return await asyncio.gather(
-            *(
-                asyncio.gather(
-                    *(
-                        scorer.score(task.name, idx, text, row.answer, n, held_out=True)
-                        for text, n in comps
-                    )
-                )
-                for (idx, row), comps in zip(rows, completions, strict=True)
-            )
-        )
-
     if spec.episode is not None:
         greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer)
     else:
         greedy = await asyncio.to_thread(
             generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
         )
-    scored = [rs[0] for rs in await score_all(greedy)]
+    scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy)]
     n = max(len(rows), 1)
     result = TaskEval(
         total=len(rows),
@@ -204,7 +205,8 @@ async def evaluate_task(
         seed=seed,
         max_new_tokens=e.max_new_tokens,
     )
-    solved = [any(correct(spec, r) for r in rs) for rs in await score_all(sampled)]
+    scored_k = await _score(scorer, task.name, rows, sampled)
+    solved = [any(correct(spec, r) for r in rs) for rs in scored_k]
     return TaskEval(
         result.total, result.pass_at_1, result.mean_reward, e.k, sum(solved) / n, result.examples
     )
