@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,15 +134,12 @@ def zero_final_carry(a: int, b: int, digits: int) -> str:
     return "0" + f"{drop_final_carry(a, b, digits):0{digits}d}"
 
 
-CORRUPTIONS = ("all_carries", "final_carry", "zero_final_carry")
-
-
-def _corrupted(corrupt: str, a: int, b: int, digits: int) -> str:
-    if corrupt == "all_carries":
-        return str(add_without_carry(a, b))
-    if corrupt == "final_carry":
-        return str(drop_final_carry(a, b, digits))
-    return zero_final_carry(a, b, digits)
+# corrupt= name -> the mistake's answer for (a, b, digits)
+MISTAKES: dict[str, Callable[[int, int, int], str]] = {
+    "all_carries": lambda a, b, _digits: str(add_without_carry(a, b)),
+    "final_carry": lambda a, b, digits: str(drop_final_carry(a, b, digits)),
+    "zero_final_carry": zero_final_carry,
+}
 
 
 def arithmetic_records(
@@ -163,15 +160,15 @@ def arithmetic_records(
     (58 + 67 -> 25), `"zero_final_carry"` writes that carry as 0 (58 + 67 ->
     025). A warm start that is plausible but wrong, for RL to repair.
     """
-    if corrupt not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {corrupt!r}; one of {CORRUPTIONS}")
+    if corrupt not in MISTAKES:
+        raise ValueError(f"unknown corruption {corrupt!r}; one of {sorted(MISTAKES)}")
     rng = random.Random(f"corrupt:{seed}")
     for i in range(start, start + n):
         pr = problem(seed, i, digits)
         answer = pr.answer
         if corrupt_fraction > 0 and rng.random() < corrupt_fraction:
             a, b = (int(x) for x in pr.prompt.rstrip("=").split("+"))
-            answer = _corrupted(corrupt, a, b, digits)
+            answer = MISTAKES[corrupt](a, b, digits)
         yield {"prompt": pr.prompt, "completion": answer}
 
 
