@@ -30,6 +30,12 @@ Figures, per configuration:
   `eval_every` steps, so this is quantised to those steps.
 - trained samples/s: samples in the trainer's batches (metrics.jsonl
   `samples`, zero-variance groups already filtered out) / last `elapsed`.
+- with signal/s: trained samples in groups whose rewards differ, the only
+  ones a group-relative advantage gives a gradient. Flywheel's buffer
+  filters the others out (the demo's `filter_zero_variance`), so there it
+  equals trained samples/s; TRL trains every group, so its rate is
+  trained × the share of scored samples in groups with differing rewards
+  (bench/trl_grpo.py `SignalCount`).
 - generated samples/s: Flywheel — the mean of the stack's status lines'
   `samples/s` (rate of the rollout workers' `flywheel_rollout_samples_total`
   between scrapes, every `status_interval_s`), i.e. everything generated,
@@ -71,6 +77,7 @@ class RunResult:
     steps: int | None = None
     time_to_target: float | None = None
     trained_per_s: float | None = None
+    signal_per_s: float | None = None  # trained samples in groups whose rewards differ
     generated_per_s: float | None = None
     idle_fraction: float | None = None
     acc_start: float | None = None
@@ -122,6 +129,9 @@ def flywheel_result(name: str, dest: Path, target: float) -> RunResult:
     res.rl_seconds = float(last["elapsed"])
     res.steps = int(last["step"])
     res.trained_per_s = sum(r["samples"] for r in steps) / max(res.rl_seconds, 1e-9)
+    # The buffer's zero-variance filter (the demo's) trains only groups with a signal.
+    if _filters_zero_variance(dest / "run.toml"):
+        res.signal_per_s = res.trained_per_s
     res.idle_fraction = last.get("idle_fraction")
     res.time_to_target = first_reaching(evals, target)
     res.acc_start = evals[0]["eval_accuracy"] if evals else None
@@ -135,6 +145,13 @@ def flywheel_result(name: str, dest: Path, target: float) -> RunResult:
             f"{s['accuracy_after']:.3f} in {s['rl_steps']} steps, {s['rl_seconds']:.0f}s of `up`"
         )
     return res
+
+
+def _filters_zero_variance(run_toml: Path) -> bool:
+    import tomllib
+
+    doc = tomllib.loads(run_toml.read_text()) if run_toml.is_file() else {}
+    return bool(doc.get("buffer", {}).get("filter_zero_variance", True))
 
 
 def run_flywheel(args: argparse.Namespace, k: int, keep: bool, placed: bool = False) -> RunResult:
@@ -196,6 +213,7 @@ def run_trl(args: argparse.Namespace) -> RunResult:
     res.time_to_target = first_reaching(rows, args.target)
     res.generated_per_s = s["samples_per_s"]
     res.trained_per_s = s["samples_per_s"]
+    res.signal_per_s = s["samples_per_s"] * s["signal_fraction"]
     res.acc_start, res.acc_end = s["accuracy_start"], s["accuracy_end"]
     res.notes.append(
         f"TRL: {s['eval_seconds']:.0f}s of its {s['rl_seconds']:.0f}s were held-out evaluation "
@@ -219,7 +237,7 @@ def table(results: list[RunResult], target: float, seconds: float) -> str:
         notes += rep_notes
     cols = ["config", "steps", "RL s", f"time to {target} (s)", "vs k=0", "generated samples/s",
             "vs TRL", "trained samples/s", "vs TRL", "trainer idle", "acc start → end",
-            "load 1m before/after"]  # fmt: skip
+            "with signal/s", "vs TRL", "load 1m before/after"]  # fmt: skip
     head = "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|\n"
     return head + "\n".join(out) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
@@ -243,18 +261,23 @@ def summary(results: list[RunResult], target: float) -> str:
             "runs": sum(1 for r in results if r.name == n),
             "sps": _median([r.s_per_step for r in results if r.name == n]),
             "gen": _median([r.generated_per_s for r in results if r.name == n]),
+            "tr": _median([r.trained_per_s for r in results if r.name == n]),
+            "sig": _median([r.signal_per_s for r in results if r.name == n]),
         }
         for n in names
     }
     sync, trl = med.get("flywheel k=0"), med.get("TRL GRPOTrainer")
     cols = ["config", f"median time to {target} (s)", "reached", "vs k=0", "median s/step",
-            "vs k=0", "median generated samples/s", "vs TRL"]  # fmt: skip
+            "vs k=0", "median generated samples/s", "vs TRL", "median trained samples/s",
+            "vs TRL", "median with signal/s", "vs TRL"]  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for n, m in med.items():
         lines.append(
             f"| {n} | {fmt(m['ttt'], '.0f')} | {m['reached']}/{m['runs']} "
             f"| {_ratio(m, sync, 'ttt')} | {fmt(m['sps'], '.3f')} | {_ratio(m, sync, 'sps')} "
-            f"| {fmt(m['gen'], '.0f')} | {_ratio(m, trl, 'gen')} |"
+            f"| {fmt(m['gen'], '.0f')} | {_ratio(m, trl, 'gen')} "
+            f"| {fmt(m['tr'], '.0f')} | {_ratio(m, trl, 'tr')} "
+            f"| {fmt(m['sig'], '.0f')} | {_ratio(m, trl, 'sig')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -271,12 +294,15 @@ def _rows(results: list[RunResult], target: float, seconds: float) -> tuple[list
                   if trl and trl.generated_per_s and r.generated_per_s else "-")  # fmt: skip
         vs_tr = (f"{r.trained_per_s / trl.trained_per_s:.2f}x"
                  if trl and trl.trained_per_s and r.trained_per_s else "-")  # fmt: skip
+        vs_sig = (f"{r.signal_per_s / trl.signal_per_s:.2f}x"
+                  if trl and trl.signal_per_s and r.signal_per_s else "-")  # fmt: skip
         out.append(
             f"| {r.name} (run {r.rep}) | {fmt(r.steps, 'd')} | {fmt(r.rl_seconds, '.0f')} "
             f"| {ttt} | {vs_sync} "
             f"| {fmt(r.generated_per_s, '.0f')} | {vs_gen} | {fmt(r.trained_per_s, '.0f')} "
             f"| {vs_tr} | {fmt(r.idle_fraction, '.0%')} "
             f"| {fmt(r.acc_start, '.3f')} → {fmt(r.acc_end, '.3f')} "
+            f"| {fmt(r.signal_per_s, '.0f')} | {vs_sig} "
             f"| {r.load[0]:.1f} / {r.load[1]:.1f} |"
         )
     notes = [f"- {r.name} (run {r.rep}): {n}" for r in results for n in r.notes]

@@ -23,7 +23,8 @@ temperature, max_new_tokens, lr, PPO clip, grad clip. Mapping onto
   gradient checkpointing (TRL defaults to bf16 and checkpointing), as the demo.
 
 Not the same, by construction: TRL has no zero-variance filtering (such
-groups get zero advantage and add only to the token count) and it is
+groups get zero advantage and add only to the token count; `SignalCount`
+counts the rest, reported as `signal_fraction`) and it is
 synchronous: generation and training alternate in one process. It runs on
 CPU with one torch thread (on 2 contended cores one thread is faster for
 this model, see bench/results_trainer.md).
@@ -75,7 +76,25 @@ def load_tasks(config: Path) -> Any:
     return load_settings(ServiceSettings, config).task_set()
 
 
-def make_reward(tasks: Any) -> Any:
+class SignalCount:
+    """Samples TRL scored, and those in groups whose rewards differ: the only ones
+    a group-relative advantage gives a gradient (a group of equal rewards has
+    advantage 0 everywhere). Flywheel's buffer filters the others out before
+    training, so its trained samples are all of this kind; counting TRL's the
+    same way compares like with like."""
+
+    def __init__(self, group: int) -> None:
+        self.group, self.scored, self.with_signal = group, 0, 0
+
+    def add(self, rewards: list[float]) -> None:
+        # TRL's RepeatSampler puts a prompt's num_generations completions side by side.
+        for i in range(0, len(rewards), self.group):
+            g = rewards[i : i + self.group]
+            self.scored += len(g)
+            self.with_signal += len(g) if max(g) != min(g) else 0
+
+
+def make_reward(tasks: Any, counts: SignalCount) -> Any:
     """A TRL reward function: the task's own reward (dataset columns arrive as keywords)."""
     from services.common.tasks.rewards import score
     from services.common.tasks.scoring import reward_payload
@@ -86,8 +105,10 @@ def make_reward(tasks: Any) -> Any:
                completion_ids: list[list[int]] | None = None, **_: Any) -> list[float]:  # fmt: skip
         n = [len(c) for c in completion_ids] if completion_ids else [0] * len(completions)
         rows = zip(completions, answer, task, row, n, strict=True)
-        return [score(parts[t], c, a, {"row": r, "response_tokens": k})["reward"]
-                for c, a, t, r, k in rows]  # fmt: skip
+        out = [score(parts[t], c, a, {"row": r, "response_tokens": k})["reward"]
+               for c, a, t, r, k in rows]  # fmt: skip
+        counts.add(out)
+        return out
 
     return reward
 
@@ -220,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         disable_tqdm=True,
     )  # fmt: skip
     bench = make_callback(hp, tasks, args.seconds, args.target_accuracy, args.metrics_out)
+    counts = SignalCount(hp["samples_per_prompt"])
     trainer = GRPOTrainer(
-        model=model, reward_funcs=make_reward(tasks), args=cfg,
+        model=model, reward_funcs=make_reward(tasks, counts), args=cfg,
         train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[bench],
     )  # fmt: skip
     trainer.train()
@@ -235,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": steps, "samples": samples, "rl_seconds": wall, "eval_seconds": bench.eval_s,
         "samples_per_s": samples / max(wall - bench.eval_s, 1e-9),
         "samples_per_s_incl_eval": samples / max(wall, 1e-9),
+        # the trained share of the scored samples that had a gradient (see SignalCount)
+        "signal_fraction": counts.with_signal / max(counts.scored, 1),
         "time_to_target": bench.reached, "accuracy_start": bench.rows[0]["eval_accuracy"],
         "accuracy_end": bench.rows[-1]["eval_accuracy"], "threads": args.threads,
         "hparams": hp,
