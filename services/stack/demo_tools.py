@@ -25,20 +25,34 @@ from services.common.arithmetic import problem
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-tools.toml"
 
 
-def tool_records(n: int, seed: int, tool_fraction: float, digits: int = 3) -> list[dict[str, str]]:
-    """prompt/completion traces: a calculator call with probability `tool_fraction`."""
+def tool_records(
+    n: int, seed: int, tool_fraction: float, digits: int = 3, train_observation: bool = True
+) -> list[dict[str, Any]]:
+    """prompt/completion traces: a calculator call with probability `tool_fraction`.
+
+    A trace that calls the tool is in segments, tokenised apart as an
+    episode's turns and observation are. The observation is trained on
+    (`train_observation`), although the policy never writes it: measured on
+    the held-out problems after 900 SFT steps, the model copied the result
+    into <answer> wrongly in 100 of 138 calls with the observation masked,
+    13 of 105 with it trained (predicting the product's digits inside
+    <result> is what the copy into <answer> leans on).
+    """
     rng = random.Random(f"tools:{seed}")
-    out = []
+    out: list[dict[str, Any]] = []
     for i in range(n):
         p = problem(seed, i, digits, "*")
         expr = p.prompt.rstrip("=")
+        answer = f"<answer>{p.answer}</answer>"
         if rng.random() < tool_fraction:
-            # The observation is in the trace as the engine will append it (SFT trains on
-            # it too: harmless, as the engine stops at </calc> and inserts the real one).
-            text = f"<calc>{expr}</calc><result>{p.answer}</result><answer>{p.answer}</answer>"
+            completion: Any = [
+                {"text": f"<calc>{expr}</calc>"},
+                {"text": f"<result>{p.answer}</result>", "train": train_observation},
+                {"text": answer},
+            ]
         else:
-            text = f"<answer>{p.answer}</answer>"
-        out.append({"prompt": p.prompt, "completion": text})
+            completion = answer
+        out.append({"prompt": p.prompt, "completion": completion})
     return out
 
 

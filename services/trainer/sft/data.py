@@ -10,7 +10,13 @@ Two record shapes, one per line:
   by their character offsets, so any template and any fast tokenizer work
   without re-tokenising prefixes.
 - completion: {"prompt": "...", "completion": "..."}; the completion and an
-  EOS token are trained on.
+  EOS token are trained on. A multi-turn trace gives the completion as
+  segments, `[{"text": "<calc>2*3</calc>"}, {"text": "<result>6</result>",
+  "train": false}, {"text": "<answer>6</answer>"}]`: each segment is
+  tokenised on its own, as the rollout worker tokenises an episode (the
+  policy's turns as generated, each tool observation encoded apart), and a
+  segment with `"train": false` (an observation the policy did not write)
+  has loss mask 0.
 """
 
 from __future__ import annotations
@@ -81,10 +87,30 @@ def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]]) -> SftExample:
     return SftExample(torch.tensor(enc["input_ids"]), torch.tensor(mask))
 
 
-def tokenize_completion(tokenizer: Any, prompt: str, completion: str) -> SftExample:
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return SftExample(torch.tensor(p + c), torch.tensor([0] * len(p) + [1] * len(c)))
+def _segments(completion: object) -> list[tuple[str, bool]]:
+    """(text, trained) of a completion: one string, or a list of segments."""
+    if not isinstance(completion, list):
+        return [(str(completion), True)]
+    if not completion:
+        raise ValueError("'completion' must be a string or a non-empty list of segments")
+    out = []
+    for i, seg in enumerate(completion):
+        if not isinstance(seg, dict) or not isinstance(seg.get("text"), str):
+            raise ValueError(f"completion segment {i} must be an object with a string 'text'")
+        if not isinstance(seg.get("train", True), bool):
+            raise ValueError(f"completion segment {i}: 'train' must be true or false")
+        out.append((seg["text"], seg.get("train", True)))
+    return out
+
+
+def tokenize_completion(tokenizer: Any, prompt: str, completion: object) -> SftExample:
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for text, trained in _segments(completion):
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + seg, mask + [int(trained)] * len(seg)
+    ids, mask = [*ids, tokenizer.eos_token_id], [*mask, 1]
+    return SftExample(torch.tensor(ids), torch.tensor(mask))
 
 
 def load_sft_file(path: str | Path, tokenizer: Any, max_len: int | None = None) -> list[SftExample]:
@@ -95,7 +121,7 @@ def load_sft_file(path: str | Path, tokenizer: Any, max_len: int | None = None) 
             if "messages" in rec:
                 ex = tokenize_chat(tokenizer, rec["messages"])
             elif "prompt" in rec and "completion" in rec:
-                ex = tokenize_completion(tokenizer, str(rec["prompt"]), str(rec["completion"]))
+                ex = tokenize_completion(tokenizer, str(rec["prompt"]), rec["completion"])
             else:
                 raise ValueError("need 'messages' or 'prompt' and 'completion'")
         except (ValueError, TypeError, KeyError) as e:

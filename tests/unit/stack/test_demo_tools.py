@@ -19,12 +19,17 @@ def test_the_tools_run_file_round_trips_through_the_demo_writer() -> None:
 
 def test_sft_traces_call_the_tool_part_of_the_time() -> None:
     recs = tool_records(2000, seed=7, tool_fraction=0.35)
-    calls = [r for r in recs if r["completion"].startswith("<calc>")]
+    calls = [r for r in recs if isinstance(r["completion"], list)]
     assert 0.3 < len(calls) / len(recs) < 0.4
     r = calls[0]
     a, b = r["prompt"].rstrip("=").split("*")
     product = str(int(a) * int(b))
     assert len(a) == len(b) == 3
-    assert r["completion"] == (
-        f"<calc>{a}*{b}</calc><result>{product}</result><answer>{product}</answer>"
-    )
+    assert r["completion"] == [
+        {"text": f"<calc>{a}*{b}</calc>"},
+        {"text": f"<result>{product}</result>", "train": True},  # the observation
+        {"text": f"<answer>{product}</answer>"},
+    ]
+    direct = next(r for r in recs if not isinstance(r["completion"], list))
+    a, b = direct["prompt"].rstrip("=").split("*")
+    assert direct["completion"] == f"<answer>{int(a) * int(b)}</answer>"

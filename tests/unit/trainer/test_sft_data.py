@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.trainer.sft.data import (
@@ -38,3 +40,43 @@ def test_zero_final_carry_records_are_wrong_only_where_the_sum_carries() -> None
 def test_an_unknown_mistake_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown corruption"):
         next(arithmetic_records(1, seed=0, corrupt_fraction=0.5, corrupt="forgot_everything"))
+
+
+def test_a_segmented_completion_masks_the_segments_not_trained_on(tmp_path) -> None:
+    from services.common.tiny_model import build_tokenizer
+    from services.trainer.sft.data import load_sft_file
+
+    tok = build_tokenizer()
+    path = tmp_path / "traces.jsonl"
+    segments = [
+        {"text": "<c>2*3</c>"},
+        {"text": "<r>6</r>", "train": False},
+        {"text": "<a>6</a>"},
+    ]
+    path.write_text(json.dumps({"prompt": "2*3=", "completion": segments}) + "\n")
+    (ex,) = load_sft_file(path, tok)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    # each segment tokenised apart, as an episode's turns and observations are
+    assert ex.input_ids.tolist() == enc("2*3=") + enc("<c>2*3</c>") + enc("<r>6</r>") + enc(
+        "<a>6</a>"
+    ) + [tok.eos_token_id]
+    mask = [0] * 4 + [1] * 10 + [0] * 8 + [1] * 8 + [1]
+    assert ex.loss_mask.tolist() == mask
+
+
+@pytest.mark.parametrize(
+    ("completion", "error"),
+    [
+        ([], "non-empty list"),
+        ([{"txt": "a"}], "segment 0 must be an object with a string 'text'"),
+        ([{"text": "a"}, {"text": "b", "train": "no"}], "segment 1: 'train' must be"),
+    ],
+)
+def test_a_malformed_segment_names_the_line_and_the_segment(tmp_path, completion, error) -> None:
+    from services.common.tiny_model import build_tokenizer
+    from services.trainer.sft.data import SftDataError, load_sft_file
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "completion": completion}) + "\n")
+    with pytest.raises(SftDataError, match=f"bad.jsonl:1: .*{error}"):
+        load_sft_file(path, build_tokenizer())
