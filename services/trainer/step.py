@@ -3,9 +3,10 @@
 Rank 0 reads the batch (batches.py) and hands it to the other ranks as
 bytes (a length, then a uint8 tensor: no pickle); every rank then runs the
 same step. When a step is due to publish (`publish_every`), its weights
-directory is saved first, then its checkpoint, which records the stream
-sequence of the batch (so a checkpoint never names a version whose
-directory is missing, and a restart resumes at the next batch).
+directory and its checkpoint are saved, the checkpoint recording the
+stream sequence of the batch and committed only once the directory is
+complete (so a checkpoint never names a version whose directory is
+missing, and a restart resumes at the next batch).
 
 In one process the saving is taken off the critical path: the step's
 state is copied out (a `Snapshot`, ~1 ms for the demo model) and written
