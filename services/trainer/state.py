@@ -3,23 +3,26 @@ state, RNG, stream position), and the metrics file made to agree with them on re
 
 Layout of one checkpoint (`<root>/step-00000042/`):
 
-    state/              model + optimizer, torch.distributed.checkpoint (DCP)
+    state.pt            one process: model + optimizer + RNG, one file
+    state/, rng-rank<r>.pt   under FSDP2: DCP shards, each rank's RNG
     trainer-state.json  step, weight_version, scheduler state, input_position
-    rng-rank<r>.pt      this rank's torch (and CUDA) RNG state, python's random
     <root>/latest       the name of the newest complete checkpoint
 
-Why DCP for model and optimizer rather than one gathered state dict: under
-FSDP2 every rank writes its own shards in parallel, no rank ever holds the
-full optimizer state (2× the model in fp32 for AdamW), and DCP reshards on
-load, so a run may resume on a different number of GPUs. The same calls
-work in a single process (no process group). Everything else is small and
-written as JSON, so nothing is unpickled; the RNG tensors are read with
-`torch.load(weights_only=True)`.
+Which of the two the model state takes is stateformat.py's choice (and why).
+Everything else is small and written as JSON, so nothing is unpickled.
 
-Atomicity: all ranks write into `.step-N.tmp/`; after a barrier rank 0
-renames it to `step-N/` and then atomically replaces `latest`. A crash at
-any point leaves the previous `latest` valid. `input_position` is opaque
-here (the trainer service records the stream sequence of the last batch).
+Atomicity and durability: a checkpoint is staged (`stage_checkpoint`: all
+ranks write into `.step-N.tmp/`, each file fsynced) and then committed
+(`commit_checkpoint`: after a barrier rank 0 renames it to `step-N/`,
+atomically replaces `latest`, and fsyncs the directories). A crash at any
+point, of the process or of the machine, leaves the previous `latest`
+valid; once `commit_checkpoint` returns, the checkpoint survives a power
+cut, which is what lets the trainer announce its version (publishing.py).
+The two halves are separate so that one process can stage the checkpoint
+while its weights directory is being written and commit it only after
+(step.py: a checkpoint never names a version whose directory is missing).
+`input_position` is opaque here (the trainer service records the stream
+sequence of the last batch).
 
 The metrics file holds one row per trained step, in order, and a row is
 appended only once its step is checkpointed; `reconcile_rows` restores that
@@ -28,24 +31,27 @@ contract after a crash (its docstring says how).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import os
-import random
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from services.common.errors import FlywheelError
-from services.trainer.distributed import barrier
+from services.trainer.distributed import DistInfo, barrier
+from services.trainer.stateformat import (
+    CheckpointError,
+    fsync_path,
+    model_optim_state,
+    read_state,
+    rng_state,
+    write_state,
+)
 from services.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -53,49 +59,8 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 
 
-class CheckpointError(FlywheelError, OSError):
-    """A checkpoint is missing or unreadable; names the path."""
-
-    def __init__(self, message: str, *, path: Path):
-        super().__init__(message)
-        self.path = path
-
-
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns that it runs without a process group; that is our single-process path."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _step_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def _model_optim_state(trainer: Trainer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": json.dumps(random.getstate()),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    v, internal, gauss = json.loads(state["python"])
-    random.setstate((v, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _copy_to_cpu(tree: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
@@ -128,9 +93,9 @@ def _copy_to_cpu(tree: Any, memo: dict[tuple[Any, ...], torch.Tensor]) -> Any:
 class Snapshot:
     """A single-process trainer's state after one step, copied out of the live objects.
 
-    Writing a checkpoint and the weights takes time (DCP's per-tensor
-    files, safetensors, hashing: ~60–130 ms per step for the demo's 0.5M
-    model on these 2 cores, seconds for real models); from a snapshot they
+    Writing a checkpoint and the weights takes time (serialising, fsyncs,
+    safetensors, hashing: tens of ms per step for the demo's 0.5M model on
+    these 2 cores, seconds for real models); from a snapshot they
     are written while the next step trains. Under FSDP2 writing is a
     collective that must run on every rank in step with training, so
     snapshots are for `world_size == 1` only.
@@ -138,7 +103,7 @@ class Snapshot:
 
     step: int
     weight_version: int
-    state: dict[str, Any]  # {"model": ..., "optim": ...} as DCP saves them, on CPU
+    state: dict[str, Any]  # {"model": ..., "optim": ...} as get_state_dict gives them, on CPU
     weights: dict[str, torch.Tensor]  # the full model state dict, for save_pretrained
     scheduler: dict[str, Any]
     rng: dict[str, Any]
@@ -154,26 +119,34 @@ def snapshot(trainer: Trainer) -> Snapshot:
     return Snapshot(
         step=trainer.step,
         weight_version=trainer.weight_version,
-        state=_copy_to_cpu(_model_optim_state(trainer), memo),
+        state=_copy_to_cpu(model_optim_state(trainer), memo),
         weights=_copy_to_cpu(weights, memo),
         scheduler=copy.deepcopy(trainer.scheduler.state_dict()),
-        rng=_rng_state(),
+        rng=rng_state(),
     )
 
 
-def save_checkpoint(
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint written into its temporary directory, not yet the `latest`."""
+
+    root: Path
+    tmp: Path
+    final: Path
+    info: DistInfo
+
+
+def stage_checkpoint(
     trainer: Trainer,
     root: str | Path,
     input_position: dict[str, Any] | None = None,
     snap: Snapshot | None = None,
-) -> Path:
-    """Write a checkpoint of `trainer` under `root` (collective: call on every rank).
+) -> Staged:
+    """Write a checkpoint of `trainer` into `root`'s temporary directory (every rank).
 
     With `snap`, the snapshot is written instead of the live state (one
     process; the trainer may be training the next step meanwhile).
     """
-    import torch.distributed.checkpoint as dcp
-
     root = Path(root)
     info = trainer.info
     step = snap.step if snap else trainer.step
@@ -183,9 +156,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(info)
-    with _quiet_single_process():
-        dcp.save(snap.state if snap else _model_optim_state(trainer), checkpoint_id=tmp / "state")
-    torch.save(snap.rng if snap else _rng_state(), tmp / f"rng-rank{info.rank}.pt")
+    state = snap.state if snap else model_optim_state(trainer)
+    write_state(tmp, state, snap.rng if snap else rng_state(), info)
     if info.is_main:
         doc = {
             "step": step,
@@ -195,16 +167,36 @@ def save_checkpoint(
             "input_position": input_position or {},
         }
         (tmp / "trainer-state.json").write_text(json.dumps(doc, indent=2))
+        fsync_path(tmp / "trainer-state.json")
+    return Staged(root, tmp, final, info)
+
+
+def commit_checkpoint(staged: Staged) -> Path:
+    """Make a staged checkpoint the durable `latest` (every rank); returns its directory."""
+    root, tmp, final, info = staged.root, staged.tmp, staged.final, staged.info
     barrier(info)
     if info.is_main:
+        fsync_path(tmp)  # its entries, before it gets a name `latest` can point at
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         latest_tmp = root / f".{LATEST}.tmp"
         latest_tmp.write_text(final.name)
+        fsync_path(latest_tmp)
         os.replace(latest_tmp, root / LATEST)
+        fsync_path(root)  # both renames
     barrier(info)
     return final
+
+
+def save_checkpoint(
+    trainer: Trainer,
+    root: str | Path,
+    input_position: dict[str, Any] | None = None,
+    snap: Snapshot | None = None,
+) -> Path:
+    """Stage and commit a checkpoint of `trainer` under `root` (collective: every rank)."""
+    return commit_checkpoint(stage_checkpoint(trainer, root, input_position, snap))
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -219,32 +211,16 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
-    """Restore `trainer` from checkpoint `path`; returns the saved input_position."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
+    """Restore `trainer` from checkpoint `path` (either format); returns its input_position."""
     path = Path(path)
     try:
         doc = json.loads((path / "trainer-state.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError) as e:
         raise CheckpointError(f"unreadable checkpoint {path}: {e}", path=path) from e
-    state = _model_optim_state(trainer)
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path / "state")
-    set_state_dict(
-        trainer.model,
-        trainer.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-    )
+    read_state(trainer, path, int(doc["world_size"]))
     trainer.scheduler.load_state_dict(doc["scheduler"])
     trainer.step = int(doc["step"])
     trainer.weight_version = int(doc["weight_version"])
-    # Same world size: each rank gets its own stream back; otherwise rank 0's.
-    rng = path / f"rng-rank{trainer.info.rank}.pt"
-    if int(doc["world_size"]) != trainer.info.world_size or not rng.is_file():
-        rng = path / "rng-rank0.pt"
-    _set_rng_state(torch.load(rng, weights_only=True))
     return dict(doc["input_position"])
 
 

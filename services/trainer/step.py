@@ -3,30 +3,43 @@
 Rank 0 reads the batch (batches.py) and hands it to the other ranks as
 bytes (a length, then a uint8 tensor: no pickle); every rank then runs the
 same step. When a step is due to publish (`publish_every`), its weights
-directory is saved first, then its checkpoint, which records the stream
-sequence of the batch (so a checkpoint never names a version whose
-directory is missing, and a restart resumes at the next batch).
+directory and its checkpoint are saved, the checkpoint recording the
+stream sequence of the batch and committed only once the directory is
+complete (so a checkpoint never names a version whose directory is
+missing, and a restart resumes at the next batch).
 
 In one process the saving is taken off the critical path: the step's
 state is copied out (a `Snapshot`, ~1 ms for the demo model) and written
-while the next step trains (`persist` from loop.py). Under FSDP2 saving
-is a collective, so every rank saves within the step.
+while the next step trains (`persist` from loop.py), the weights directory
+on a thread beside the checkpoint's staging; only the checkpoint's commit
+waits for the directory. Under FSDP2 saving is a collective, so every rank
+saves within the step, one thing after the other (two threads' collectives
+could interleave differently on different ranks).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from proto.codec import decode, encode
 from proto.messages import TrainBatch as WireBatch
-from services.common.weights import published_dir
+from services.common.weights import Manifest, published_dir
 from services.trainer.distributed import DistInfo
 from services.trainer.settings import TrainerSettings
-from services.trainer.state import Snapshot, prune_checkpoints, save_checkpoint, snapshot
+from services.trainer.state import (
+    Snapshot,
+    commit_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    snapshot,
+    stage_checkpoint,
+)
 from services.trainer.trainer import Trainer
 from services.trainer.wire import to_core_batch
 
@@ -86,7 +99,7 @@ def publish_due(trainer: Trainer, s: TrainerSettings) -> bool:
 def persist(
     trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int, r: StepResult
 ) -> None:
-    """Save step `r.step`'s weights directory, then its checkpoint (which records `seq`).
+    """Save step `r.step`'s weights directory and its checkpoint (which records `seq`).
 
     From `r.snapshot` (one process) while the next step trains; otherwise
     from the live trainer, on every rank in step.
@@ -94,14 +107,38 @@ def persist(
     t = time.perf_counter()
     snap, r.snapshot = r.snapshot, None
     out = published_dir(s.weights_root, s.run, r.step)
-    manifest = trainer.save_weights(out, overwrite=True, state_dict=snap.weights if snap else None)
-    save_checkpoint(trainer, s.checkpoint_dir, {"seq": seq, "batch_id": batch.batch_id}, snap)
+    position = {"seq": seq, "batch_id": batch.batch_id}
+    manifest = save_version(trainer, out, s.checkpoint_dir, position, snap)
     if trainer.info.is_main:
         prune_checkpoints(s.checkpoint_dir, s.keep_checkpoints)
     r.published = out
     if manifest is not None:
         r.sha256, r.size_bytes = manifest.sha256, manifest.total_bytes
     r.publish_s = time.perf_counter() - t
+
+
+def save_version(
+    trainer: Trainer,
+    out: Path,
+    checkpoint_dir: Path,
+    position: dict[str, Any],
+    snap: Snapshot | None,
+) -> Manifest | None:
+    """Weights directory `out` and the checkpoint at `position`, committed after `out` exists.
+
+    From `snap` (one process), the directory is written on a thread while
+    the checkpoint is staged: serialising, hashing and fsyncs overlap.
+    """
+    if snap is None:
+        manifest = trainer.save_weights(out, overwrite=True)
+        save_checkpoint(trainer, checkpoint_dir, position)
+        return manifest
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="save-weights") as pool:
+        weights = pool.submit(trainer.save_weights, out, overwrite=True, state_dict=snap.weights)
+        staged = stage_checkpoint(trainer, checkpoint_dir, position, snap)
+        manifest = weights.result()
+    commit_checkpoint(staged)
+    return manifest
 
 
 def train_one(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:

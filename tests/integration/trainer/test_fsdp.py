@@ -1,4 +1,5 @@
-"""FSDP2 under torchrun (2 ranks, gloo, CPU) equals one process on the same batch."""
+"""FSDP2 under torchrun (2 ranks, gloo, CPU) equals one process on the same batch;
+checkpoints cross between the two (DCP written by two ranks, the one-file one by one)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 
 from services.common.weights import verify_weights_dir
 from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
-from services.trainer.state import latest_checkpoint, load_checkpoint
+from services.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.trainer import Trainer
 from tests.harness import REPO
 from tests.integration.trainer.trainer_helpers import random_batch
@@ -33,7 +34,7 @@ CFG = TrainConfig(
 )
 
 
-def _torchrun(model_dir, out, cfg: TrainConfig) -> None:
+def _torchrun(model_dir, out, cfg: TrainConfig, resume=None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
@@ -46,6 +47,7 @@ def _torchrun(model_dir, out, cfg: TrainConfig) -> None:
         str(model_dir),
         str(out),
         cfg.model_dump_json(),
+        *([str(resume)] if resume is not None else []),
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -106,3 +108,27 @@ def test_two_rank_fsdp_in_bf16_matches_single_process_bf16(tiny_model_dir, tmp_p
     diff = sum(float((fsdp_weights[n] - ref[n]).abs().sum()) for n in names)
     step = sum(float((ref[n] - start[n]).abs().sum()) for n in names)
     assert step > 0 and diff < 0.1 * step, (diff, step)
+
+
+@pytest.mark.slow  # torchrun: two ranks, each importing torch
+def test_a_one_process_checkpoint_resumes_under_two_rank_fsdp(tiny_model_dir, tmp_path):
+    """One process writes one file (the full state); two FSDP2 ranks resume from it.
+
+    Each rank keeps its shards of the full model and AdamW state, so the next
+    step equals the one process's next step; the two ranks' own checkpoint is DCP.
+    """
+    single = Trainer.from_pretrained(tiny_model_dir, CFG)
+    single.train_step(random_batch(seed=1))
+    save_checkpoint(single, tmp_path / "one", {"seq": 3})
+    assert (latest_checkpoint(tmp_path / "one") / "state.pt").is_file()
+
+    _torchrun(tiny_model_dir, tmp_path, CFG, resume=tmp_path / "one")
+    want = single.train_step(random_batch(seed=1))
+    got = json.loads((tmp_path / "metrics.json").read_text())
+    assert got["step"] == want["step"] == 2
+    for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+        assert abs(got[key] - want[key]) < 1e-5, (key, got[key], want[key])
+    ref = single.model.state_dict()
+    for name, tensor in load_file(tmp_path / "weights" / "model.safetensors").items():
+        torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)
+    assert (latest_checkpoint(tmp_path / "ckpt") / "state").is_dir()  # FSDP2 keeps DCP

@@ -1,0 +1,176 @@
+"""How a checkpoint holds the model, optimizer and RNG state: one file, or DCP shards.
+
+- one file (`state.pt`): a plain single process. One `torch.save` of
+  {"model", "optim", "rng"}, fsynced. The process holds the whole state
+  anyway, and DCP in one process still writes every item as its own
+  `torch.save` with its own fsyncs: for the demo's 0.5M model 118 items and
+  ~11 fsyncs, 83–146 ms of a 264 ms publish at max_staleness 0
+  (bench/results_profile.md).
+- DCP (`state/` + `rng-rank<r>.pt`): under FSDP2 (any process group). Every
+  rank writes its own shards in parallel, no rank ever holds the full
+  optimizer state (2× the model in fp32 for AdamW), and DCP reshards on
+  load, so a run may resume on a different number of GPUs.
+
+`format_for` is the one place that chooses what to write; `format_of` reads
+what a checkpoint holds, so a checkpoint written before the one-file format
+existed (always DCP) still loads, and a one-file checkpoint loads under
+FSDP2 too (the full state, sharded by `set_state_dict`). Nothing is
+unpickled: tensors and containers only, `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.errors import FlywheelError
+from services.trainer.distributed import DistInfo
+from services.trainer.trainer import Trainer
+
+ONE_FILE = "state.pt"
+DCP_DIR = "state"
+
+
+class CheckpointError(FlywheelError, OSError):
+    """A checkpoint is missing or unreadable; names the path."""
+
+    def __init__(self, message: str, *, path: Path):
+        super().__init__(message)
+        self.path = path
+
+
+class StateFormat(StrEnum):
+    ONE_FILE = "one-file"
+    DCP = "dcp"
+
+
+def format_for(info: DistInfo) -> StateFormat:
+    """What a trainer in `info`'s configuration writes (the only place that decides)."""
+    return StateFormat.DCP if info.distributed else StateFormat.ONE_FILE
+
+
+def format_of(path: Path) -> StateFormat:
+    """What checkpoint `path` holds; CheckpointError if neither."""
+    if (path / ONE_FILE).is_file():
+        return StateFormat.ONE_FILE
+    if (path / DCP_DIR).is_dir():
+        return StateFormat.DCP
+    raise CheckpointError(f"{path} holds no model state ({ONE_FILE} or {DCP_DIR}/)", path=path)
+
+
+def fsync_path(path: Path) -> None:
+    """Make a file's data (or a directory's entries) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it runs without a process group; that is a single-process load."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def model_optim_state(trainer: Trainer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": json.dumps(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    v, internal, gauss = json.loads(state["python"])
+    random.setstate((v, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _save_fsynced(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    fsync_path(path)
+
+
+def _load(path: Path) -> Any:
+    """`torch.load` of a file this module wrote; a torn or foreign file is a CheckpointError."""
+    try:
+        return torch.load(path, weights_only=True)
+    # Which error a damaged file gives is up to its bytes (torn: RuntimeError, OSError,
+    # EOFError; other bytes: KeyError, the unpickler's own error): each means unreadable.
+    except Exception as e:
+        raise CheckpointError(f"unreadable checkpoint file {path}: {e}", path=path) from e
+
+
+def write_state(tmp: Path, state: dict[str, Any], rng: dict[str, Any], info: DistInfo) -> None:
+    """Write `state` ({"model", "optim"}) and this rank's `rng` into `tmp` (every rank)."""
+    if format_for(info) is StateFormat.ONE_FILE:
+        _save_fsynced({**state, "rng": rng}, tmp / ONE_FILE)
+        return
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=tmp / DCP_DIR)  # fsyncs its own files
+    _save_fsynced(rng, tmp / f"rng-rank{info.rank}.pt")
+
+
+def read_state(trainer: Trainer, path: Path, saved_world_size: int) -> None:
+    """Restore `trainer`'s model, optimizer and RNG from checkpoint `path` (every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    distributed = trainer.info.distributed
+    fmt = format_of(path)
+    if fmt is StateFormat.ONE_FILE:
+        state = _load(path / ONE_FILE)
+        rng = state["rng"]
+    else:
+        state, rng = _read_dcp(trainer, path, saved_world_size)
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        # A one-file state is the full one: under FSDP2 each rank keeps its shards of it.
+        options=StateDictOptions(full_state_dict=fmt is StateFormat.ONE_FILE and distributed),
+    )
+    _set_rng_state(rng)
+
+
+def _read_dcp(
+    trainer: Trainer, path: Path, saved_world_size: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch.distributed.checkpoint as dcp
+
+    state = model_optim_state(trainer)  # DCP loads in place, resharding to this layout
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path / DCP_DIR)
+    except dcp.api.CheckpointException as e:
+        where = path / DCP_DIR
+        raise CheckpointError(f"unreadable checkpoint state {where}: {e}", path=where) from e
+    # Same world size: each rank gets its own stream back; otherwise rank 0's.
+    rng = path / f"rng-rank{trainer.info.rank}.pt"
+    if saved_world_size != trainer.info.world_size or not rng.is_file():
+        rng = path / "rng-rank0.pt"
+    return state, _load(rng)
