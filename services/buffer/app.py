@@ -8,21 +8,21 @@ Three message loops and one dispatcher share one `Assembler`:
 - dead letters of tasks (PromptTask) → those tasks are answered: no group comes.
 - the dispatcher publishes as many PromptTasks as admission allows.
 
-Crash safety. The state (cursor, counters, next step, pending group
-references) is written to a JetStream KV bucket *before* the message that
-changed it is acked, and pending groups are kept as stream sequence numbers
-in SAMPLES (limits retention), re-read on restart. Every publish carries a
-deterministic Nats-Msg-Id, so redoing the work after a crash re-publishes
-identical tasks and batches, which JetStream stores once.
+Crash safety. Every change of the state (a group's decision, a batch, the
+cursor and counters) is written to a JetStream KV bucket *before* the message
+that changed it is acked, one small write per change (services/buffer/state.py
+says what is written, store.py how), and pending groups are kept as stream
+sequence numbers in SAMPLES (limits retention), re-read on restart. Every
+publish carries a deterministic Nats-Msg-Id, so redoing the work after a crash
+re-publishes identical tasks and batches, which JetStream stores once.
 
-Batches go through an outbox (KV key `outbox`): their composition (step,
-created_at, group sequences) is stored, then the state that counts them as
-batched, then they are published, then the outbox is emptied; a restart
-publishes what the outbox still holds for steps the state has passed. Without
-it a crash between publishing batch s and persisting the state let the
-restarted buffer build a *different* batch s from groups arriving in another
-order, which JetStream then dropped as a duplicate id: one group trained
-twice (in s and later), another never.
+A batch's composition (step, created_at, group sequences) is stored before it
+is published, and the head's `published` moves past it after; a restart
+publishes the stored batches from `published` on. Without that a crash
+between publishing batch s and storing it let the restarted buffer build a
+*different* batch s from groups arriving in another order, which JetStream
+then dropped as a duplicate id: one group trained twice (in s and later),
+another never.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from proto.codec import decode
 from proto.errors import ProtocolError
@@ -58,23 +57,13 @@ from services.buffer.core import (
 )
 from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
-from services.buffer.state import (
-    OUTBOX_KEY,
-    STATE_KEY,
-    dump_outbox,
-    dump_state,
-    load_outbox,
-    load_state,
-    open_kv,
-)
+from services.buffer.state import dump_accepted, dump_head, dump_settled
+from services.buffer.store import StateStore, open_store
 from services.common.errors import ConfigError, PermanentError, RunHalted
 from services.common.lifecycle import ServiceContext
 from services.common.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
 from services.common.nats_conn import ensure_consumer
 from services.common.publish import publish
-
-if TYPE_CHECKING:
-    from nats.js.kv import KeyValue
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +71,10 @@ log = logging.getLogger(__name__)
 class BufferService:
     """Owns the assembler and the KV state; its handlers are the message loops'."""
 
-    def __init__(self, ctx: ServiceContext, settings: BufferSettings, kv: KeyValue) -> None:
+    def __init__(self, ctx: ServiceContext, settings: BufferSettings, store: StateStore) -> None:
         self.ctx = ctx
         self.s = settings
-        self.kv = kv
+        self.store = store
         self.subjects = Subjects(settings.run)
         self.tasks = settings.task_set()
         self.loaded = self.tasks.load()  # ConfigError naming the key: exit 2 at start-up
@@ -126,62 +115,52 @@ class BufferService:
         )
         self._fill_started: float | None = None
         self.unpublished: list[tuple[int, float, list[SampleGroup]]] = []  # step, at, groups
-        self._outbox_saved = True  # the KV outbox holds every batch in `unpublished`
         # when each step began filling (this process's clock), for settled_horizon
         self._step_starts: dict[int, float] = {0: time.monotonic()}
 
     # state
     async def restore(self) -> None:
-        from nats.js.errors import KeyNotFoundError
-
-        try:
-            entry = await self.kv.get(STATE_KEY)
-        except KeyNotFoundError:
+        rec = await self.store.load()
+        if rec.fresh:
             log.info("buffer: fresh start")
             return
-        assert entry.value is not None
-        state, pending = load_state(entry.value)
-        self.asm.state = state
+        state = self.asm.state = rec.state
         # Steps before this one began no later than now: none is forgotten for keep_settled_s.
         self._step_starts = {state.next_step: time.monotonic()}
-        for gid, seq in pending:
-            raw = await self.ctx.js.get_msg(stream_name(self.s.run, "SAMPLES"), seq)
-            self.asm.pending.append(decode(raw.data or b"", SampleGroup))
+        for gid, seq in rec.pending:
+            self.asm.pending.append(await self._stored_group(seq))
             self.pending_seqs[gid] = seq
+        for step, at, seqs in rec.unpublished:  # a crash may have left them unpublished
+            self.unpublished.append((step, at, [await self._stored_group(q) for q in seqs]))
+            log.info("buffer: re-publishing batch %d", step)
         log.info(
             "buffer: resumed at step %d, cursor %s, %d pending groups, %d in flight",
             state.next_step,
             state.cursor,
-            len(pending),
+            len(rec.pending),
             state.in_flight,
         )
-        await self._flush_outbox()
+        await self._publish_ready_batches()  # and a full batch a crash left undecided
+        await self.persist()
 
-    async def _flush_outbox(self) -> None:
-        """Publish the batches a crash may have left unpublished (ids de-duplicate the rest)."""
-        from nats.js.errors import KeyNotFoundError
+    async def _stored_group(self, seq: int) -> SampleGroup:
+        raw = await self.ctx.js.get_msg(stream_name(self.s.run, "SAMPLES"), seq)
+        return decode(raw.data or b"", SampleGroup)
 
-        try:
-            entry = await self.kv.get(OUTBOX_KEY)
-        except KeyNotFoundError:
-            return
-        outbox = load_outbox(entry.value or b"")
-        stream = stream_name(self.s.run, "SAMPLES")
-        for step, created_at, seqs in outbox:
-            if step >= self.asm.state.next_step:
-                continue  # the state never counted it: it will be decided again
-            groups = [
-                decode((await self.ctx.js.get_msg(stream, q)).data or b"", SampleGroup)
-                for q in seqs
-            ]
-            await self._publish_batch(step, groups, created_at)
-            log.info("buffer: re-published batch %d from the outbox", step)
-        if outbox:
-            await self.kv.put(OUTBOX_KEY, b"")
+    def _head(self) -> bytes:
+        """The head: counters, and the first step not yet published."""
+        return dump_head(self.asm.state, self.asm.state.next_step - len(self.unpublished))
+
+    def _record(self, gid: str, seq: int | None) -> None:
+        """Queue a group's decision: accepted (its SAMPLES seq) or settled (dropped)."""
+        st = self.asm.state
+        if seq is not None:
+            self.store.group(gid, dump_accepted(st.answered, seq))
+        else:
+            self.store.group(gid, dump_settled(st.answered, *st.settled[gid]))
 
     async def persist(self) -> None:
-        pending = [(g.group_id, self.pending_seqs[g.group_id]) for g in self.asm.pending]
-        await self.kv.put(STATE_KEY, dump_state(self.asm.state, pending))
+        await self.store.flush()
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -195,11 +174,14 @@ class BufferService:
     # handlers
     async def on_group(self, group: SampleGroup, d: Delivery) -> None:
         async with self.lock:
-            target = self.asm.target_step()
+            target, answered = self.asm.target_step(), self.asm.state.answered
             verdict = self.asm.offer(group)
             self.metrics.groups.labels(verdict=str(verdict)).inc()
             if verdict == Verdict.DUPLICATE:
+                await self.store.flush()  # its decision may still be queued (a failed write)
                 return
+            if self.asm.state.answered > answered:  # decided now, not a redelivered drop
+                self._record(group.group_id, d.stream_seq if verdict == Verdict.ACCEPTED else None)
             tokens = sum(s.num_response_tokens for s in group.samples)
             self.metrics.group_tokens.labels(verdict=str(verdict)).inc(tokens)
             self.metrics.filter_rate.set(self.asm.rate)
@@ -221,20 +203,15 @@ class BufferService:
             )
 
     async def _publish_ready_batches(self) -> None:
-        """Outbox, then state, then publish (module docstring: why in this order). Taken
+        """Store the batch, then publish it (module docstring: why in this order). Taken
         batches wait in `unpublished` until published: a failed KV write or publish leaves
         them to the next call (else a step was lost: `make chaos`, a write timed out)."""
         while (batch := self.asm.take_batch()) is not None:
-            self.unpublished.append((batch[0], time.time(), batch[1]))
-            self._outbox_saved = False
-        if self.unpublished and not self._outbox_saved:
-            outbox = [
-                (step, at, [self.pending_seqs[g.group_id] for g in groups])
-                for step, at, groups in self.unpublished
-            ]
-            await self.kv.put(OUTBOX_KEY, dump_outbox(outbox))
-            await self.persist()
-            self._outbox_saved = True
+            step, groups = batch
+            self.unpublished.append((step, time.time(), groups))
+            seqs = [self.pending_seqs[g.group_id] for g in groups]
+            self.store.batch(step, self.unpublished[-1][1], seqs)
+        await self.store.flush()
         published = bool(self.unpublished)
         while self.unpublished:
             step, at, groups = self.unpublished[0]
@@ -248,9 +225,11 @@ class BufferService:
             self._fill_started = time.monotonic() if self.asm.pending else None
             log.info("buffer: published batch %d (%d groups, %d parts)", step, len(groups), parts)
         if published:
-            await self.kv.put(OUTBOX_KEY, b"")
+            self.store.head(self._head())
         now, keep = time.monotonic(), (self.s.keep_settled_s, self.s.keep_settled_steps)
         self._step_starts = self.asm.forget_settled(self._step_starts, now, *keep)
+        below = min(self.asm.forgotten_below, self.asm.state.next_step - len(self.unpublished))
+        self.store.forget(self.asm.state, self.pending_seqs, below, self._head())
 
     async def _publish_batch(self, step: int, groups: list[SampleGroup], created_at: float) -> int:
         msg = TrainBatch(
@@ -266,6 +245,7 @@ class BufferService:
         async with self.lock:
             if msg.version > self.asm.state.ready_version:
                 self.asm.state.ready_version = msg.version
+                self.store.head(self._head())
                 await self.persist()
                 log.info("buffer: version %d ready", msg.version)
         self.wake.set()
@@ -279,10 +259,11 @@ class BufferService:
             return  # not a task we dispatched (garbage published to tasks)
         gid = f"{task.task_id}:a{task.attempt}"
         async with self.lock:
-            if gid in self.asm.state.settled:
+            if gid in self.asm.state.settled or gid in self.pending_seqs:
                 return  # answered already (a group arrived, or counted before)
             self.asm.task_dead_lettered()
             self.asm.state.settled[gid] = (self.asm.state.next_step, f"task_{msg.reason}")
+            self._record(gid, None)
             await self.persist()
         if msg.reason != "max_deliver":  # retries ran out: transient causes, not a bug
             self._failed(msg.reason, msg.error)
@@ -346,6 +327,7 @@ class BufferService:
                     st.answered += 1  # its dead letter is its answer: no group comes
             st.cursor = cursor
             st.dispatched += n
+            self.store.head(self._head())
             await self.persist()
         self.metrics.dispatched.inc(n)
         return n
@@ -370,7 +352,7 @@ async def body(ctx: ServiceContext) -> None:
     consumers = consumers_for(settings.run)
     for role in ("buffer", "buffer-ready", "buffer-dlq"):
         await ensure_consumer(ctx.js, consumers[role])
-    svc = BufferService(ctx, settings, await open_kv(ctx, settings.run))
+    svc = BufferService(ctx, settings, await open_store(ctx, settings.run))
     await svc.restore()
     svc._update_gauges()
     groups = ctx.message_loop(consumers["buffer"], SampleGroup, svc.on_group)

@@ -200,6 +200,7 @@ class Assembler:
     filters: Sequence[GroupFilter] = (zero_variance,)
     pending: list[SampleGroup] = field(default_factory=list)
     filter_rate: FilterRate | None = None  # default: learned over 8 batches of groups
+    forgotten_below: int = 0  # settled ids of steps before this one are forgotten
 
     def __post_init__(self) -> None:
         if self.filter_rate is None:
@@ -266,9 +267,14 @@ class Assembler:
     def forget_before(self, step: int) -> None:
         """Drop settled ids of batches before `step`, bounding the state.
 
-        Safe once their messages can no longer come back (see `settled_horizon`).
+        Safe once their messages can no longer come back (see `settled_horizon`). Ids
+        are settled at the step being filled or later, so a step already forgotten
+        has none: the scan runs once per step, not per group.
         """
+        if step <= self.forgotten_below:
+            return
         self.state.settled = {k: v for k, v in self.state.settled.items() if v[0] >= step}
+        self.forgotten_below = step
 
     def forget_settled(
         self, step_starts: dict[int, float], now: float, keep_s: float, keep_steps: int

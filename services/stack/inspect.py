@@ -203,16 +203,18 @@ async def _engines(js: Any, run: str) -> dict[str, Any]:
 
 async def _buffer(js: Any, run: str) -> dict[str, Any] | None:
     """The buffer's persisted state (services/buffer/state.py), None before it wrote one."""
-    from nats.js.errors import KeyNotFoundError, NotFoundError
+    from nats.js.errors import NotFoundError
 
     from proto.streams import kv_bucket
-    from services.buffer.state import STATE_KEY, load_state
+    from services.buffer.store import read_state
 
     try:
-        kv = await js.key_value(kv_bucket(run, "buffer"))
-        state, pending = load_state((await kv.get(STATE_KEY)).value or b"")
-    except (NotFoundError, KeyNotFoundError):
+        rec = await read_state(await js.key_value(kv_bucket(run, "buffer")))
+    except NotFoundError:  # no bucket yet
         return None
+    if rec.fresh:
+        return None
+    state, pending = rec.state, rec.pending
     return {
         "next_step": state.next_step,
         "dispatched": state.dispatched,

@@ -336,21 +336,20 @@ def account(nats_url: str, trained_steps: int) -> Accounting:
 
     import nats
 
-    from services.buffer.core import Cursor, advance
+    from services.buffer.core import BufferState, Cursor, advance
     from services.buffer.core import task_id as make_task_id
-    from services.buffer.state import STATE_KEY, load_state
+    from services.buffer.store import read_state
 
-    async def kv_state() -> bytes:
+    async def kv_state() -> BufferState:
         nc = await nats.connect(nats_url.split(","))
         try:
-            kv = await nc.jetstream().key_value(kv_bucket(RUN, "buffer"))
-            entry = await kv.get(STATE_KEY)
-            assert entry.value is not None
-            return entry.value
+            rec = await read_state(await nc.jetstream().key_value(kv_bucket(RUN, "buffer")))
+            assert not rec.fresh
+            return rec.state
         finally:
             await nc.close()
 
-    state, _pending = load_state(asyncio.run(kv_state()))
+    state = asyncio.run(kv_state())
     s = Subjects(RUN)
     # The buffer's source has 100 000 prompts (default dataset_size): no epoch wraps here.
     _, taken = advance(Cursor(), 100_000, state.dispatched)

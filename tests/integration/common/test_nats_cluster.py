@@ -29,7 +29,7 @@ from proto.examples import EXAMPLES
 from proto.messages import SampleGroup
 from proto.streams import consumers_for, kv_bucket, stream_name, streams_for
 from proto.subjects import Subjects
-from services.buffer.state import open_kv
+from services.buffer.store import open_kv
 from services.common import nats_jsz, ports
 from services.common.errors import ConfigError, NatsServerError
 from services.common.lifecycle import ServiceContext, run_service

@@ -145,7 +145,7 @@ async def _count(url: str, stream: str, subject: str, at_least: int) -> bool:
 async def publish_tasks(url: str, config: Path) -> list[dict[str, Any]]:
     """Four of the buffer's tasks (rows of the JSONL task), then one naming no task."""
     settings = load_settings(BufferSettings, config)
-    svc: Any = BufferService(_Ctx(), settings, kv=None)  # type: ignore[arg-type]
+    svc: Any = BufferService(_Ctx(), settings, store=None)  # type: ignore[arg-type]
     nc = await connect(NatsSettings(url=url, connect_attempts=3), "test")
     js = nc.jetstream()
     await ensure_streams(js, streams_for(RUN))
