@@ -27,7 +27,7 @@ class ConfigError(FlywheelError, ValueError):
 # not keys of the run file, so left out of the key it names (`[task] source.path`).
 _TAGS = set(
     "jsonl hf reasoning_gym function arithmetic exact_match numeric math gsm8k format "
-    "soft_overlong custom".split()
+    "soft_overlong custom verifiers".split()
 )
 
 

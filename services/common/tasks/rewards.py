@@ -254,6 +254,10 @@ def part_value(
             size=src["size"],
             row=int(ctx["row"]),
         ), {}
+    if fn == "verifiers":
+        from services.common.tasks.verifiers_env import rubric_score
+
+        return rubric_score(completion, source=ctx["source"], row=int(ctx["row"]))
     from services.common.tasks.sandbox import resolve, to_reward
 
     r = to_reward(resolve(fn)(completion, answer, **part.get("kwargs", {})))
@@ -287,6 +291,10 @@ def warm(parts: list[dict[str, Any]], ctx: dict[str, Any]) -> float:
             resolve(fn)
         elif fn == "math":
             math_answer("1", "1", fallback=part["fallback"])
+        elif fn == "verifiers" and "source" in ctx:
+            from services.common.tasks.verifiers_env import env_of
+
+            env_of(ctx["source"])  # importing and building an env takes seconds
         elif fn == "reasoning_gym" and "source" in ctx:
             src = ctx["source"]
             reasoning_gym_score(

@@ -13,7 +13,7 @@ from typing import Any
 from services.common.errors import PermanentError
 from services.common.tasks import rewards
 from services.common.tasks.sandbox import Reward, ToolPool, VerifierPool
-from services.common.tasks.spec import ReasoningGymSource, TaskSpec
+from services.common.tasks.spec import ReasoningGymSource, TaskSpec, VerifiersSource
 from services.common.tasks.taskset import TaskSet
 
 
@@ -65,7 +65,7 @@ class Scorer:
         spec = self.spec(name)
         source = spec.eval.source if held_out and spec.eval.source is not None else spec.source
         ctx: dict[str, Any] = {"row": row, "response_tokens": response_tokens}
-        if isinstance(source, ReasoningGymSource):
+        if isinstance(source, ReasoningGymSource | VerifiersSource):  # its scorer needs the source
             ctx["source"] = source.model_dump(mode="json")
         return await self.pool.call(rewards.SCORE, self._parts[name], completion, answer, ctx)
 
@@ -77,7 +77,7 @@ def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
         for source in {id(s): s for s in (spec.source, spec.eval.source) if s}.values():
             ctx = (
                 {"source": source.model_dump(mode="json")}
-                if isinstance(source, ReasoningGymSource)
+                if isinstance(source, ReasoningGymSource | VerifiersSource)
                 else {}
             )
             calls.append((rewards.WARM, (reward_payload(spec), ctx)))

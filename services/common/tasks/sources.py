@@ -42,6 +42,7 @@ from services.common.tasks.spec import (
     ReasoningGymSource,
     SourceSpec,
     TaskSpec,
+    VerifiersSource,
 )
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,10 @@ def load_rows(spec: SourceSpec, key: str = "[task] source") -> Rows:
             spec.dataset, json.dumps(spec.config, sort_keys=True), spec.seed, spec.size
         )
         return MappedRows(data, _RG_FIELDS, f"reasoning_gym:{spec.dataset}")
+    if isinstance(spec, VerifiersSource):
+        from services.common.tasks.verifiers_env import VerifiersRows  # imports this module
+
+        return VerifiersRows(spec)
     assert isinstance(spec, FunctionSource)
     fn = import_function(spec.fn, f"{key}.fn")
     try:
@@ -306,6 +311,8 @@ def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
     for skey, src in sources:
         if isinstance(src, ReasoningGymSource):
             require("reasoning_gym", f"{skey}: type 'reasoning_gym'", "reasoning")
+        elif isinstance(src, VerifiersSource):
+            require("verifiers", f"{skey}: type 'verifiers'", "verifiers")
         elif not data:
             continue
         elif isinstance(src, JsonlSource | HfSource) and not src.path.exists():

@@ -33,6 +33,7 @@ from pydantic import (
 from services.common.tasks.episode_spec import EpisodeSpec
 
 _FN_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+_ENV_ID = r"^([\w.-]+/)?[A-Za-z_][\w.-]*$"  # verifiers: 'owner/my-env' imports my_env
 
 
 class _Strict(BaseModel):
@@ -112,8 +113,22 @@ class ArithmeticSource(_Strict):
     )
 
 
+class VerifiersSource(_Strict):
+    """A `verifiers` environment's dataset (extra: verifiers); its rubric scores by default."""
+
+    type: Literal["verifiers"]
+    env: str = Field(pattern=_ENV_ID, description="Its id as vf-eval takes it ('my-env').")
+    args: dict[str, Any] = Field(default_factory=dict, description="load_environment's kwargs.")
+    split: Literal["train", "eval"] = Field("train", description="dataset or eval_dataset.")
+
+
 SourceSpec = Annotated[
-    JsonlSource | HfSource | ReasoningGymSource | FunctionSource | ArithmeticSource,
+    JsonlSource
+    | HfSource
+    | ReasoningGymSource
+    | FunctionSource
+    | ArithmeticSource
+    | VerifiersSource,
     Field(discriminator="type"),
 ]
 
@@ -214,6 +229,12 @@ class ReasoningGymScore(_Part):
     fn: Literal["reasoning_gym"]
 
 
+class VerifiersRubric(_Part):
+    """The `verifiers` environment's own rubric (source type 'verifiers')."""
+
+    fn: Literal["verifiers"]
+
+
 class CustomReward(_Part):
     """A user function `fn(completion, answer, **kwargs)` -> float | (float, parts) | dict."""
 
@@ -229,6 +250,7 @@ BUILTIN_REWARDS = (
     "format",
     "soft_overlong",
     "reasoning_gym",
+    "verifiers",
 )
 
 
@@ -245,6 +267,7 @@ RewardPart = Annotated[
     | Annotated[FormatReward, Tag("format")]
     | Annotated[SoftOverlong, Tag("soft_overlong")]
     | Annotated[ReasoningGymScore, Tag("reasoning_gym")]
+    | Annotated[VerifiersRubric, Tag("verifiers")]
     | Annotated[CustomReward, Tag("custom")],
     Discriminator(
         _reward_tag,
@@ -345,16 +368,18 @@ class TaskSpec(_Strict):
     def _reward_fits(self) -> TaskSpec:
         kind = self.source.type
         if not self.reward:
-            defaults = {"arithmetic": "exact_match", "reasoning_gym": "reasoning_gym"}
-            if kind not in defaults:
+            default = _DEFAULT_PART.get(kind)
+            if default is None:
                 raise ValueError(
                     f'reward: required for source type {kind!r} (e.g. reward = "math", '
                     '"exact_match", "gsm8k" or "pkg.module:function")'
                 )
-            object.__setattr__(self, "reward", (_default_part(defaults[kind]),))
+            object.__setattr__(self, "reward", (default,))
         for i, part in enumerate(self.reward):
-            if isinstance(part, ReasoningGymScore) and kind != "reasoning_gym":
-                raise ValueError(f"reward[{i}]: 'reasoning_gym' needs source type 'reasoning_gym'")
+            own = {ReasoningGymScore: "reasoning_gym", VerifiersRubric: "verifiers"}.get(type(part))
+            kinds = {kind, self.eval.source.type if self.eval.source else kind}
+            if own is not None and kinds != {own}:
+                raise ValueError(f"reward[{i}]: {own!r} needs source type {own!r}")
         names = [p.part_name for p in self.reward]
         if len(set(names)) != len(names):
             raise ValueError(f"reward: part names must differ (set name = ...), got {names}")
@@ -367,5 +392,9 @@ class TaskSpec(_Strict):
         return self.eval.part or self.reward[0].part_name
 
 
-def _default_part(fn: str) -> Any:
-    return ExactMatch(fn="exact_match") if fn == "exact_match" else ReasoningGymScore(fn=fn)
+# The reward of a source type given no `reward` (others must give one).
+_DEFAULT_PART = {
+    "arithmetic": ExactMatch(fn="exact_match"),
+    "reasoning_gym": ReasoningGymScore(fn="reasoning_gym"),
+    "verifiers": VerifiersRubric(fn="verifiers"),
+}

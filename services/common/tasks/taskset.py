@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from services.common.errors import ConfigError
 from services.common.tasks.sources import Row, Rows, check, load_rows
-from services.common.tasks.spec import ReasoningGymSource, SourceSpec, TaskSpec
+from services.common.tasks.spec import ReasoningGymSource, SourceSpec, TaskSpec, VerifiersSource
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 def task_name(spec: TaskSpec) -> str:
     """The name of a lone `[task]`: its source type (reasoning-gym: with the generator)."""
     src = spec.source
+    if isinstance(src, VerifiersSource):
+        return f"verifiers:{src.env}"
     return f"reasoning_gym:{src.dataset}" if isinstance(src, ReasoningGymSource) else src.type
 
 
