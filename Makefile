@@ -43,7 +43,7 @@ test: setup tools
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PARALLEL)
 
-# Learning runs too long for make test (the tool-use demo's: SFT + RL, ~6 min).
+# Learning runs too long for make test (the tool-use demo's: SFT + RL, ~9 min).
 test-long: setup tools
 	$(PY) -m pytest -q -m long
 
