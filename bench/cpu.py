@@ -124,9 +124,13 @@ def steps_logged(run_dir: Path, since: float) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"samples"' in line)
 
 
-def measure(root: int, run_dir: Path, after_step: int, window: float) -> dict[str, object]:
-    since = time.time()
+def measure(
+    demo: subprocess.Popen[bytes], run_dir: Path, after_step: int, window: float
+) -> dict[str, object]:
+    since, root = time.time(), demo.pid
     while steps_logged(run_dir, since) < after_step:
+        if demo.poll() is not None:
+            raise SystemExit(f"the demo ended (exit {demo.returncode}) before step {after_step}")
         time.sleep(0.5)
     workers = [p for p in descendants(root) if role(p) == "rollout worker"]
     cpu0, n0, t0 = descendants(root), samples_total(workers), time.monotonic()
@@ -217,7 +221,7 @@ def main() -> int:
     log = open(args.run_dir.with_suffix(".log"), "w")  # lives as long as the demo
     demo = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        m = measure(demo.pid, args.run_dir, args.after_step, args.window)
+        m = measure(demo, args.run_dir, args.after_step, args.window)
         print(report(m), flush=True)
         if args.pyspy:
             pyspy(demo.pid, args.pyspy, args.pyspy_seconds)
