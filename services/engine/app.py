@@ -86,15 +86,11 @@ def json_route(handler: JsonHandler) -> Route:
 
 async def run_seqs(state: EngineState, seqs: list[SeqSpec]) -> list[Completion]:
     """Submit sequences and await all; abort them if the caller is cancelled."""
-    loop = asyncio.get_running_loop()
+    handoff = state.handoff()
     futures: list[asyncio.Future[Completion]] = []
     for spec in seqs:
-        fut: asyncio.Future[Completion] = loop.create_future()
-
-        def done(c: Completion, fut: asyncio.Future[Completion] = fut) -> None:
-            loop.call_soon_threadsafe(_resolve, fut, c)
-
-        state.scheduler.submit(spec, done)
+        fut: asyncio.Future[Completion] = handoff.loop.create_future()
+        state.scheduler.submit(spec, functools.partial(handoff.put, fut))
         futures.append(fut)
     try:
         return list(await asyncio.gather(*futures))
@@ -102,11 +98,6 @@ async def run_seqs(state: EngineState, seqs: list[SeqSpec]) -> list[Completion]:
         for rid in {s.rid for s in seqs}:
             state.scheduler.abort(rid)
         raise
-
-
-def _resolve(fut: asyncio.Future[Completion], c: Completion) -> None:
-    if not fut.done():
-        fut.set_result(c)
 
 
 def claim_rids(state: EngineState, parsed: ParsedGenerate) -> dict[str, asyncio.Event] | str:

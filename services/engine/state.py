@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from services.common.sglang_api import Capabilities
+from services.engine.handoff import Handoff
 from services.engine.probes import Health
 from services.engine.scheduler import Scheduler
 from services.engine.settings import EngineSettings
@@ -36,6 +37,14 @@ class EngineState:
     in_flight: dict[str, asyncio.Event] = field(default_factory=dict)
     requests: dict[int, web.Request] = field(default_factory=dict)  # open /generate calls
     on_crash: Callable[[str], None] | None = None  # the scheduler died: the server must go too
+    _handoff: Handoff | None = field(default=None, init=False, repr=False)
+
+    def handoff(self) -> Handoff:
+        """Where the scheduler thread hands completions to the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = Handoff(loop)
+        return self._handoff
 
     def crash(self, why: str) -> None:
         """The scheduler died: drop every open generation's connection, as SGLang's dying

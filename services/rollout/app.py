@@ -46,8 +46,10 @@ class TaskScorer:
     def episode(self, task: PromptTask) -> EpisodeSpec | None:
         return self.scorer.spec(task.env).episode
 
-    async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward:
-        return await self.scorer.score(task.env, task.index, text, task.answer, response_tokens)
+    async def score_group(
+        self, task: PromptTask, completions: list[tuple[str, int]]
+    ) -> list[Reward]:
+        return await self.scorer.score_group(task.env, task.index, task.answer, completions)
 
 
 @contextlib.asynccontextmanager

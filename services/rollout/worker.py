@@ -84,7 +84,9 @@ class Scorer(Protocol):
 
     def episode(self, task: PromptTask) -> EpisodeSpec | None: ...
 
-    async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward: ...
+    async def score_group(
+        self, task: PromptTask, completions: list[tuple[str, int]]
+    ) -> list[Reward]: ...
 
 
 class RolloutWorker:
@@ -156,8 +158,21 @@ class RolloutWorker:
         raise RetryableError(f"task {task.task_id}: generation aborted {attempt + 1} times")
 
     async def score(self, task: PromptTask, text: str, response_tokens: int) -> Reward:
+        """One completion's reward (`score_group` of one)."""
+        (r,) = await self.score_group(task, [(text, response_tokens)])
+        return r
+
+    async def score_group(
+        self, task: PromptTask, completions: list[tuple[str, int]]
+    ) -> list[Reward]:
+        """(text, response tokens) of a task's completions, scored in one sandbox round trip."""
+        rewards = await self.scorer.score_group(task, completions)
+        for r in rewards:
+            self.count_error(task, r)
+        return rewards
+
+    def count_error(self, task: PromptTask, r: Reward) -> None:
         """The sandbox turns a hang or an exception into reward 0 with an error; counted here."""
-        r = await self.scorer.score(task, text, response_tokens)
         if r.error is not None:
             self.metrics.verifier_errors.inc()
             # One warning per distinct error; repeats are counted, not logged (a broken
@@ -171,7 +186,6 @@ class RolloutWorker:
                 task.task_id,
                 r.error,
             )
-        return r
 
     async def run_episodes(
         self, task: PromptTask, ids: list[int], d: Delivery, spec: EpisodeSpec
@@ -230,9 +244,9 @@ class RolloutWorker:
             raise engine_failure(e, self.s.engine_url, task.task_id) from e
         group_id = f"{task.task_id}:a{task.attempt}"
         samples = []
-        for i, r in enumerate(results):
-            score = await self.score(task, r.text, len(r.output_ids))
-            origin = Origin(self.s.engine_id, before, started)
+        scores = await self.score_group(task, [(r.text, len(r.output_ids)) for r in results])
+        origin = Origin(self.s.engine_id, before, started)
+        for i, (r, score) in enumerate(zip(results, scores, strict=True)):
             mask = None
             if episodes is not None:
                 score = self.count_episode(episodes[i], score)

@@ -14,6 +14,11 @@ speaking length-prefixed MessagePack on stdin/stdout — no pickle, and no
 fork of a parent that runs an event loop, NATS and torch threads. Request
 `[path, args]`; answer `["ok", reward, parts]` or `["error", message]`.
 Request `[path, args, "value"]` (a tool call) answers `["value", text]`.
+Request `[path, [args, ...], "many"]` (a group's completions) answers
+`["many", [answer, ...]]`, one `["ok", ...]` or `["error", ...]` per call: one
+pipe round trip (two syscalls and a wake-up of each process) per group
+instead of per completion, which at k = 1 was the rollout worker's largest
+cost outside the engine's HTTP (bench/results_cpu.md).
 
 Tool children (`ToolPool`) also start confined: an address-space limit
 (RLIMIT_AS) and an audit hook that refuses sockets, subprocesses and
@@ -125,9 +130,18 @@ def confine(memory_mb: int) -> None:
     sys.addaudithook(hook)
 
 
+def _verdict(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
+    """["ok", reward, parts] of one call, or ["error", message] if it raised."""
+    try:
+        r = to_reward(fn(*args))
+    except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
+        return ["error", f"{type(e).__name__}: {e}"]
+    return ["ok", r.reward, r.parts]
+
+
 def _child_main(argv: Sequence[str]) -> None:
-    """Child loop: read [path, args(, "value")], answer ["ok", reward, parts],
-    ["value", text] or ["error", message]."""
+    """Child loop: read [path, args(, "value" | "many")], answer ["ok", reward, parts],
+    ["value", text], ["many", [verdict, ...]] or ["error", message]."""
     if argv[:1] == ["--confine"]:
         confine(int(argv[1]))
     cache: dict[str, Callable[..., Any]] = {}
@@ -141,9 +155,10 @@ def _child_main(argv: Sequence[str]) -> None:
             fn = cache.get(path) or cache.setdefault(path, resolve(path))
             if mode == ["value"]:
                 out.write(_frame(["value", str(fn(*args))]))
+            elif mode == ["many"]:
+                out.write(_frame(["many", [_verdict(fn, a) for a in args]]))
             else:
-                r = to_reward(fn(*args))
-                out.write(_frame(["ok", r.reward, r.parts]))
+                out.write(_frame(_verdict(fn, args)))
         except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
             out.write(_frame(["error", f"{type(e).__name__}: {e}"]))
         out.flush()
@@ -255,37 +270,72 @@ class VerifierPool:
         self._all.clear()
 
     async def _exchange(
-        self, path: str, args: tuple[Any, ...], limit: float, mode: str | None = None
+        self,
+        path: str,
+        args: tuple[Any, ...],
+        limit: float,
+        mode: str | None = None,
+        count: bool = True,
     ) -> list[Any]:
-        """One call in a child: its answer, or ["error", why] after a timeout or crash."""
+        """One call in a child: its answer, or ["error", why] after a timeout or crash
+        (counted in `errors` unless not `count`)."""
         if self._idle is None:
             raise RuntimeError(f"{type(self).__name__} used before start()")
-        self.calls += 1
+        self.calls += count
         child = await self._idle.get()
         try:
             answer: list[Any] = await asyncio.wait_for(child.roundtrip(path, args, mode), limit)
         except TimeoutError:
-            log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
-            self.errors["timeout"] += 1
+            if count:
+                log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
+            self.errors["timeout"] += count
             child = await self._retire(child)
             return ["error", f"{path} timed out after {limit}s", "timeout"]
         except (EOFError, OSError, ConnectionError) as e:
-            self.errors["crashed"] += 1
+            self.errors["crashed"] += count
             child = await self._retire(child)
             return ["error", f"{path} process died: {e!r}", "crashed"]
         finally:
             self._idle.put_nowait(child)
         if answer[0] == "error":
-            self.errors["raised"] += 1
+            self.errors["raised"] += count
             return ["error", f"{path} raised {answer[1]}", "raised"]
         return answer
 
-    async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
-        """Run `path(*args)` in a child; Reward(0, error=...) on timeout, raise or crash."""
-        answer = await self._exchange(path, args, timeout_s or self.timeout_s)
+    @staticmethod
+    def _reward(answer: list[Any]) -> Reward:
         if answer[0] == "error":
             return Reward(0.0, error=f"verifier {answer[1]}")
         return Reward(float(answer[1]), {str(k): float(v) for k, v in answer[2].items()})
+
+    async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
+        """Run `path(*args)` in a child; Reward(0, error=...) on timeout, raise or crash."""
+        return self._reward(await self._exchange(path, args, timeout_s or self.timeout_s))
+
+    async def call_many(
+        self, path: str, calls: Sequence[tuple[Any, ...]], timeout_s: float | None = None
+    ) -> list[Reward]:
+        """`call(path, *args)` for each of `calls`, with the same results, in one round trip.
+
+        The whole batch gets one call's limit. If it runs past it (a hang, or
+        verifiers slow enough that the batch does) or the child dies, the calls
+        run again one by one, each under its own limit, as `call` would: a bad
+        completion costs at most one extra limit and still scores alone.
+        """
+        limit = timeout_s or self.timeout_s
+        if len(calls) > 1:
+            answer = await self._exchange(path, tuple(calls), limit, "many", count=False)
+            if answer[0] == "many":
+                self.calls += len(calls)
+                return [self._reward(self._raised(path, v)) for v in answer[1]]
+        return [await self.call(path, *args, timeout_s=limit) for args in calls]
+
+    def _raised(self, path: str, verdict: list[Any]) -> list[Any]:
+        """A batch's per-call verdict as `_exchange` words a raise (counted the same)."""
+        if verdict[0] != "error":
+            return verdict
+        self.errors["raised"] += 1
+        return ["error", f"{path} raised {verdict[1]}", "raised"]
 
 
 @dataclass(frozen=True)

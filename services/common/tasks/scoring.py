@@ -8,6 +8,7 @@ the evaluation asks, and answers the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from services.common.errors import PermanentError
@@ -62,12 +63,30 @@ class Scorer:
         held_out: bool = False,
     ) -> Reward:
         """Score one completion of row `row` (of the eval source if `held_out`)."""
+        (r,) = await self.score_group(name, row, answer, [(completion, response_tokens)], held_out)
+        return r
+
+    async def score_group(
+        self,
+        name: str,
+        row: int,
+        answer: str | None,
+        completions: Sequence[tuple[str, int]],
+        held_out: bool = False,
+    ) -> list[Reward]:
+        """Score (completion, response tokens) pairs of row `row` in one sandbox round trip
+        (`VerifierPool.call_many`): the same rewards as one `score` each."""
         spec = self.spec(name)
         source = spec.eval.source if held_out and spec.eval.source is not None else spec.source
-        ctx: dict[str, Any] = {"row": row, "response_tokens": response_tokens}
-        if isinstance(source, ReasoningGymSource | VerifiersSource):  # its scorer needs the source
-            ctx["source"] = source.model_dump(mode="json")
-        return await self.pool.call(rewards.SCORE, self._parts[name], completion, answer, ctx)
+        needs_source = isinstance(source, ReasoningGymSource | VerifiersSource)
+        src = source.model_dump(mode="json") if needs_source else None  # its scorer needs it
+        calls = []
+        for completion, response_tokens in completions:
+            ctx: dict[str, Any] = {"row": row, "response_tokens": response_tokens}
+            if src is not None:
+                ctx["source"] = src
+            calls.append((self._parts[name], completion, answer, ctx))
+        return await self.pool.call_many(rewards.SCORE, calls)
 
 
 def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:

@@ -23,3 +23,10 @@ def raises(completion: str, answer: str | None) -> float:
 def hangs(completion: str, answer: str | None) -> float:
     time.sleep(3600)
     return 1.0
+
+
+def raises_on_x(completion: str, answer: str | None) -> float:
+    """Raises for one completion of a group, scores the others."""
+    if completion == "x":
+        raise ValueError("x is not a number")
+    return float(completion == answer)

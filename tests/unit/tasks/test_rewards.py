@@ -153,3 +153,32 @@ def test_pool_scores_parts_and_survives_hangs_raises_and_deaths(run_async: Any) 
         assert pool.errors == {"timeout": 1, "raised": 1, "crashed": 1}
 
     run_async(body(), timeout_s=60)
+
+
+def test_call_many_answers_as_one_call_each(run_async: Any) -> None:
+    """A group in one round trip: the same rewards and errors as a call per completion,
+    a raise staying with its completion; a hang in the batch reruns the calls one by
+    one, so only the hung one scores 0, with the same timeout error and count."""
+    fx = "tests.unit.tasks.fixtures"
+    parts = payload(["exact_match"])
+    mixed = payload(f"{fx}:raises_on_x")
+    calls = [(parts, "7", "7", {}), (parts, "8", "7", {}), (parts, "7\nx", "7", {})]
+    odd = [(mixed, "7", "7", {}), (mixed, "x", "7", {}), (mixed, "7", "7", {})]
+    hangs = [(parts, "7", "7", {}), (payload(f"{fx}:hangs"), "a", "b", {})]
+
+    async def body() -> None:
+        async with VerifierPool(size=1, timeout_s=1.0) as pool:
+            one_by_one = [await pool.call(R.SCORE, *c) for c in calls + odd]
+            errors_before = dict(pool.errors)
+            many = await pool.call_many(R.SCORE, calls) + await pool.call_many(R.SCORE, odd)
+            assert many == one_by_one
+            assert pool.errors["raised"] == 2 * errors_before["raised"] == 2
+            t0 = time.monotonic()
+            good, hung = await pool.call_many(R.SCORE, hangs)
+            assert time.monotonic() - t0 < 8.0  # the batch's limit, then the hung call's
+            assert good.reward == 1.0 and good.error is None
+            assert hung.reward == 0.0 and "timed out" in (hung.error or "")
+            assert pool.errors["timeout"] == 1  # the batch's own timeout is not counted
+            assert await pool.call_many(R.SCORE, calls[:1]) == one_by_one[:1]
+
+    run_async(body(), timeout_s=60)
