@@ -3,11 +3,12 @@ old whole-state write would not fit in a NATS message.
 
 The real `BufferService` runs in this process (its handlers called as its
 message loops call them; no dispatcher: the cursor is set, then stored by a
-WeightsReady): ~10 steps of G = 4096 groups go through `on_group`, some of
+WeightsReady): ~10 steps of G = 512 groups go through `on_group`, some of
 them dropped, one task dead-lettered; then a second service on the same
 bucket restores, and must hold the same settled ids, pending groups (in
 order), cursor and counters. The old form of the same state (one KV value)
-is asserted to exceed max_payload. A second test restores from the old form.
+is asserted to exceed max_payload (set to 64 KiB on this server). A second
+test restores from the old form.
 """
 
 from __future__ import annotations
@@ -95,8 +96,10 @@ def snapshot(svc: BufferService) -> tuple[BufferState, list[tuple[str, int]]]:
 
 
 def test_a_restarted_buffer_recovers_its_state_past_max_payload(tmp_path: Path) -> None:
-    with NatsServer() as server:
-        asyncio.run(asyncio.wait_for(_large(tmp_path, server.url, g=4096, steps=10), 300))
+    # A 64 KiB max_payload (NATS's default is 1 MiB) puts the old form past it at
+    # G = 512, an eighth of the groups (and of the run time) the default would take.
+    with NatsServer(config="max_payload: 65536\n") as server:
+        asyncio.run(asyncio.wait_for(_large(tmp_path, server.url, g=512, steps=10), 300))
 
 
 async def _large(tmp_path: Path, url: str, g: int, steps: int) -> None:
