@@ -57,6 +57,13 @@ TASK = {"source": {"type": "arithmetic", "digits": 2}, "reward": "exact_match"}
 
 
 # ── engines ───────────────────────────────────────────────────────────────────
+class NoWeights:
+    """The model runner's weight loaders, with no model: a load only names its path."""
+
+    def disk_loader(self, path: str) -> Any:
+        return lambda: path
+
+
 class SyntheticScheduler:
     """The engine scheduler's interface with no model: completions on a timer.
 
@@ -71,6 +78,7 @@ class SyntheticScheduler:
         self.crashed: str | None = None
         self.generated_tokens = 0
         self.running = 0
+        self.runner = NoWeights()
 
     def alive(self) -> bool:
         return True
@@ -109,7 +117,8 @@ class SyntheticScheduler:
     def flush_possible(self) -> Future[bool]:
         return self._now(True)
 
-    def update_weights(self, path: str, version: str | None, abort_all: bool, flush: bool = True):
+    def update_weights(self, load: Any, version: str | None, abort_all: bool, flush: bool = True):
+        load()
         if version is not None:
             self.weight_version = version
         return self._now((True, "Succeeded to update model weights.", 0))
