@@ -296,15 +296,33 @@ async def stream_state(url: str, since: int = 0, after: float = 0.0) -> tuple[in
     nc = await nats.connect(url)
     js = nc.jetstream()
     name = stream_name(RUN, "SAMPLES")
-    last = (await js.stream_info(name)).state.last_seq
-    lat = []
-    for seq in range(since + 1, last + 1, max(1, (last - since) // 400)):
-        g = decode((await js.get_msg(name, seq)).data or b"", SampleGroup)
-        queued = min(x.queued_at for x in g.samples)
-        if queued >= after:
-            lat.append(g.created_at - queued)
-    await nc.close()
+    try:
+        last = (await js.stream_info(name)).state.last_seq
+        lat = []
+        for seq in range(since + 1, last + 1, max(1, (last - since) // 400)):
+            g = decode((await js.get_msg(name, seq)).data or b"", SampleGroup)
+            queued = min(x.queued_at for x in g.samples)
+            if queued >= after:
+                lat.append(g.created_at - queued)
+    finally:
+        await nc.close()
     return last, lat
+
+
+def first_group(url: str, limit_s: float) -> None:
+    """Wait until the fleet has stored a group (or `limit_s` passed: the window then
+    measures whatever came, and a row of 0 groups/s says that nothing did)."""
+    from nats.js.errors import NotFoundError
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            stored = asyncio.run(stream_state(url))[0]
+        except NotFoundError:  # the buffer has not made its streams yet
+            stored = 0
+        if stored:
+            return
+        time.sleep(0.5)
 
 
 def measure(args: argparse.Namespace, n: int, model: Path, tmp: Path) -> dict[str, Any]:
@@ -332,6 +350,7 @@ def measure(args: argparse.Namespace, n: int, model: Path, tmp: Path) -> dict[st
                 procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
         try:
             pids = {r: p.pid for r, p in procs.items()} | {"nats": server.pid or 0}
+            first_group(server.url, 60.0 + 0.5 * n)  # start-up: slower on a loaded machine
             time.sleep(args.warmup_s + 0.1 * n)  # the workers start one engine at a time
             seq0, _ = asyncio.run(stream_state(server.url))
             v0, t0 = varz(server.monitor_url), time.time()

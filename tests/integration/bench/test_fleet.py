@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_small_fleet_moves_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--n", "2", "--seconds", "4", "--warmup-s", "6", "--work-dir", str(tmp_path)]
+    argv = ["--n", "2", "--seconds", "4", "--warmup-s", "2", "--work-dir", str(tmp_path)]
     assert main(argv) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[0])
     logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
