@@ -14,6 +14,8 @@ needed, so a batch key and the records written before it go together.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from services.buffer.state import (
     GROUP_PREFIX,
     HEAD_KEY,
     RECORDS,
+    BufferStateError,
     Recovered,
     batch_key,
     dump_batch,
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 
     from services.common.lifecycle import ServiceContext
 
+log = logging.getLogger(__name__)
+
 
 async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
     """The run's buffer bucket (created, or scaled to `[nats] replicas`)."""
@@ -49,18 +54,48 @@ async def open_kv(ctx: ServiceContext, run: str) -> KeyValue:
     return await ensure_kv(ctx.js, kv_bucket(run, "buffer"), replicas=replicas, history=1)
 
 
+READ_ATTEMPTS = 5
+
+
 async def read_entries(kv: KeyValue) -> dict[str, tuple[bytes, int]]:
-    """Every live key of the bucket: key -> (value, revision). One ordered consumer."""
-    watcher = await kv.watchall(ignore_deletes=True)
+    """Every live key of the bucket: key -> (value, revision). One ordered consumer.
+
+    A read that ends before any entry while the bucket's stream holds messages is
+    not believed: on a cluster just after members restarted, a watcher has ended
+    at once (its consumer reported nothing pending) over 109 stored values. Taken
+    for an empty bucket, that would make a restarting buffer start the run over.
+    So it is read again, and after `READ_ATTEMPTS` it is an error, never "fresh".
+    """
+    for attempt in range(READ_ATTEMPTS):
+        entries, seen = await _read_once(kv)
+        if seen:
+            return entries
+        stored = (await kv.status()).values
+        if stored == 0:
+            return entries  # truly empty: a new run
+        log.warning("buffer: a read of the state found nothing over %d stored messages; "
+                    "reading again", stored)  # fmt: skip
+        await asyncio.sleep(0.1 * 2**attempt)
+    raise BufferStateError(
+        f"the buffer's bucket holds {stored} messages but {READ_ATTEMPTS} reads found none"
+    )
+
+
+async def _read_once(kv: KeyValue) -> tuple[dict[str, tuple[bytes, int]], int]:
+    """The live keys, and how many entries (delete markers too) the watcher gave."""
+    watcher = await kv.watchall()
     entries: dict[str, tuple[bytes, int]] = {}
+    seen = 0
     try:
         async for entry in watcher:
             if entry is None:  # the end of what is stored
                 break
-            entries[entry.key] = (entry.value or b"", entry.revision or 0)
+            seen += 1
+            if entry.operation is None:  # a value, not a delete or purge marker
+                entries[entry.key] = (entry.value or b"", entry.revision or 0)
     finally:
         await watcher.stop()
-    return entries
+    return entries, seen
 
 
 async def read_state(kv: KeyValue) -> Recovered:
