@@ -41,8 +41,8 @@ from services.buffer.state import (
     dump_state,
     group_key,
 )
-from services.common.nats_conn import ensure_kv
-from services.common.nats_server import NatsServer
+from services.runtime.nats_conn import ensure_kv
+from services.stack.localdev.nats_server import NatsServer
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue

@@ -4,7 +4,7 @@
 
 What the trainer service's `persist` does per published step at
 max_staleness 0 (bench/results_profile.md: 'weights save + announce', 17% of
-the step), on the demo's tiny model (services/common/tiny_model.py, the
+the step), on the demo's tiny model (services/models/tiny_model.py, the
 default spec) after one RL step, from a `Snapshot`:
 
 - `before`       : `--base`'s services/trainer/state.py (loaded from git),
@@ -124,7 +124,7 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+    from services.models.tiny_model import TinyModelSpec, write_tiny_model
     from services.trainer.state import snapshot
     from services.trainer.trainer import Trainer
     from tests.integration.trainer.trainer_helpers import random_batch

@@ -38,8 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.common.arithmetic import problem  # noqa: E402
-from services.common.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model  # noqa: E402
+from services.models.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model  # noqa: E402
+from services.tasks.arithmetic import problem  # noqa: E402
 
 SPECS = {
     # ~0.5M parameters: the demo/test model.
@@ -108,7 +108,7 @@ def start_engine(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes]
 
 
 async def engine_tps(url: str, texts: list[str], new_tokens: int) -> float:
-    from services.common.engine_client import EngineClient
+    from services.engine_api.engine_client import EngineClient
 
     params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
     async with EngineClient(url) as c:

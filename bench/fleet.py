@@ -173,14 +173,14 @@ async def run_workers(args: argparse.Namespace) -> None:
 
     from proto.messages import PromptTask
     from proto.streams import consumers_for
-    from services.common.engine_client import EngineClient
-    from services.common.lifecycle import ServiceContext, run_service
-    from services.common.settings import NatsSettings
-    from services.common.tasks.sandbox import VerifierPool
-    from services.common.tasks.scoring import Scorer, warmup
+    from services.engine_api.engine_client import EngineClient
     from services.rollout.app import TaskScorer, load_tokenizer
     from services.rollout.settings import RolloutSettings
     from services.rollout.worker import RolloutWorker
+    from services.runtime.lifecycle import ServiceContext, run_service
+    from services.runtime.settings import NatsSettings
+    from services.tasks.sandbox import VerifierPool
+    from services.tasks.scoring import Scorer, warmup
 
     base = RolloutSettings(run=RUN, nats=NatsSettings(url=args.nats), task=TASK,
                            model=Path(args.model), concurrency=args.concurrency,
@@ -216,8 +216,8 @@ async def run_workers(args: argparse.Namespace) -> None:
 async def run_buffer(args: argparse.Namespace) -> None:
     from services.buffer.app import body
     from services.buffer.settings import BufferSettings
-    from services.common.lifecycle import run_service
-    from services.common.settings import NatsSettings
+    from services.runtime.lifecycle import run_service
+    from services.runtime.settings import NatsSettings
 
     s = BufferSettings(run=RUN, nats=NatsSettings(url=args.nats), task=TASK,
                        samples_per_prompt=args.samples, groups_per_step=args.groups_per_step,
@@ -230,9 +230,9 @@ async def run_stand_in_trainer(args: argparse.Namespace) -> None:
     """StandInTrainer: batch in, `--step-s` asleep, WeightsReady(step + 1) out (bench only)."""
     from proto.messages import WeightsReady
     from proto.subjects import Subjects
-    from services.common.lifecycle import ServiceContext, run_service
-    from services.common.publish import publish
-    from services.common.settings import ServiceSettings
+    from services.runtime.lifecycle import ServiceContext, run_service
+    from services.runtime.publish import publish
+    from services.runtime.settings import ServiceSettings
     from services.trainer.batches import BatchReader
 
     class StandInSettings(ServiceSettings):
@@ -327,8 +327,8 @@ def first_group(url: str, limit_s: float) -> None:
 
 def measure(args: argparse.Namespace, n: int, model: Path, tmp: Path) -> dict[str, Any]:
     """One fleet of `n` engines: start everything, warm up, measure, stop."""
-    from services.common.nats_server import NatsServer
-    from services.common.ports import free_port
+    from services.stack.localdev.nats_server import NatsServer
+    from services.stack.localdev.ports import free_port
 
     shutil.rmtree(tmp / f"nats-{n}", ignore_errors=True)  # a fresh run: no state to resume
     with NatsServer(store_dir=tmp / f"nats-{n}") as server:
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trainer": run_stand_in_trainer}[args.role]  # fmt: skip
         asyncio.run(role(args))
         return 0
-    from services.common.tiny_model import write_tiny_model
+    from services.models.tiny_model import write_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fleet-") as d:

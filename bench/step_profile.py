@@ -10,7 +10,7 @@ its timestamps (a sample's `queued_at` = the task's dispatch, `started_at`,
 weight version, `ready_at` once every engine serves it), and the trainer's
 metrics rows carry `received_at`, `compute_s` and the compute stages
 (`time_encode_s`, `time_prepare_s`, `time_logprobs_s`,
-`time_forward_backward_s`, `time_optimizer_s`: services/common/stopwatch.py).
+`time_forward_backward_s`, `time_optimizer_s`: services/trainer/stopwatch.py).
 The BATCHES and WEIGHTS streams keep their history, so after the run they
 are read back from the run's NATS store (a nats-server started on it).
 
@@ -140,7 +140,7 @@ async def read_streams(store: Path, run: str) -> tuple[dict[int, Any], Weights]:
     from proto.codec import decode_any
     from proto.messages import TrainBatch, WeightsPublished, WeightsReady
     from proto.streams import stream_name
-    from services.common.nats_cluster import embedded_nats
+    from services.stack.localdev.nats_cluster import embedded_nats
 
     server = embedded_nats(1, store_dir=store).start()
     try:
@@ -175,7 +175,7 @@ async def waste(store: Path, run: str) -> dict[str, float]:
     from proto.codec import decode
     from proto.messages import DeadLetter, SampleGroup
     from proto.streams import stream_name
-    from services.common.nats_cluster import embedded_nats
+    from services.stack.localdev.nats_cluster import embedded_nats
 
     server = embedded_nats(1, store_dir=store).start()
     out: dict[str, float] = {"generated": 0, "generated_tokens": 0}

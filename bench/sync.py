@@ -49,7 +49,7 @@ from proto.codec import decode  # noqa: E402
 from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady  # noqa: E402
 from proto.streams import streams_for, weights_nats_uri  # noqa: E402
 from proto.subjects import Subjects  # noqa: E402
-from services.common.publish import publish  # noqa: E402
+from services.runtime.publish import publish  # noqa: E402
 
 RUN = "benchsync"
 SIZES = {  # name → (hidden, layers): params ≈ 16·h²·layers (intermediate = 4h)
@@ -96,8 +96,8 @@ async def raw_jetstream_s(js, src: Path, max_payload: int, window: int = 16) -> 
     `upload`), read back by an ordered push consumer (as `download`) that
     only counts the bytes: no codec, no files written, no hashing.
     """
-    from services.common.weights import read_manifest
-    from services.common.weights.chunks import _read_pieces, plan_chunks, purge
+    from services.weights import read_manifest
+    from services.weights.chunks import _read_pieces, plan_chunks, purge
 
     pieces = plan_chunks(read_manifest(src), max_payload)
     version = 10**9 + time.monotonic_ns() % 10**6  # a scratch subject in the same stream
@@ -213,8 +213,8 @@ async def one_version(
     out: dict[str, list[float]],
 ) -> int:  # fmt: skip
     """Publish one version by `transport` and time it to WeightsReady; returns its bytes."""
-    from services.common.weights import published_dir, read_manifest, version_dir, write_weights_dir
-    from services.common.weights.chunks import download, upload
+    from services.weights import published_dir, read_manifest, version_dir, write_weights_dir
+    from services.weights.chunks import download, upload
 
     engine_id, url, local = engine
     b.version += 1
@@ -251,7 +251,7 @@ async def one_version(
 
 
 async def run_size(b: Bench, name: str, reps: int, tmp: Path, log_dir: Path) -> dict:
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+    from services.models.tiny_model import TinyModelSpec, write_tiny_model
 
     hidden, layers = SIZES[name]
     heads = max(4, hidden // 64)
@@ -279,8 +279,8 @@ def spec_params(hidden: int, layers: int) -> int:
 async def main(args: argparse.Namespace) -> None:
     import nats
 
-    from services.common.nats_conn import ensure_streams
-    from services.common.nats_server import NatsServer
+    from services.runtime.nats_conn import ensure_streams
+    from services.stack.localdev.nats_server import NatsServer
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sync-", dir=args.tmp))
     log_dir = tmp / "logs"

@@ -8,7 +8,7 @@
    initial weights. Every version is published as the trainer publishes it
    (bf16 safetensors + manifest); per step: fraction of elements whose bf16
    bits changed, delta bytes against the full version (the real codec,
-   services/common/weights/delta.py), encode time.
+   services/weights/delta.py), encode time.
 2. publish→ready for 1, 4 and 16 receivers, in one process against an
    embedded nats-server, on the lr 1e-6 versions (receivers hold v1; the
    trainer publishes v2): ready = every receiver holds v2 verified against
@@ -51,7 +51,7 @@ from sync_dist import Receivers, measure  # noqa: E402
 
 from proto.messages import WeightsPublished  # noqa: E402
 from proto.streams import streams_for  # noqa: E402
-from services.common.weights import (  # noqa: E402
+from services.weights import (  # noqa: E402
     Wiring,
     published_dir,
     read_manifest,
@@ -59,8 +59,8 @@ from services.common.weights import (  # noqa: E402
     version_dir,
     write_weights_dir,
 )
-from services.common.weights.delta import encode  # noqa: E402
-from services.common.weights.deltasync import read_files  # noqa: E402
+from services.weights.delta import encode  # noqa: E402
+from services.weights.deltasync import read_files  # noqa: E402
 
 RUN = "benchdelta"
 DEMO_LR = 1.5e-4  # configs/demo.toml [trainer.optim] lr
@@ -188,11 +188,11 @@ async def receivers_ready(
 async def transports(v1: Path, v2: Path, counts: list[int], tmp: Path) -> list[dict[str, Any]]:
     import nats
 
-    from services.common.nats_conn import ensure_streams
-    from services.common.nats_server import NatsServer
-    from services.common.weights.diskdelta import DiskDeltaTransport
-    from services.common.weights.nats import NatsTransport
-    from services.common.weights.natsdelta import NatsDeltaTransport
+    from services.runtime.nats_conn import ensure_streams
+    from services.stack.localdev.nats_server import NatsServer
+    from services.weights.diskdelta import DiskDeltaTransport
+    from services.weights.nats import NatsTransport
+    from services.weights.natsdelta import NatsDeltaTransport
 
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2))  # 2 cores
     rows: list[dict[str, Any]] = []

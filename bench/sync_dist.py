@@ -50,10 +50,10 @@ from typing import Any, cast
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.common.sglang_api import Capabilities  # noqa: E402
-from services.common.weights import published_dir, read_manifest  # noqa: E402
-from services.common.weights.manifest import FileEntry, directory_digest  # noqa: E402
-from services.common.weights.transport import Wiring  # noqa: E402
+from services.engine_api.sglang_api import Capabilities  # noqa: E402
+from services.weights import published_dir, read_manifest  # noqa: E402
+from services.weights.manifest import FileEntry, directory_digest  # noqa: E402
+from services.weights.transport import Wiring  # noqa: E402
 
 RELEASE = "0.5.23"  # the newest release read: updates run inside begin/end_weight_update
 START_S = 120.0  # a receiver imports torch and the engine's modules on shared cores
@@ -174,8 +174,8 @@ class Receivers:
 
 async def measure(v2: Path, urls: list[str], root: Path) -> dict[str, Any]:
     """publish→ready of v2 to `urls`, as sync updates its engines; groups formed first."""
-    from services.common.engine_client import EngineClient
-    from services.common.weights.distributed import DistTransport
+    from services.engine_api.engine_client import EngineClient
+    from services.weights.distributed import DistTransport
 
     src2 = published_dir(root, "benchdelta", 2)
     shutil.copytree(v2, src2, dirs_exist_ok=True)

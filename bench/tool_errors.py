@@ -43,11 +43,11 @@ def classify(expr: str, answer: str, text: str) -> str:
 
 
 def episodes(model_dir: Path, size: int) -> Counter[str]:
-    from services.common.settings import load_settings
-    from services.common.tasks.episode_eval import run_episodes
-    from services.common.tasks.evaluate import Evaluator, load_model
-    from services.common.tasks.prompts import encode, format_row
+    from services.runtime.settings import load_settings
     from services.stack.settings import StackSettings
+    from services.tasks.episode_eval import run_episodes
+    from services.tasks.evaluate import Evaluator, load_model
+    from services.tasks.prompts import encode, format_row
 
     tasks = load_settings(StackSettings, CONFIG).task_set()
     model, tok = load_model(model_dir)
@@ -69,8 +69,8 @@ def episodes(model_dir: Path, size: int) -> Counter[str]:
 def copies(model_dir: Path, size: int) -> dict[int, tuple[int, int]]:
     import torch
 
-    from services.common.arithmetic import problem
-    from services.common.tasks.evaluate import load_model
+    from services.tasks.arithmetic import problem
+    from services.tasks.evaluate import load_model
 
     model, tok = load_model(model_dir)
     model.eval()

@@ -192,7 +192,7 @@ def write_big_model(out: Path, shape: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.common.tiny_model import build_tokenizer
+    from services.models.tiny_model import build_tokenizer
 
     config = Qwen2Config(
         vocab_size=VOCAB,
@@ -578,7 +578,7 @@ def main() -> None:
         )
         return None
 
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+    from services.models.tiny_model import TinyModelSpec, write_tiny_model
 
     lines = [
         "| model | params | tokens/step | config | step s | tokens/s | vs 1 proc |",

@@ -5,9 +5,9 @@
 
 Same model directory (the demo's SFT warm start), same prompts (the run
 file's `[task]` training rows, formatted as the buffer formats them), same
-reward (the task's reward functions, `services.common.tasks.rewards.score`,
+reward (the task's reward functions, `services.tasks.rewards.score`,
 called in process), the same held-out evaluation (the one evaluation
-function, `services.common.tasks.evaluate`, on `[task.eval]`, every
+function, `services.tasks.evaluate`, on `[task.eval]`, every
 `eval_every` steps) and the same hyper-parameters, read at run time from the
 demo's run file (`configs/demo.toml`): prompts per step, samples per prompt,
 temperature, max_new_tokens, lr, PPO clip, grad clip. Mapping onto
@@ -71,7 +71,7 @@ def demo_hparams(config: Path) -> dict[str, Any]:
 
 def load_tasks(config: Path) -> Any:
     """The run file's task set (what the buffer, the workers and the trainer resolve)."""
-    from services.common.settings import ServiceSettings, load_settings
+    from services.runtime.settings import ServiceSettings, load_settings
 
     return load_settings(ServiceSettings, config).task_set()
 
@@ -96,8 +96,8 @@ class SignalCount:
 
 def make_reward(tasks: Any, counts: SignalCount) -> Any:
     """A TRL reward function: the task's own reward (dataset columns arrive as keywords)."""
-    from services.common.tasks.rewards import score
-    from services.common.tasks.scoring import reward_payload
+    from services.tasks.rewards import score
+    from services.tasks.scoring import reward_payload
 
     parts = {name: reward_payload(spec) for name, spec in tasks.specs.items()}
 
@@ -118,7 +118,7 @@ def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float 
     """A TrainerCallback that evaluates every `eval_every` steps and stops on time or target."""
     from transformers import TrainerCallback
 
-    from services.common.tasks.evaluate import Evaluator
+    from services.tasks.evaluate import Evaluator
 
     per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
     evaluator = Evaluator(tasks).__enter__()  # one pool for the whole run (Bench.close)
@@ -168,7 +168,7 @@ def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float 
 
 def training_rows(tasks: Any, n: int) -> list[dict[str, Any]]:
     """The first `n` training rows of the task, formatted as the buffer sends them."""
-    from services.common.tasks.prompts import format_row
+    from services.tasks.prompts import format_row
 
     rows = []
     for name, t in tasks.load().items():

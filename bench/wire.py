@@ -8,7 +8,7 @@
    map (the floor: what is left for validation and building the objects),
    measured in the same run.
 2. publish→consume throughput of 4k-token SampleGroups through Flywheel's
-   path (services.common.publish + MessageLoop: encode, Nats-Msg-Id,
+   path (services.runtime.publish + MessageLoop: encode, Nats-Msg-Id,
    decode + validate, ack) against raw nats-py (publish the same bytes,
    pull-fetch and ack), against one embedded nats-server, in the same run.
    Besides wall-clock rates it reports this process's CPU µs per message
@@ -32,10 +32,10 @@ from prometheus_client import CollectorRegistry
 from proto.codec import decode, encode
 from proto.messages import Sample, SampleGroup, pack_f32, pack_i32, pack_u8
 from proto.streams import ConsumerSpec, StreamSpec
-from services.common.msgloop import MessageLoop
-from services.common.nats_conn import ensure_consumer, ensure_stream
-from services.common.nats_server import NatsServer
-from services.common.publish import publish
+from services.runtime.msgloop import MessageLoop
+from services.runtime.nats_conn import ensure_consumer, ensure_stream
+from services.runtime.publish import publish
+from services.stack.localdev.nats_server import NatsServer
 
 
 def sample(tokens: int, prompt: int = 256) -> Sample:

@@ -356,7 +356,7 @@ class Chunk(Message):
 class WeightsChunk(Message):
     """Bytes `[offset, offset + len(data))` of one file of weight version `version`.
 
-    The NATS weights transport (services/common/weights/nats.py): the trainer
+    The NATS weights transport (services/weights/nats.py): the trainer
     publishes every file of the weights directory, manifest first, as
     `count` chunks on `weightdata.v<version>`; a receiver has the version
     once it holds all `count` indices, then checks the files against the

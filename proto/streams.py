@@ -1,6 +1,6 @@
 """JetStream streams and consumers, as data.
 
-Services create these idempotently at start-up (services.common.nats_conn);
+Services create these idempotently at start-up (services.runtime.nats_conn);
 a client in another language creates the same from proto/README.md.
 
 - TASKS is a work queue: each task is delivered to one rollout worker and

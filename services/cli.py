@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
     ),
     "sft": ("services.trainer.sft.cli:sft_main", "supervised fine-tuning from JSONL"),
-    "nats": ("services.common.nats_cli:main", "run an embedded nats-server with JetStream"),
+    "nats": ("services.stack.localdev.nats_cli:main", "run an embedded nats-server with JetStream"),
     "engine": ("services.engine.cli:main", "run the CPU engine server (SGLang API)"),
     "rollout": ("services.rollout.cli:main", "run a rollout worker (beside one engine)"),
     "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),

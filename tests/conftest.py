@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from services.common import ports
-from services.common.nats_server import NatsServer
-from services.common.settings import NatsSettings
+from services.runtime.settings import NatsSettings
+from services.stack.localdev import ports
+from services.stack.localdev.nats_server import NatsServer
 from tests.harness.poll import eventually, run_async
 
 
@@ -67,8 +67,8 @@ def eventually_fixture() -> Callable[..., Awaitable[None]]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny model (services/common/tiny_model.py), written once per session.
+    """The default tiny model (services/models/tiny_model.py), written once per session.
     Shared: tests and the processes they start read it, never write into it."""
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+    from services.models.tiny_model import TinyModelSpec, write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", TinyModelSpec())

@@ -59,11 +59,11 @@ from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
 from services.buffer.state import dump_accepted, dump_head, dump_settled
 from services.buffer.store import StateStore, open_store
-from services.common.errors import ConfigError, PermanentError, RunHalted
-from services.common.lifecycle import ServiceContext
-from services.common.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
-from services.common.nats_conn import ensure_consumer
-from services.common.publish import publish
+from services.runtime.errors import ConfigError, PermanentError, RunHalted
+from services.runtime.lifecycle import ServiceContext
+from services.runtime.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
+from services.runtime.nats_conn import ensure_consumer
+from services.runtime.publish import publish
 
 log = logging.getLogger(__name__)
 

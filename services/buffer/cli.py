@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.buffer.settings import BufferSettings
-from services.common.service_main import service_main
+from services.runtime.service_main import service_main
 
 
 def _body():  # imported lazily: the app pulls in NATS

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 from proto.messages import PromptTask, SampleGroup, SamplingParams
 from services.buffer.admission import FilterRate, Policy
-from services.common.errors import ConfigError
-from services.common.tasks.prompts import format_row
-from services.common.tasks.taskset import LoadedTask, TrainOrder
+from services.runtime.errors import ConfigError
+from services.tasks.prompts import format_row
+from services.tasks.taskset import LoadedTask, TrainOrder
 
 if TYPE_CHECKING:
     from services.buffer.settings import BufferSettings

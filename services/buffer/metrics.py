@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import MetricSet
+from services.runtime.metrics import MetricSet
 
 
 class BufferMetrics:

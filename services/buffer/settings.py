@@ -6,14 +6,14 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from services.common.settings import ServiceSettings
+from services.runtime.settings import ServiceSettings
 
 
 class BufferSettings(ServiceSettings):
     section: ClassVar[str] = "buffer"
     needs_task: ClassVar[bool] = True
 
-    # what to generate: the run file's [task] table (services/common/tasks/spec.py)
+    # what to generate: the run file's [task] table (services/tasks/spec.py)
     seed: int = Field(0, description="Seed of the per-epoch shuffle of the prompts.")
     samples_per_prompt: int = Field(8, ge=1, le=4096, description="Completions per prompt (n).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature.")

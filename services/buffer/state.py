@@ -40,7 +40,7 @@ from typing import Any
 import msgpack
 
 from services.buffer.core import BufferState, Cursor, Verdict
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 
 STATE_KEY = "state"  # the old form (read, migrated, removed)
 OUTBOX_KEY = "outbox"  # the old form's outbox

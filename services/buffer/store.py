@@ -37,13 +37,13 @@ from services.buffer.state import (
     new_form,
     recover,
 )
-from services.common.nats_conn import ensure_kv
+from services.runtime.nats_conn import ensure_kv
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
-    from services.common.lifecycle import ServiceContext
+    from services.runtime.lifecycle import ServiceContext
 
 log = logging.getLogger(__name__)
 

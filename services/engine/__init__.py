@@ -1,10 +1,11 @@
 """Flywheel's CPU engine: a faithful stand-in for SGLang 0.5.x's HTTP API, on transformers.
 
 Its own process (`python -m services.engine`, `flywheel engine`), beside a
-rollout worker; it imports only services/common/.
+rollout worker; it imports only the runtime (services/runtime/) and the engine API
+(services/engine_api/).
 
 On a GPU the rollout tier talks to a real SGLang server; on a CPU it talks to
-this one, through the same client (`services.common.engine_client`). It
+this one, through the same client (`services.engine_api.engine_client`). It
 answers as one SGLang release (`[engine] sglang_version`): that release's
 routes, errors and rules, never more kindly (tests/contract). Layers:
 

@@ -6,7 +6,7 @@ the model computes. The engine answers as one SGLang release
 (`[engine] sglang_version`, default the newest read): that release's routes
 (`/model_info` or only `/get_model_info`, `/v1/loads` or `/get_load`, ...),
 pause modes, duplicate-rid and flush rules, error bodies and meta_info
-fields (services/common/sglang_api.py has the table; tests/contract holds
+fields (services/engine_api/sglang_api.py has the table; tests/contract holds
 the request/response pairs both this engine and the client are run
 against). A client that goes away mid-generation aborts its sequences
 (SGLang does the same).

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.errors import ConfigError
-from services.common.settings import load_settings, render
 from services.engine.settings import EngineSettings
+from services.runtime.errors import ConfigError
+from services.runtime.settings import load_settings, render
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,8 +48,8 @@ def settings_from(args: argparse.Namespace) -> EngineSettings:
 
 
 async def _amain(settings: EngineSettings) -> None:
-    from services.common.lifecycle import install_signal_handlers
     from services.engine.app import serve
+    from services.runtime.lifecycle import install_signal_handlers
 
     stop = asyncio.Event()
     remove = install_signal_handlers(asyncio.get_running_loop(), stop)
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.model is None:
         print("error: no model directory (--model or [engine] model)", file=sys.stderr)
         return 2
-    from services.common.lifecycle import setup_logging
+    from services.runtime.lifecycle import setup_logging
 
     setup_logging("engine", settings.log_level)
     asyncio.run(_amain(settings))

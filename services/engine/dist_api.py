@@ -64,7 +64,7 @@ async def _json(request: web.Request) -> Any:
 
 
 async def init_group(request: web.Request) -> web.Response:
-    from services.common.weights.distgroup import join_group
+    from services.weights.distgroup import join_group
 
     state, groups = request.app[STATE], request.app[GROUPS]
     body = await _json(request)
@@ -87,7 +87,7 @@ async def init_group(request: web.Request) -> web.Response:
 
 
 async def destroy_group(request: web.Request) -> web.Response:
-    from services.common.weights.distgroup import destroy_group as destroy
+    from services.weights.distgroup import destroy_group as destroy
 
     state, groups = request.app[STATE], request.app[GROUPS]
     name = _field(await _json(request), "group_name", str, "weight_update_group")
@@ -124,7 +124,7 @@ async def end_update(request: web.Request) -> web.Response:
 
 def receive_loader(state: EngineState, groups: Groups, body: Any) -> Any:
     """The scheduler-thread load of one `/update_weights_from_distributed`."""
-    from services.common.weights.distgroup import receive_tensors
+    from services.weights.distgroup import receive_tensors
 
     names, dtypes = _field(body, "names", list), _field(body, "dtypes", list)
     shapes, name = (

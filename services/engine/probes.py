@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from services.common.sglang_api import Capabilities
 from services.engine.core.protocol import Completion, SamplingParams, SeqSpec
+from services.engine_api.sglang_api import Capabilities
 
 if TYPE_CHECKING:
     from services.engine.scheduler import Scheduler

@@ -55,13 +55,13 @@ def verify_directory(path: Path, check: str = "sha256") -> None:
 
     `check` is the engine's `weights_check`: "sha256" re-hashes every file,
     "sizes" checks names and sizes only. The manifest format belongs to
-    `services.common.weights` (written by the trainer); this only calls its
+    `services.weights` (written by the trainer); this only calls its
     `verify_weights_dir`.
     """
     if not path.is_dir():
         raise WeightsLoadError(path, "not a directory")
     if (path / MANIFEST).exists():
-        from services.common.weights import WeightsError, verify_weights_dir
+        from services.weights import WeightsError, verify_weights_dir
 
         try:
             verify_weights_dir(path, sizes_only=check == "sizes")

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from services.common.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
 from services.engine.batch import Batch
 from services.engine.core.protocol import Completion, SeqSpec, version_spans
 from services.engine.core.sequence import (
@@ -54,6 +53,7 @@ from services.engine.core.sequence import (
     UpdateRefused,
     answer,
 )
+from services.engine_api.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerCrashed", "SchedulerStopped", "Seq"]
 

@@ -8,8 +8,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from services.common.settings import ServiceSettings
-from services.common.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
+from services.engine_api.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
+from services.runtime.settings import ServiceSettings
 
 
 def _sglang_env_bool(name: str, default: bool) -> bool:
@@ -34,7 +34,7 @@ class EngineSettings(ServiceSettings):
     sglang_version: str = Field(
         fmt(NEWEST_READ),
         description="The SGLang release whose HTTP API this engine answers as: its routes, "
-        "pause modes, duplicate-rid and flush rules (services/common/sglang_api.py). "
+        "pause modes, duplicate-rid and flush rules (services/engine_api/sglang_api.py). "
         "Reported as `version` by /server_info.",
     )
     weight_version: str = Field(

@@ -9,11 +9,11 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.sglang_api import Capabilities
 from services.engine.handoff import Handoff
 from services.engine.probes import Health
 from services.engine.scheduler import Scheduler
 from services.engine.settings import EngineSettings
+from services.engine_api.sglang_api import Capabilities
 
 
 @dataclass

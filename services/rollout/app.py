@@ -10,16 +10,16 @@ from typing import Any
 
 from proto.messages import PromptTask
 from proto.streams import consumers_for
-from services.common.engine_client import EngineClient
-from services.common.errors import ConfigError
-from services.common.lifecycle import ServiceContext
-from services.common.tasks.episode_spec import EpisodeSpec
-from services.common.tasks.sandbox import Reward, ToolPool, VerifierPool
-from services.common.tasks.scoring import Scorer, tool_pool, warmup
-from services.common.tasks.taskset import TaskSet
+from services.engine_api.engine_client import EngineClient
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
+from services.runtime.errors import ConfigError
+from services.runtime.lifecycle import ServiceContext
+from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.sandbox import Reward, ToolPool, VerifierPool
+from services.tasks.scoring import Scorer, tool_pool, warmup
+from services.tasks.taskset import TaskSet
 
 
 def load_tokenizer(model: Path | None) -> Any:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.service_main import service_main
 from services.rollout.settings import RolloutSettings
+from services.runtime.service_main import service_main
 
 
 def _body():  # imported lazily: the app pulls in NATS, aiohttp, transformers

@@ -25,9 +25,9 @@ from proto.messages import (
     pack_i32,
     pack_u8,
 )
-from services.common.engine_client import EngineError, EngineHTTPError, GenerateResult
-from services.common.errors import PermanentError, RetryableError
-from services.common.tasks.sandbox import Reward
+from services.engine_api.engine_client import EngineError, EngineHTTPError, GenerateResult
+from services.runtime.errors import PermanentError, RetryableError
+from services.tasks.sandbox import Reward
 
 
 def parse_version(v: str | int | None) -> int:

@@ -1,6 +1,6 @@
 """A task's `n` multi-turn episodes through the engine (tasks with `[task.episode]`).
 
-The loop itself is services.common.tasks.episode (shared with the
+The loop itself is services.tasks.episode (shared with the
 evaluation); this adapter gives it the engine: each turn is one /generate
 of n = 1 on the ids so far, under a request id unique to this delivery,
 sample and turn. A turn aborted by a weight update is generated again from
@@ -15,11 +15,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from services.common.engine_client import EngineClient, GenerateResult, VersionSpan
-from services.common.errors import RetryableError
-from services.common.tasks.episode import Episode, TurnOutput, run_episode
-from services.common.tasks.episode_spec import EpisodeSpec
-from services.common.tasks.sandbox import ToolPool
+from services.engine_api.engine_client import EngineClient, GenerateResult, VersionSpan
+from services.runtime.errors import RetryableError
+from services.tasks.episode import Episode, TurnOutput, run_episode
+from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.sandbox import ToolPool
 
 
 def turn_output(r: GenerateResult) -> TurnOutput:

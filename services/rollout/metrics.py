@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import MetricSet
-from services.common.weights import Transfer
+from services.runtime.metrics import MetricSet
+from services.weights import Transfer
 
 
 class RolloutMetrics:

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr
 
-from services.common.settings import ServiceSettings
+from services.runtime.settings import ServiceSettings
 
 
 class RolloutSettings(ServiceSettings):

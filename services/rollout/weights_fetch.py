@@ -29,8 +29,9 @@ from proto.errors import ProtocolError
 from proto.messages import WeightsPublished
 from proto.streams import stream_name
 from proto.subjects import Subjects
-from services.common.msgloop import pause
-from services.common.weights import (
+from services.rollout.core import prunable
+from services.runtime.msgloop import pause
+from services.weights import (
     BadWeightsUri,
     Transfer,
     Transports,
@@ -38,8 +39,7 @@ from services.common.weights import (
     Wiring,
     versions_in,
 )
-from services.common.weights.layout import remove_versions
-from services.rollout.core import prunable
+from services.weights.layout import remove_versions
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class WeightsFetcher:
         """Until `stop`: fetch what is new, prune what the engine no longer needs."""
         from nats.errors import Error as NatsError
 
-        from services.common.engine_client import EngineError
+        from services.engine_api.engine_client import EngineError
 
         self.reset()
 

@@ -45,21 +45,13 @@ from proto.messages import (
     unpack_i32,
 )
 from proto.subjects import Subjects
-from services.common.engine_client import (
+from services.engine_api.engine_client import (
     EngineClient,
     EngineError,
     EngineHTTPError,
     GenerateResult,
 )
-from services.common.errors import ConfigError, PermanentError, RetryableError
-from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery, pause, transient_errors
-from services.common.publish import publish
-from services.common.sglang_api import UnsupportedEngine
-from services.common.tasks.episode import Episode
-from services.common.tasks.episode_spec import EpisodeSpec
-from services.common.tasks.prompts import encode
-from services.common.tasks.sandbox import Reward, ToolPool
+from services.engine_api.sglang_api import UnsupportedEngine
 from services.rollout.core import (
     Origin,
     engine_failure,
@@ -73,6 +65,14 @@ from services.rollout.episodes import EpisodeRunner, as_result
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
+from services.runtime.errors import ConfigError, PermanentError, RetryableError
+from services.runtime.lifecycle import ServiceContext
+from services.runtime.msgloop import Delivery, pause, transient_errors
+from services.runtime.publish import publish
+from services.tasks.episode import Episode
+from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.prompts import encode
+from services.tasks.sandbox import Reward, ToolPool
 
 log = logging.getLogger(__name__)
 

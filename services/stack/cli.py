@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.ports import free_port
-from services.common.service_main import settings_or_exit
+from services.runtime.service_main import settings_or_exit
+from services.stack.localdev.ports import free_port
 from services.stack.settings import StackSettings
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ async def up(
 ) -> int:
     """Run the stack until Ctrl-C, `steps` trained, `target_accuracy` reached
     (the trainer's held-out evaluation), `max_seconds` passed, or a failure."""
-    from services.common import local_run
+    from services.runtime import local_run
     from services.stack.plan import plan
     from services.stack.supervisor import StackError, Supervisor
 
@@ -93,8 +93,8 @@ async def up(
 
 def start_nats(s: StackSettings, run_dir: Path) -> tuple[Any, str]:
     """The embedded NATS (one server or a cluster) and its URL; none with an external one."""
-    from services.common import local_run
-    from services.common.nats_cluster import embedded_nats
+    from services.runtime import local_run
+    from services.stack.localdev.nats_cluster import embedded_nats
 
     if not s.embedded_nats:
         return None, s.nats.url
@@ -129,7 +129,7 @@ async def show_status(
     s: StackSettings, sup: Supervisor, status_file: Path, stop: asyncio.Event, goal: Goal
 ) -> None:
     """A status line every `status_interval_s` (console and status.log) until stop or goal."""
-    from services.common.msgloop import pause
+    from services.runtime.msgloop import pause
     from services.stack.status import render_line, scrape, summarise
 
     urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
@@ -164,8 +164,8 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
     engines loaded."""
     import importlib
 
-    from services.common.errors import EXIT_CONFIG, ConfigError
-    from services.common.settings import load_settings
+    from services.runtime.errors import EXIT_CONFIG, ConfigError
+    from services.runtime.settings import load_settings
 
     errors = []
     for kind in s.services:

@@ -27,7 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from services.common.weights import published_dir, version_of, versions_in
+from services.weights import published_dir, version_of, versions_in
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 TOOLS_TARGET = 0.92  # --task tools stops here by default (the 200-problem evaluation's noise)
@@ -87,7 +87,7 @@ def role_cores(text: str) -> tuple[str, str]:
 
 def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
     """Greedy pass@1 on the run file's held-out split (the trainer's evaluation)."""
-    from services.common.tasks.evaluate import evaluate_dir
+    from services.tasks.evaluate import evaluate_dir
 
     return evaluate_dir(model_dir, tasks, size=n).pass_at_1
 
@@ -116,7 +116,7 @@ def sft_data(args: argparse.Namespace, run_dir: Path) -> Path:
 
 
 def warm_start(run_dir: Path, steps: int, data: Path) -> Path:
-    from services.common.tiny_model import write_tiny_model
+    from services.models.tiny_model import write_tiny_model
     from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
     from services.trainer.sft.loop import run_sft
 
@@ -257,7 +257,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         from services.stack.demo_tools import CONFIG
 
         args.config = str(CONFIG if tools else DEFAULT_CONFIG)
-    from services.common.settings import load_settings
+    from services.runtime.settings import load_settings
     from services.stack.cli import up
     from services.stack.settings import StackSettings
 

@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from services.common.arithmetic import problem
+from services.tasks.arithmetic import problem
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-tools.toml"
 

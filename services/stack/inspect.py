@@ -32,8 +32,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, help="held-out rows (default: [task] eval.size)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     args = p.parse_args(argv)
-    from services.common.errors import ConfigError
-    from services.common.tasks.evaluate import evaluate_dir
+    from services.runtime.errors import ConfigError
+    from services.tasks.evaluate import evaluate_dir
 
     try:
         tasks, model_dir = eval_target(args.config, args.weights or args.model)
@@ -58,12 +58,12 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
     """The tasks and the model directory `flywheel eval` evaluates (ConfigError if none)."""
-    from services.common.errors import ConfigError
-    from services.common.settings import load_settings
-    from services.common.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
-    from services.common.tasks.taskset import TaskSet
+    from services.runtime.errors import ConfigError
+    from services.runtime.settings import load_settings
     from services.stack.demo import latest_weights
     from services.stack.settings import StackSettings
+    from services.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
+    from services.tasks.taskset import TaskSet
 
     if config is None:
         held_out = ArithmeticSource(type="arithmetic", seed=1_000_003)
@@ -85,7 +85,7 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
 
 async def gather_status(settings: Any) -> dict[str, Any]:
     """Everything `flywheel status` shows, as a plain dict."""
-    from services.common.nats_conn import connect
+    from services.runtime.nats_conn import connect
 
     run = settings.run
     nc = await connect(settings.nats, "flywheel-status")
@@ -324,17 +324,17 @@ def status_main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--config", help="the run file ([nats] url and run name)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     args = p.parse_args(argv)
-    from services.common.service_main import settings_or_exit
+    from services.runtime.service_main import settings_or_exit
     from services.stack.settings import StackSettings
 
     settings = settings_or_exit("status", StackSettings, args.config, False, attach=True)
     # The run's NATS is up or the command says so at once: no minute of retries.
     import logging
 
-    from services.common.errors import FlywheelError
+    from services.runtime.errors import FlywheelError
 
     # A one-shot reader: the connection's own notes (closing = "disconnected") are not news.
-    logging.getLogger("services.common.nats_conn").setLevel(logging.ERROR)
+    logging.getLogger("services.runtime.nats_conn").setLevel(logging.ERROR)
     nats = settings.nats.model_copy(update={"connect_attempts": 1})
     try:
         s = asyncio.run(gather_status(settings.model_copy(update={"nats": nats})))

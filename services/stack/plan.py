@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.engine.sglang_launcher import SGLangOptions, command
+from services.engine_api.sglang_launcher import SGLangOptions, command
 from services.stack.settings import StackSettings
 
 ORDER = ("engine", "rollout", "sync", "trainer", "buffer")

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from services.common.settings import ServiceSettings
+from services.runtime.settings import ServiceSettings
 
 
 class StackSettings(ServiceSettings):

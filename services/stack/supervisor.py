@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from services.common.errors import EXIT_CONFIG, EXIT_HALTED, FlywheelError
-from services.common.msgloop import pause
+from services.runtime.errors import EXIT_CONFIG, EXIT_HALTED, FlywheelError
+from services.runtime.msgloop import pause
 from services.stack.plan import ProcSpec
 
 log = logging.getLogger(__name__)

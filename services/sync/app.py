@@ -35,17 +35,17 @@ from proto.errors import ProtocolError
 from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
 from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
-from services.common.engine_client import EngineClient, EngineError
-from services.common.errors import ConfigError
-from services.common.lifecycle import ServiceContext
-from services.common.msgloop import Delivery, pause
-from services.common.nats_conn import ensure_consumer
-from services.common.publish import publish
-from services.common.sglang_api import Capabilities, UnsupportedEngine
-from services.common.weights import Transports, Wiring
+from services.engine_api.engine_client import EngineClient, EngineError
+from services.engine_api.sglang_api import Capabilities, UnsupportedEngine
+from services.runtime.errors import ConfigError
+from services.runtime.lifecycle import ServiceContext
+from services.runtime.msgloop import Delivery, pause
+from services.runtime.nats_conn import ensure_consumer
+from services.runtime.publish import publish
 from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.metrics import SyncMetrics
 from services.sync.settings import SyncSettings
+from services.weights import Transports, Wiring
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.service_main import service_main
+from services.runtime.service_main import service_main
 from services.sync.settings import SyncSettings
 
 

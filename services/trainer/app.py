@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from services.common.lifecycle import Body, ServiceContext
+from services.runtime.lifecycle import Body, ServiceContext
 from services.trainer.distributed import DistInfo
 from services.trainer.loop import RLLoop
 from services.trainer.settings import TrainerSettings

@@ -32,9 +32,9 @@ from proto.errors import ProtocolError
 from proto.messages import TrainBatch as WireBatch
 from proto.streams import stream_name
 from proto.subjects import Subjects
-from services.common.errors import FlywheelError
-from services.common.lifecycle import ServiceContext
-from services.common.msgloop import DeadLetterPublisher, pause, stored_origin, transient_errors
+from services.runtime.errors import FlywheelError
+from services.runtime.lifecycle import ServiceContext
+from services.runtime.msgloop import DeadLetterPublisher, pause, stored_origin, transient_errors
 
 log = logging.getLogger(__name__)
 

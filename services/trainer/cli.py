@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 
 if TYPE_CHECKING:
-    from services.common.tiny_model import TinyModelSpec
+    from services.models.tiny_model import TinyModelSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,12 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     RL loop, the other ranks train what it broadcasts."""
     import asyncio
 
-    from services.common.service_main import parse_args, settings_or_exit
+    from services.runtime.service_main import parse_args, settings_or_exit
     from services.trainer.settings import TrainerSettings
 
     args = parse_args("trainer", argv)
     settings = settings_or_exit("trainer", TrainerSettings, args.config, args.print_config)
-    from services.common.lifecycle import run_service, setup_logging
+    from services.runtime.lifecycle import run_service, setup_logging
     from services.trainer.app import body, load_trainer
     from services.trainer.distributed import init_distributed, shutdown
     from services.trainer.step import follower_loop
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def init_model_parser() -> argparse.ArgumentParser:
-    from services.common.tiny_model import TinyModelSpec
+    from services.models.tiny_model import TinyModelSpec
 
     d = TinyModelSpec()
     ap = argparse.ArgumentParser(
@@ -80,7 +80,7 @@ def init_model_parser() -> argparse.ArgumentParser:
 
 def init_model_main(argv: list[str]) -> int:
     """flywheel init-model [DIR] [-c run.toml] [--sft-steps N] [--hidden N --layers N ...]."""
-    from services.common.tiny_model import TinyModelSpec, write_tiny_model
+    from services.models.tiny_model import TinyModelSpec, write_tiny_model
 
     args = init_model_parser().parse_args(argv)
     if args.hidden % args.heads:

@@ -3,7 +3,7 @@
 The rows are loaded once at start-up (a missing split is a ConfigError
 then, not at the first evaluation); each evaluation loads the published
 weights directory and runs the one evaluation function
-(services/common/tasks/evaluate.py) with a verifier pool of the trainer's.
+(services/tasks/evaluate.py) with a verifier pool of the trainer's.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from proto.messages import TrainBatch
-from services.common.errors import ConfigError
-from services.common.tasks.evaluate import EvalReport, evaluate, load_model
-from services.common.tasks.sandbox import ToolPool, VerifierPool
-from services.common.tasks.scoring import Scorer, tool_pool, warmup
+from services.runtime.errors import ConfigError
+from services.tasks.evaluate import EvalReport, evaluate, load_model
+from services.tasks.sandbox import ToolPool, VerifierPool
+from services.tasks.scoring import Scorer, tool_pool, warmup
 from services.trainer.settings import TrainerSettings
 
 

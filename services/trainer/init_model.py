@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from services.common.tasks.prompts import format_row, sft_messages
-from services.common.tasks.taskset import LoadedTask
+from services.tasks.prompts import format_row, sft_messages
+from services.tasks.taskset import LoadedTask
 
 MAX_TEXT_ROWS = 20_000  # rows of each task the tokenizer is trained on
 
@@ -61,9 +61,9 @@ def init_for_task(
     log: Any = print,
 ) -> Path:
     """Build the task's tiny model at `out` (default: the run file's [stack] model)."""
-    from services.common.errors import ConfigError
-    from services.common.settings import ServiceSettings, load_settings, read_run_file
-    from services.common.tiny_model import build_bpe_tokenizer, write_tiny_model
+    from services.models.tiny_model import build_bpe_tokenizer, write_tiny_model
+    from services.runtime.errors import ConfigError
+    from services.runtime.settings import ServiceSettings, load_settings, read_run_file
     from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
     from services.trainer.sft.loop import run_sft
 

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 
 LoggerName = Literal["jsonl", "tensorboard", "wandb"]
 WandbMode = Literal["offline", "online"]

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
-from services.common.lifecycle import ServiceContext
+from services.runtime.lifecycle import ServiceContext
 from services.trainer.batches import Batch, BatchReader
 from services.trainer.best import keep_if_best
 from services.trainer.heldout import HeldOut, eval_line

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from proto.messages import TrainBatch as WireBatch
-from services.common.metrics import MetricSet
+from services.runtime.metrics import MetricSet
 from services.trainer.heldout import eval_line, reward_parts
 from services.trainer.loggers import open_loggers
 from services.trainer.settings import TrainerSettings
 from services.trainer.wire import batch_stats
 
 if TYPE_CHECKING:
-    from services.common.tasks.evaluate import EvalReport
-    from services.common.weights import Sent
+    from services.tasks.evaluate import EvalReport
     from services.trainer.step import StepResult
+    from services.weights import Sent
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 from services.trainer.distributed import DistInfo
 
 

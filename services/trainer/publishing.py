@@ -17,9 +17,14 @@ from pathlib import Path
 from proto.messages import WeightsPublished
 from proto.subjects import Subjects
 from proto.wirecost import WireCost
-from services.common.lifecycle import ServiceContext
-from services.common.publish import publish
-from services.common.weights import (
+from services.runtime.lifecycle import ServiceContext
+from services.runtime.publish import publish
+from services.trainer.batches import Batch
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.settings import TrainerSettings
+from services.trainer.step import StepResult, persist
+from services.trainer.trainer import Trainer
+from services.weights import (
     Transfer,
     WeightsError,
     Wiring,
@@ -27,12 +32,7 @@ from services.common.weights import (
     published_dir,
     read_manifest,
 )
-from services.common.weights.delta import DeltaStats
-from services.trainer.batches import Batch
-from services.trainer.metrics import TrainerMetrics
-from services.trainer.settings import TrainerSettings
-from services.trainer.step import StepResult, persist
-from services.trainer.trainer import Trainer
+from services.weights.delta import DeltaStats
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.settings import ServiceSettings
-from services.common.weights import TransportKind
+from services.runtime.settings import ServiceSettings
 from services.trainer.core.schedule import ScheduleKind
 from services.trainer.loggers import LoggerName, WandbMode
+from services.weights import TransportKind
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 PolicyLossKind = Literal["ppo", "gspo"]

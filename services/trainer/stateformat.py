@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 from services.trainer.distributed import DistInfo
 from services.trainer.trainer import Trainer
 

@@ -29,7 +29,6 @@ import torch
 
 from proto.codec import decode, encode
 from proto.messages import TrainBatch as WireBatch
-from services.common.weights import Manifest, published_dir
 from services.trainer.distributed import DistInfo
 from services.trainer.settings import TrainerSettings
 from services.trainer.state import (
@@ -42,6 +41,7 @@ from services.trainer.state import (
 )
 from services.trainer.trainer import Trainer
 from services.trainer.wire import to_core_batch
+from services.weights import Manifest, published_dir
 
 STOP = -1  # broadcast length that tells the other ranks to stop
 

@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from services.common.stopwatch import Stopwatch
-from services.common.weights import Manifest, write_weights_dir
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
     MetricAccumulator,
@@ -47,6 +45,8 @@ from services.trainer.model import (
     prepare_model,
 )
 from services.trainer.settings import TrainConfig
+from services.trainer.stopwatch import Stopwatch
+from services.weights import Manifest, write_weights_dir
 
 Row = dict[str, torch.Tensor]
 MicroBatch = dict[str, torch.Tensor]

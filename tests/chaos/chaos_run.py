@@ -57,8 +57,8 @@ from proto.codec import decode
 from proto.messages import DeadLetter, PromptTask, SampleGroup, TrainBatch
 from proto.streams import kv_bucket, stream_name
 from proto.subjects import Subjects
-from services.common.nats_cluster import NatsCluster
-from services.common.nats_server import NatsServer
+from services.stack.localdev.nats_cluster import NatsCluster
+from services.stack.localdev.nats_server import NatsServer
 from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
 from tests.harness.streams import read_stream

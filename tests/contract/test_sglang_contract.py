@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.common.engine_client import EngineClient, EngineHTTPError
-from services.common.tiny_model import TinyModelSpec, write_tiny_model
-from services.common.weights import write_weights_dir
+from services.engine_api.engine_client import EngineClient, EngineHTTPError
+from services.models.tiny_model import TinyModelSpec, write_tiny_model
+from services.weights import write_weights_dir
 from tests.contract.contract_support import Case, check_body, load_cases, substitute
 from tests.harness.engines import serving
 
@@ -38,9 +38,9 @@ class Engines:
         self.states: dict[tuple[Any, ...], Any] = {}
 
     def get(self, case: Case) -> Any:
-        from services.common.settings import load_settings
         from services.engine.app import create_state
         from services.engine.settings import EngineSettings
+        from services.runtime.settings import load_settings
 
         g = case.given
         options: dict[str, Any] = {"model": self.model, "weight_version": case.weight_version,

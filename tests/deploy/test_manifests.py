@@ -104,7 +104,7 @@ def _flywheel_containers(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str
 def test_every_service_container_loads_its_settings(
     overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.common.settings import load_settings
+    from services.runtime.settings import load_settings
 
     objs = objects(overlay)
     run_toml = tmp_path / "run.toml"
@@ -235,7 +235,7 @@ def test_engine_probes_match_sglangs_health_endpoints(overlay: str) -> None:
 
 
 def test_gpu_image_and_sglang_extra_pin_one_supported_release() -> None:
-    from services.common.sglang_api import Capabilities
+    from services.engine_api.sglang_api import Capabilities
 
     kustomization = yaml.safe_load((K8S / "overlays" / "gpu" / "kustomization.yaml").read_text())
     tag = next(i["newTag"] for i in kustomization["images"] if i["name"] == "sglang")

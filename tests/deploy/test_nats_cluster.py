@@ -89,7 +89,7 @@ def test_the_cluster_run_file_replicates_every_stream_on_every_server() -> None:
     base = run_file(objects("cpu-dev"))
     assert {**cfg, "nats": {k: v for k, v in cfg["nats"].items() if k != "replicas"}} == base
     # What a service would load (test_manifests loads each container's settings too).
-    from services.common.settings import NatsSettings
+    from services.runtime.settings import NatsSettings
 
     assert NatsSettings(**cfg["nats"]).replicas == 3
 
@@ -104,7 +104,7 @@ def test_single_server_overlays_keep_one_replica() -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_rendered_nats_conf_is_valid_for_nats_server(overlay: str, tmp_path: Path) -> None:
-    from services.common.nats_server import find_nats_server
+    from services.stack.localdev.nats_server import find_nats_server
 
     conf = tmp_path / "nats.conf"
     conf.write_text(nats_conf(objects(overlay)))

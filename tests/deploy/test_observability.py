@@ -34,8 +34,8 @@ def service_registries() -> dict[str, object]:
     from prometheus_client import CollectorRegistry
 
     from services.buffer.metrics import BufferMetrics
-    from services.common.msgloop import LoopMetrics
     from services.rollout.metrics import RolloutMetrics
+    from services.runtime.msgloop import LoopMetrics
     from services.sync.metrics import SyncMetrics
     from services.trainer.metrics import TrainerMetrics
 

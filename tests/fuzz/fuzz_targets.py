@@ -37,9 +37,9 @@ from proto.examples import EXAMPLES
 from proto.messages import MESSAGE_TYPES
 from services.buffer.core import BufferState, Cursor
 from services.buffer.state import BufferStateError, dump_state, load_state
-from services.common.errors import ConfigError
-from services.common.settings import ServiceSettings, load_settings
 from services.engine.core.protocol import RequestError, parse_generate
+from services.runtime.errors import ConfigError
+from services.runtime.settings import ServiceSettings, load_settings
 from tests.harness import REPO
 
 ROOT = REPO

@@ -37,9 +37,9 @@ class EngineStates:
         self.states: dict[tuple[tuple[str, str], ...], Any] = {}
 
     def get(self, **options: Any) -> Any:
-        from services.common.settings import load_settings
         from services.engine.app import create_state
         from services.engine.settings import EngineSettings
+        from services.runtime.settings import load_settings
 
         opts = {"model": self.model, **self.defaults, **options}
         key = tuple(sorted((k, str(v)) for k, v in opts.items()))

@@ -24,7 +24,7 @@ def write_scripted_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.common.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model
+    from services.models.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model
 
     write_tiny_model(out, TinyModelSpec())
     tok = build_tokenizer()

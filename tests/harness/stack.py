@@ -133,7 +133,7 @@ class Stack:
     """
 
     def __init__(self, config: Path, nats_url: str, *, env: dict[str, str] | None = None) -> None:
-        from services.common.settings import load_settings
+        from services.runtime.settings import load_settings
         from services.stack.plan import plan
         from services.stack.settings import StackSettings
         from services.stack.supervisor import Supervisor

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save
 
 from proto.messages import WeightsPublished
-from services.common.weights import published_dir, read_manifest, write_weights_dir
+from services.weights import published_dir, read_manifest, write_weights_dir
 
 
 class Policy:

@@ -37,8 +37,8 @@ from proto.messages import (
 )
 from proto.streams import stream_name
 from proto.subjects import Subjects
-from services.common.nats_server import NatsServer
-from services.common.weights import read_manifest
+from services.stack.localdev.nats_server import NatsServer
+from services.weights import read_manifest
 from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
 from tests.harness.stack import Stack, printing_logs_on_failure, stack_table

@@ -27,7 +27,7 @@ import pytest
 from proto.messages import SampleGroup, TrainBatch, WeightsReady
 from proto.streams import stream_name
 from proto.subjects import Subjects
-from services.common.nats_server import NatsServer
+from services.stack.localdev.nats_server import NatsServer
 from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
 from tests.harness.stack import Stack, stack_table, start_loop

@@ -19,8 +19,8 @@ import pytest
 
 from proto.messages import SampleGroup
 from proto.subjects import Subjects
-from services.common.nats_server import NatsServer
-from services.common.weights import read_manifest, version_of
+from services.stack.localdev.nats_server import NatsServer
+from services.weights import read_manifest, version_of
 from tests.harness.poll import wait_for
 from tests.harness.stack import Stack, start_loop
 from tests.harness.streams import messages, published_versions

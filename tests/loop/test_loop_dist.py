@@ -2,7 +2,7 @@
 
 As test_loop_delta.py: two CPU engines with their workers, sync, trainer,
 buffer; a third engine started late. Sync is rank 0 of one gloo group per
-engine (services/common/weights/distributed.py) and broadcasts every
+engine (services/weights/distributed.py) and broadcasts every
 version into it through SGLang's `/update_weights_from_distributed`; the
 late engine gets its own group at its first update and serves the newest
 version without the others being touched.
@@ -17,7 +17,7 @@ import pytest
 
 from proto.messages import SampleGroup
 from proto.subjects import Subjects
-from services.common.nats_server import NatsServer
+from services.stack.localdev.nats_server import NatsServer
 from tests.harness.poll import wait_for
 from tests.harness.stack import Stack, start_loop
 from tests.harness.streams import messages, published_versions

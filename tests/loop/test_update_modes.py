@@ -35,7 +35,7 @@ import pytest
 
 from proto.messages import DeadLetter, Sample, TrainBatch, WeightsPublished, WeightsReady
 from proto.subjects import Subjects
-from services.common.nats_server import NatsServer
+from services.stack.localdev.nats_server import NatsServer
 from tests.harness.poll import wait_for
 from tests.harness.probe import post_json
 from tests.harness.runfile import run_file

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from services.buffer.settings import BufferSettings
-from services.common.settings import load_settings
 from services.engine.settings import EngineSettings
 from services.rollout.settings import RolloutSettings
+from services.runtime.settings import load_settings
 from services.stack.settings import StackSettings
 from services.sync.settings import SyncSettings
 from services.trainer.settings import TrainerSettings

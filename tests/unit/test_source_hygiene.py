@@ -90,7 +90,7 @@ def test_the_scan_finds_what_it_forbids() -> None:
 # The one exception, by design: the Python tool of multi-turn episodes runs the policy's
 # code, only inside a confined tool-sandbox child (ToolPool: memory limit, no sockets or
 # subprocesses, killed on timeout), never on message content in a service process.
-ALLOWED = {"services/common/tasks/tools.py": {"exec()", "eval()"}}
+ALLOWED = {"services/tasks/tools.py": {"exec()", "eval()"}}
 
 
 def test_no_pickle_multiprocessing_or_unsafe_torch_load_in_the_tree() -> None:

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common.errors import FlywheelError
-from services.common.sglang_api import Capabilities
+from services.engine_api.sglang_api import Capabilities
+from services.runtime.errors import FlywheelError
 
 
 class RequestError(FlywheelError, ValueError):

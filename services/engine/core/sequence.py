@@ -13,8 +13,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import FlywheelError
 from services.engine.core.protocol import Completion, SeqSpec
+from services.runtime.errors import FlywheelError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 
 
 class BatchError(FlywheelError, ValueError):

@@ -11,12 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
 
 
 def sft_main(argv: list[str]) -> int:
     """flywheel sft -c run.toml [--print-config] [--model-dir D] [--output-dir D] [--steps N]."""
-    from services.common.settings import load_settings, render
+    from services.runtime.settings import load_settings, render
     from services.trainer.settings import SftSettings
     from services.trainer.sft.loop import run_sft
 

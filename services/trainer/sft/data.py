@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from services.common.arithmetic import problem
-from services.common.errors import FlywheelError
+from services.runtime.errors import FlywheelError
+from services.tasks.arithmetic import problem
 from services.trainer.trainer import SftExample
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench.sync_dist import Receivers, measure
-from services.common.weights import published_dir, write_weights_dir
+from services.weights import published_dir, write_weights_dir
 
 
 def version(root: Path, n: int, seed: int) -> Path:

@@ -35,9 +35,9 @@ from proto.messages import (
 )
 from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
-from services.common.nats_conn import ensure_consumer, ensure_streams
-from services.common.nats_server import NatsServer
-from services.common.publish import publish
+from services.runtime.nats_conn import ensure_consumer, ensure_streams
+from services.runtime.publish import publish
+from services.stack.localdev.nats_server import NatsServer
 
 RUN = "buftest"
 G = 3  # groups per step

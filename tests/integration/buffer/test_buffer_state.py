@@ -39,10 +39,10 @@ from services.buffer.state import (
     dump_state,
 )
 from services.buffer.store import StateStore, read_entries
-from services.common.errors import PermanentError
-from services.common.nats_conn import ensure_kv, ensure_streams
-from services.common.nats_server import NatsServer
-from services.common.settings import load_settings
+from services.runtime.errors import PermanentError
+from services.runtime.nats_conn import ensure_kv, ensure_streams
+from services.runtime.settings import load_settings
+from services.stack.localdev.nats_server import NatsServer
 from tests.harness.runfile import run_file
 from tests.unit.buffer.test_core import group
 

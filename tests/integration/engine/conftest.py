@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.tiny_model import TinyModelSpec, write_tiny_model
+from services.models.tiny_model import TinyModelSpec, write_tiny_model
 from tests.harness.engines import EngineProcess, start_engine, stop_engine
 
 

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 
-from services.common.weights.distgroup import broadcast_tensors, destroy_group, join_group
+from services.weights.distgroup import broadcast_tensors, destroy_group, join_group
 from tests.harness.engines import EngineProcess
 from tests.harness.ports import free_port
 

@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.common.engine_client import (
+from services.engine.app import build_app, create_state
+from services.engine.settings import EngineSettings
+from services.engine_api.engine_client import (
     EngineClient,
     EngineHTTPError,
     EngineTimeout,
     EngineUnavailable,
 )
-from services.common.settings import load_settings
-from services.engine.app import build_app, create_state
-from services.engine.settings import EngineSettings
+from services.runtime.settings import load_settings
 from tests.harness.engines import serving
 from tests.harness.ports import free_port
 

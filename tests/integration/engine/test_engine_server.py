@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 import torch
 
-from services.common.engine_client import EngineClient, EngineHTTPError, GenerateResult
-from services.common.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model
-from services.common.weights import write_weights_dir
+from services.engine_api.engine_client import EngineClient, EngineHTTPError, GenerateResult
+from services.models.tiny_model import TinyModelSpec, build_tokenizer, write_tiny_model
+from services.weights import write_weights_dir
 from tests.harness.engines import EngineProcess
 
 # The `engine` fixture (tests/integration/engine/conftest.py): .url, .model_dir, .proc.

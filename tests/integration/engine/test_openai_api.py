@@ -15,7 +15,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from services.common.tiny_model import build_tokenizer
+from services.models.tiny_model import build_tokenizer
 from tests.harness.engines import EngineProcess
 from tests.integration.engine.test_engine_server import raw, recompute_logprobs
 

@@ -38,21 +38,21 @@ from proto.messages import (
 )
 from proto.streams import streams_for
 from proto.subjects import Subjects
-from services.common.engine_client import EngineClient
-from services.common.lifecycle import run_service
-from services.common.nats_conn import ensure_streams
-from services.common.nats_server import NatsServer
-from services.common.settings import NatsSettings
-from services.common.tasks.episode import TurnOutput
-from services.common.tasks.episode_spec import EpisodeSpec
-from services.common.tasks.evaluate import evaluate_dir
-from services.common.tasks.sandbox import ToolPool
-from services.common.tasks.spec import TaskSpec
-from services.common.tasks.taskset import TaskSet
-from services.common.tiny_model import build_tokenizer
+from services.engine_api.engine_client import EngineClient
+from services.models.tiny_model import build_tokenizer
 from services.rollout.app import body as rollout_body
 from services.rollout.episodes import EpisodeRunner
 from services.rollout.settings import RolloutSettings
+from services.runtime.lifecycle import run_service
+from services.runtime.nats_conn import ensure_streams
+from services.runtime.settings import NatsSettings
+from services.stack.localdev.nats_server import NatsServer
+from services.tasks.episode import TurnOutput
+from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.evaluate import evaluate_dir
+from services.tasks.sandbox import ToolPool
+from services.tasks.spec import TaskSpec
+from services.tasks.taskset import TaskSet
 from tests.harness.engines import EngineStates, serving_engine
 from tests.harness.scripted import write_scripted_model
 

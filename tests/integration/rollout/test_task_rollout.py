@@ -24,15 +24,15 @@ from proto.streams import stream_name, streams_for
 from proto.subjects import Subjects
 from services.buffer.app import BufferService
 from services.buffer.settings import BufferSettings
-from services.common.lifecycle import run_service
-from services.common.nats_conn import connect, ensure_streams
-from services.common.nats_server import NatsServer
-from services.common.publish import publish
-from services.common.settings import NatsSettings, load_settings
-from services.common.tasks import rewards
-from services.common.tiny_model import build_bpe_tokenizer, write_tiny_model
+from services.models.tiny_model import build_bpe_tokenizer, write_tiny_model
 from services.rollout.app import body as rollout_body
 from services.rollout.settings import RolloutSettings
+from services.runtime.lifecycle import run_service
+from services.runtime.nats_conn import connect, ensure_streams
+from services.runtime.publish import publish
+from services.runtime.settings import NatsSettings, load_settings
+from services.stack.localdev.nats_server import NatsServer
+from services.tasks import rewards
 from tests.harness.engines import EngineStates, serving_engine
 from tests.harness.poll import eventually
 from tests.harness.runfile import run_file

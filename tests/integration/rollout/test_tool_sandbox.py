@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.tasks.sandbox import ToolPool
-from services.common.tasks.tools import CALL
+from services.tasks.sandbox import ToolPool
+from services.tasks.tools import CALL
 
 PY = {"type": "python", "tag": "python", "description": ""}
 

@@ -32,16 +32,16 @@ from proto.codec import decode, encode, message_id
 from proto.messages import DeadLetter, PromptTask, SampleGroup, SamplingParams
 from proto.streams import streams_for
 from proto.subjects import Subjects
-from services.common.engine_client import EngineClient
-from services.common.errors import ConfigError
-from services.common.lifecycle import run_service
-from services.common.nats_conn import ensure_streams
-from services.common.nats_server import NatsServer
-from services.common.settings import NatsSettings
-from services.common.tiny_model import TinyModelSpec, write_tiny_model
-from services.common.weights import write_weights_dir
+from services.engine_api.engine_client import EngineClient
+from services.models.tiny_model import TinyModelSpec, write_tiny_model
 from services.rollout.app import body as rollout_body
 from services.rollout.settings import RolloutSettings
+from services.runtime.errors import ConfigError
+from services.runtime.lifecycle import run_service
+from services.runtime.nats_conn import ensure_streams
+from services.runtime.settings import NatsSettings
+from services.stack.localdev.nats_server import NatsServer
+from services.weights import write_weights_dir
 from tests.harness.engines import EngineStates, serving, serving_engine
 
 

@@ -16,10 +16,10 @@ from proto.streams import kv_bucket, streams_for
 from proto.subjects import Subjects
 from services.buffer.core import BufferState, Cursor
 from services.buffer.state import dump_state
-from services.common.nats_conn import ensure_streams
-from services.common.nats_server import NatsServer
-from services.common.publish import publish
-from services.common.tiny_model import write_tiny_model
+from services.models.tiny_model import write_tiny_model
+from services.runtime.nats_conn import ensure_streams
+from services.runtime.publish import publish
+from services.stack.localdev.nats_server import NatsServer
 
 RUN = "inspected"
 

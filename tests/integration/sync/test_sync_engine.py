@@ -24,21 +24,21 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from services.common.engine_client import (
+from services.engine.app import build_app, create_state
+from services.engine.settings import EngineSettings
+from services.engine_api.engine_client import (
     EngineClient,
     EngineError,
     EngineHTTPError,
     GenerateResult,
 )
-from services.common.errors import ConfigError
-from services.common.settings import load_settings
-from services.common.tiny_model import TinyModelSpec, write_tiny_model
-from services.common.weights import SharedDir, write_weights_dir
-from services.engine.app import build_app, create_state
-from services.engine.settings import EngineSettings
+from services.models.tiny_model import TinyModelSpec, write_tiny_model
+from services.runtime.errors import ConfigError
+from services.runtime.settings import load_settings
 from services.sync.app import SyncService
 from services.sync.core import Engine, Published
 from services.sync.settings import SyncSettings
+from services.weights import SharedDir, write_weights_dir
 from tests.harness.engines import EngineStates
 
 KEY = "sync-key"
@@ -275,7 +275,7 @@ def test_a_new_sync_continues_an_engine_left_paused(
     import nats
 
     from proto.streams import streams_for
-    from services.common.nats_conn import ensure_streams
+    from services.runtime.nats_conn import ensure_streams
 
     state = engines("0.5.23")
 

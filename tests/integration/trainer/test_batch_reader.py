@@ -12,7 +12,7 @@ from proto.examples import EXAMPLES
 from proto.messages import DeadLetter, TrainBatch, pack_f32
 from proto.streams import streams_for
 from proto.subjects import Subjects
-from services.common.nats_conn import connect, ensure_streams
+from services.runtime.nats_conn import connect, ensure_streams
 from services.trainer.batches import BatchReader
 
 RUN = "nanrun"
@@ -76,9 +76,9 @@ def _consumer_server(cluster, stream: str) -> str:
 def test_the_reader_goes_on_when_the_server_of_its_consumer_is_killed(tmp_path, run_async):
     """An ephemeral consumer has one replica: killed with its server (found by the
     cluster chaos run, where the trainer then waited for ever)."""
-    from services.common.nats_cluster import NatsCluster
-    from services.common.publish import publish
-    from services.common.settings import NatsSettings
+    from services.runtime.publish import publish
+    from services.runtime.settings import NatsSettings
+    from services.stack.localdev.nats_cluster import NatsCluster
 
     batch = EXAMPLES["TrainBatch"].model_copy(update={"run": RUN})
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.weights import verify_weights_dir
 from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from services.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.trainer import Trainer
+from services.weights import verify_weights_dir
 from tests.harness import REPO
 from tests.integration.trainer.trainer_helpers import random_batch
 

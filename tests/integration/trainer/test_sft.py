@@ -6,11 +6,10 @@ import sys
 
 import pytest
 
-from services.common.arithmetic import problem
-from services.common.tasks.evaluate import evaluate_dir
-from services.common.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
-from services.common.tasks.taskset import TaskSet
-from services.common.weights import verify_weights_dir
+from services.tasks.arithmetic import problem
+from services.tasks.evaluate import evaluate_dir
+from services.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
+from services.tasks.taskset import TaskSet
 from services.trainer.model import load_tokenizer
 from services.trainer.sft.data import (
     SftDataError,
@@ -18,6 +17,7 @@ from services.trainer.sft.data import (
     load_sft_file,
     tokenize_chat,
 )
+from services.weights import verify_weights_dir
 
 # Measured on the shared 2-core box (45 s budget, <= 900 steps): 10.6% to 26.3% held-out
 # exact match depending on load
@@ -81,7 +81,7 @@ cpu_threads = 1
     assert "saved" in proc.stdout
 
     verify_weights_dir(tmp_path / "out")
-    # the one held-out evaluation (services/common/tasks/evaluate.py) on the same problems
+    # the one held-out evaluation (services/tasks/evaluate.py) on the same problems
     spec = TaskSpec(
         source=ArithmeticSource(type="arithmetic"),
         eval=EvalSpec(

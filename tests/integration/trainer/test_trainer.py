@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from services.common.weights import verify_weights_dir
 from services.trainer.model import ModelLoadError, load_model
 from services.trainer.settings import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from services.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.trainer import Trainer
+from services.weights import verify_weights_dir
 from tests.integration.trainer.trainer_helpers import random_batch
 
 

@@ -9,9 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.errors import ConfigError
-from services.common.settings import load_settings
-from services.common.sglang_api import Capabilities
 from services.engine.core import kvbatch
 from services.engine.core.protocol import (
     Completion,
@@ -27,7 +24,10 @@ from services.engine.core.protocol import (
 from services.engine.core.sampling import sample_rows, truncation_mask, uniform_noise
 from services.engine.core.sequence import Seq, stop_reason
 from services.engine.settings import EngineSettings
-from services.engine.sglang_launcher import SGLangOptions, command
+from services.engine_api.sglang_api import Capabilities
+from services.engine_api.sglang_launcher import SGLangOptions, command
+from services.runtime.errors import ConfigError
+from services.runtime.settings import load_settings
 
 # ---- sampling ------------------------------------------------------------------------------
 

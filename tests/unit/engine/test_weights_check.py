@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.weights import write_weights_dir
 from services.engine.runner import WeightsLoadError, verify_directory
+from services.weights import write_weights_dir
 
 
 def _published(root: Path) -> Path:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from proto.messages import PromptTask, VersionSpan
-from services.common.engine_client import GenerateResult, Load, load_of
-from services.common.engine_client import VersionSpan as EngineSpan
+from services.engine_api.engine_client import GenerateResult, Load, load_of
+from services.engine_api.engine_client import VersionSpan as EngineSpan
 from services.rollout.core import parse_version, request_id, sample_versions
 
 

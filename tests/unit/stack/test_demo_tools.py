@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
-from services.common.settings import load_settings
+from services.runtime.settings import load_settings
 from services.stack.demo import dump_toml
 from services.stack.demo_tools import CONFIG, tool_records
 from services.stack.settings import StackSettings

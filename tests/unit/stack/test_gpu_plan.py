@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from services.cli import main as flywheel
-from services.common.errors import ConfigError
-from services.common.settings import load_settings
+from services.runtime.errors import ConfigError
+from services.runtime.settings import load_settings
 from services.stack.plan import plan
 from services.stack.settings import StackSettings
 from tests.harness import REPO

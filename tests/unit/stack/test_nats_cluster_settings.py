@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import ConfigError
-from services.common.nats_cluster import NatsCluster, embedded_nats
-from services.common.nats_server import NatsServer
-from services.common.settings import NatsSettings, load_settings
+from services.runtime.errors import ConfigError
+from services.runtime.settings import NatsSettings, load_settings
+from services.stack.localdev.nats_cluster import NatsCluster, embedded_nats
+from services.stack.localdev.nats_server import NatsServer
 from services.stack.settings import StackSettings
 
 

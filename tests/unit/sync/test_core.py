@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.weights import SharedDir
 from services.sync.core import Published, Registry
+from services.weights import SharedDir
 
 
 def reg() -> Registry:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from proto.streams import parse_weights_nats_uri, weights_nats_uri
-from services.common.weights import LocalCopy, SharedDir
 from services.rollout.core import prunable
 from services.sync.core import Published, Registry, path_for
+from services.weights import LocalCopy, SharedDir
 
 
 def test_engine_is_updated_only_after_its_download_with_its_own_path() -> None:

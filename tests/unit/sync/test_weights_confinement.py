@@ -1,4 +1,4 @@
-"""Weight URIs are confined to the configured weights root (services/common/weights/disk.py).
+"""Weight URIs are confined to the configured weights root (services/weights/disk.py).
 
 A WeightsPublished message comes off the bus: its `uri` must not make sync
 point engines at an arbitrary directory, through `..`, an absolute path
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import PermanentError
-from services.common.weights import Transports, Wiring
 from services.engine.settings import EngineSettings
+from services.runtime.errors import PermanentError
+from services.weights import Transports, Wiring
 
 
 def local_path(uri: str, root: Path) -> Path | None:

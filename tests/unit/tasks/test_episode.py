@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.tasks.episode import Episode, TurnOutput
 from services.rollout.episodes import as_result
+from services.tasks.episode import Episode, TurnOutput
 
 
 def test_observations_join_the_span_of_the_turn_before_them() -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from services.common.tasks import rewards as R
-from services.common.tasks.sandbox import VerifierPool, resolve, to_reward
-from services.common.tasks.scoring import reward_payload
-from services.common.tasks.spec import TaskSpec
+from services.tasks import rewards as R
+from services.tasks.sandbox import VerifierPool, resolve, to_reward
+from services.tasks.scoring import reward_payload
+from services.tasks.spec import TaskSpec
 
 HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 

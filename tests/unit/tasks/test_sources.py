@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from services.common.errors import ConfigError
-from services.common.tasks.prompts import encode, format_row, sft_messages
-from services.common.tasks.sources import Row, load_rows
-from services.common.tasks.spec import TaskSpec
-from services.common.tasks.taskset import TaskSet, TrainOrder, load_task
+from services.runtime.errors import ConfigError
+from services.tasks.prompts import encode, format_row, sft_messages
+from services.tasks.sources import Row, load_rows
+from services.tasks.spec import TaskSpec
+from services.tasks.taskset import TaskSet, TrainOrder, load_task
 
 
 def spec(**kw: Any) -> TaskSpec:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from services.buffer.settings import BufferSettings
-from services.common.errors import ConfigError
-from services.common.settings import ServiceSettings, load_settings
 from services.rollout.settings import RolloutSettings
+from services.runtime.errors import ConfigError
+from services.runtime.settings import ServiceSettings, load_settings
 from services.sync.settings import SyncSettings
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.common.errors import ConfigError
-from services.common.tasks.episode_spec import EpisodeSpec, FunctionTool
-from services.common.tasks.sources import check
-from services.common.tasks.spec import TaskSpec
-from services.common.tasks.tools import (
+from services.runtime.errors import ConfigError
+from services.tasks.episode_spec import EpisodeSpec, FunctionTool
+from services.tasks.sources import check
+from services.tasks.spec import TaskSpec
+from services.tasks.tools import (
     ToolCall,
     ToolError,
     calculate,

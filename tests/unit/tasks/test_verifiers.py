@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import ConfigError
-from services.common.settings import ServiceSettings
-from services.common.tasks import rewards as R
-from services.common.tasks.sandbox import VerifierPool
-from services.common.tasks.scoring import Scorer, reward_payload
-from services.common.tasks.spec import TaskSpec, VerifiersSource
+from services.runtime.errors import ConfigError
+from services.runtime.settings import ServiceSettings
+from services.tasks import rewards as R
+from services.tasks.sandbox import VerifierPool
+from services.tasks.scoring import Scorer, reward_payload
+from services.tasks.spec import TaskSpec, VerifiersSource
 from tests.unit.tasks.test_spec import settings
 
 ENV = "tests.unit.tasks.verifiers_env_fixture"
@@ -28,7 +28,7 @@ RUN = f'[task]\nsource = {{ type = "verifiers", env = "{ENV}", args = {{ n = 4 }
 
 
 def test_a_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.common.tasks.verifiers_env import VerifiersRows
+    from services.tasks.verifiers_env import VerifiersRows
 
     monkeypatch.setitem(sys.modules, "verifiers", None)  # import verifiers -> ImportError
     with pytest.raises(ConfigError, match=r"pip install 'flywheel\[verifiers\]'"):

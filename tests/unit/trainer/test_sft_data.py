@@ -43,7 +43,7 @@ def test_an_unknown_mistake_is_refused() -> None:
 
 
 def test_a_segmented_completion_masks_the_segments_not_trained_on(tmp_path) -> None:
-    from services.common.tiny_model import build_tokenizer
+    from services.models.tiny_model import build_tokenizer
     from services.trainer.sft.data import load_sft_file
 
     tok = build_tokenizer()
@@ -73,7 +73,7 @@ def test_a_segmented_completion_masks_the_segments_not_trained_on(tmp_path) -> N
     ],
 )
 def test_a_malformed_segment_names_the_line_and_the_segment(tmp_path, completion, error) -> None:
-    from services.common.tiny_model import build_tokenizer
+    from services.models.tiny_model import build_tokenizer
     from services.trainer.sft.data import SftDataError, load_sft_file
 
     path = tmp_path / "bad.jsonl"

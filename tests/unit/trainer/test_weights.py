@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.common.weights import (
+from services.weights import (
     MANIFEST_NAME,
     ManifestMissingError,
     WeightsExistsError,

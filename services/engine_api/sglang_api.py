@@ -1,0 +1,204 @@
+"""What each SGLang release's HTTP API does, as read from its source (pure, no I/O).
+
+Flywheel drives engines only through SGLang's native HTTP API, and that API
+moved between the releases a deployment may run. This table was written
+from the `sglang` wheels on PyPI, 0.5.4 (the image the GPU overlay pinned)
+through 0.5.23 (the newest 0.5.x when written), reading
+`srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
+`srt/managers/tokenizer_manager.py`, `srt/managers/scheduler*.py` and
+`srt/utils/auth.py` of each:
+
+| since  | what changed (file)                                                        |
+|--------|----------------------------------------------------------------------------|
+| 0.5.4  | `/get_model_info`, `/get_server_info`, `/get_load` (list of per-rank dicts);|
+|        | `/pause_generation` takes no body and always aborts (tokenizer_manager)    |
+| 0.5.6  | `/model_info`, `/server_info`; pause modes abort/retract/in_place          |
+|        | (io_struct PauseGenerationReqInput); `flush_cache` on update requests;     |
+|        | `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` makes `/health` cheap     |
+| 0.5.8  | `/v1/loads` (entrypoints/v1_loads.py)                                      |
+| 0.5.10 | a request id already in flight is refused (400 "Duplicate request ...")   |
+| 0.5.12 | `meta_info.num_retractions` (0.5.10: `reasoning_tokens`)                   |
+| 0.5.19 | `meta_info.weight_versions`: per-token version spans (utils/weight_versions)|
+| 0.5.20 | `/ready` (503 while paused)                                                |
+| 0.5.21 | `/get_load` removed                                                        |
+| 0.5.22 | `/generate` bodies checked against a schema: `{"error": "<text>"}` (400);  |
+|        | a cache flush after a weight update that finds requests still queued or    |
+|        | running fails the update (400); before, the scheduler asserted and died.   |
+|        | A paused scheduler's flush ignores its waiting queue (retracted requests)  |
+| 0.5.23 | `/ping` reports health (503 after a failed health check), not always 200   |
+
+Unchanged over the whole range: `/generate` (`GenerateReqInput`), the
+`output_token_logprobs` triples, finish reasons, per-sample random ids with
+`n > 1`, `top_k` -1 or >= 1 (`SamplingParams.verify`), `/health` and
+`/health_generate` generating one token (at least 1 s; no answer while
+generation is paused), `/update_weights_from_disk` with `weight_version`,
+and the API key on every path but `/health*`, `/metrics*` (and `/ready*`).
+
+Supported: 0.5.4 <= version < 0.6. Releases above 0.5.23 are accepted (the
+API held still across twenty 0.5.x releases) with a warning; anything
+older, or another minor series, is refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from services.runtime.errors import FlywheelError
+
+Version = tuple[int, int, int]
+
+MIN_SUPPORTED: Version = (0, 5, 4)
+"""Oldest release whose API Flywheel speaks (the GPU overlay's former pin)."""
+NEWEST_READ: Version = (0, 5, 23)
+"""Newest release whose source this table was written from."""
+SUPPORTED_RANGE = ">=0.5.4,<0.6"
+"""The same bound as a pip specifier (pyproject's `sglang` extra)."""
+
+UPDATE_MODES = ("wait", "abort", "retract", "in_place")
+
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still "
+    "running or queued. Retract or finish them, then call /flush_cache."
+)
+"""0.5.22+: `WeightUpdater.flush_cache_after_weight_update`'s message (HTTP 400)."""
+FLUSH_ASSERT = "Cache flush failed after updating weights"
+"""0.5.4-0.5.21: the scheduler's assertion message; the scheduler process dies."""
+
+
+class UnsupportedEngine(FlywheelError, RuntimeError):
+    """The engine runs an SGLang release (or feature) Flywheel does not support."""
+
+
+def parse_version(text: str) -> Version:
+    """`"0.5.4.post3"` -> (0, 5, 4); UnsupportedEngine if it is not `MAJOR.MINOR.PATCH...`."""
+    m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", str(text).strip())
+    if m is None:
+        raise UnsupportedEngine(f"engine reports SGLang version {text!r}, which is not X.Y.Z")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def fmt(v: Version) -> str:
+    return ".".join(map(str, v))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """How one SGLang release's HTTP API behaves (see the module table)."""
+
+    version: Version
+
+    @classmethod
+    def of(cls, text: str) -> Capabilities:
+        """The capabilities of a release; UnsupportedEngine (naming it) if outside the range."""
+        v = parse_version(text)
+        if v < MIN_SUPPORTED or v[:2] != MIN_SUPPORTED[:2]:
+            raise UnsupportedEngine(
+                f"engine runs SGLang {text}; Flywheel supports SGLang {SUPPORTED_RANGE} "
+                f"(read against {fmt(MIN_SUPPORTED)}..{fmt(NEWEST_READ)})"
+            )
+        return cls(v)
+
+    def at_least(self, *v: int) -> bool:
+        return self.version >= v
+
+    @property
+    def beyond_read(self) -> bool:
+        """Newer than every release this table was written from (accepted, with a warning)."""
+        return self.version > NEWEST_READ
+
+    @property
+    def model_info_path(self) -> str:
+        return "/model_info" if self.at_least(0, 5, 6) else "/get_model_info"
+
+    @property
+    def server_info_path(self) -> str:
+        return "/server_info" if self.at_least(0, 5, 6) else "/get_server_info"
+
+    @property
+    def loads_path(self) -> str:
+        return "/v1/loads" if self.at_least(0, 5, 8) else "/get_load"
+
+    @property
+    def pause_modes(self) -> tuple[str, ...]:
+        """Modes `/pause_generation` honours; before 0.5.6 it takes no body and aborts."""
+        return ("abort", "retract", "in_place") if self.at_least(0, 5, 6) else ("abort",)
+
+    @property
+    def has_flush_cache_field(self) -> bool:
+        """`UpdateWeightFromDiskReqInput.flush_cache` exists (before: always flushed)."""
+        return self.at_least(0, 5, 6)
+
+    @property
+    def flush_refusal_is_400(self) -> bool:
+        """A failed post-update flush answers 400; before 0.5.22 it killed the scheduler."""
+        return self.at_least(0, 5, 22)
+
+    @property
+    def paused_flush_ignores_waiting(self) -> bool:
+        """While paused, a flush only needs the running batch empty (retracted = waiting)."""
+        return self.at_least(0, 5, 22)
+
+    @property
+    def rejects_duplicate_rid(self) -> bool:
+        return self.at_least(0, 5, 10)
+
+    def duplicate_rid_message(self, rid: str) -> str:
+        if self.at_least(0, 5, 16):
+            return f"Duplicate request ID detected: {rid}"
+        return f"Duplicate request IDs detected: {[rid]}"
+
+    @property
+    def schema_errors_are_text(self) -> bool:
+        """A body breaking the JSON schema is `{"error": "<text>"}` (api_contract.py)."""
+        return self.at_least(0, 5, 22)
+
+    @property
+    def reports_version_spans(self) -> bool:
+        return self.at_least(0, 5, 19)
+
+    @property
+    def has_ready(self) -> bool:
+        return self.at_least(0, 5, 20)
+
+    @property
+    def has_get_load(self) -> bool:
+        return not self.at_least(0, 5, 21)
+
+    @property
+    def has_cheap_health_switch(self) -> bool:
+        """`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` answers /health at once."""
+        return self.at_least(0, 5, 6)
+
+    @property
+    def ping_reports_health(self) -> bool:
+        return self.at_least(0, 5, 23)
+
+    def check_update_mode(self, mode: str) -> None:
+        """UnsupportedEngine if this release cannot update weights in `mode`."""
+        if mode in ("wait", "abort") or mode in self.pause_modes:
+            return
+        raise UnsupportedEngine(
+            f"SGLang {fmt(self.version)} cannot pause in {mode!r} mode (its /pause_generation "
+            f"always aborts; modes arrived in 0.5.6): set [sync] update_mode to 'abort' or "
+            f"'wait', or run SGLang >= 0.5.6"
+        )
+
+    def flush_cache_for(self, mode: str) -> bool | None:
+        """The `flush_cache` an update in `mode` must send (None: the field does not exist).
+
+        A flush drops the prefix cache computed with the old weights, so it is
+        wanted whenever the release can do it without failing: nothing is held
+        in `wait` and `abort`; `retract` holds requests in the waiting queue,
+        which a paused flush ignores only from 0.5.22 (before, the flush
+        failed and the scheduler died); `in_place` keeps running requests,
+        which no flush accepts (400 from 0.5.22, a dead scheduler before).
+        """
+        self.check_update_mode(mode)
+        if not self.has_flush_cache_field:
+            return None
+        if mode == "in_place":
+            return False
+        if mode == "retract":
+            return self.paused_flush_ignores_waiting
+        return True

@@ -1,0 +1,198 @@
+"""Typed settings for every service: a TOML run file plus environment overrides.
+
+One run file configures a whole run. Top-level keys and the `[nats]` table
+are shared by every service; each service reads its own table (`[trainer]`,
+`[buffer]`, …) on top. Environment variables override the file:
+`FLYWHEEL_<SECTION>_<FIELD>` (e.g. `FLYWHEEL_TRAINER_LR=1e-4`), with `__`
+for nested fields (`FLYWHEEL_TRAINER_NATS__URL=…`). Unknown keys are errors
+that name the key, so a typo cannot silently fall back to a default.
+
+Priority, highest first: keyword overrides, environment, run file, defaults.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from services.runtime.errors import ConfigError
+from services.tasks.spec import TaskSpec
+
+if TYPE_CHECKING:
+    from services.tasks.taskset import TaskSet
+
+# The run file's values for the settings class being built right now. A
+# context variable (not a class attribute) so concurrent loads cannot mix.
+_FILE_VALUES: ContextVar[dict[str, Any]] = ContextVar("flywheel_file_values", default={})  # noqa: B039
+
+
+class _RunFileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ returns the whole table
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_VALUES.get())
+
+
+class NatsSettings(BaseModel):
+    """How to reach NATS. Credentials are optional; all are off by default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL(s), comma-separated: list every member of a cluster.",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description=(
+            "JetStream replicas of every stream and KV bucket Flywheel creates: 1 on a single "
+            "server, 3 on a 3-server cluster (survives the loss of one). Existing streams are "
+            "scaled to it; > 1 needs a clustered NATS. 5 is JetStream's maximum."
+        ),
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connect attempt.")
+    connect_attempts: int = Field(
+        30, ge=1, description="Connect attempts at start-up (with backoff) before giving up."
+    )
+    max_payload: int | None = Field(
+        None, gt=0, description="Override the server's max_payload (bytes); None: ask the server."
+    )
+    user: str | None = Field(None, description="User name for user/password auth.")
+    password: SecretStr | None = Field(None, description="Password for user/password auth.")
+    token: SecretStr | None = Field(None, description="Token auth.")
+    creds_file: Path | None = Field(None, description="NATS .creds file (JWT + nkey seed).")
+    nkeys_seed: Path | None = Field(None, description="File holding an nkey seed.")
+    tls_ca: Path | None = Field(None, description="CA bundle to verify the server; enables TLS.")
+    tls_cert: Path | None = Field(None, description="Client certificate for mutual TLS.")
+    tls_key: Path | None = Field(None, description="Client key for mutual TLS.")
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every service shares. Subclass per service and set `section`."""
+
+    section: ClassVar[str] = ""
+    needs_task: ClassVar[bool] = False  # the service cannot run without a task spec
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    run: str = Field(
+        "demo", pattern=r"^[A-Za-z0-9_-]+$", description="Run name; namespaces every subject."
+    )
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    metrics_host: str = Field("127.0.0.1", description="Bind address of /metrics and /healthz.")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of /metrics and /healthz; 0 picks a free port."
+    )
+    log_level: str = Field("INFO", description="Python logging level.")
+    task: TaskSpec | None = Field(
+        None,
+        description="The run's task ([task] table: source, reward, prompt format, eval); "
+        "every service validates the same spec (services/tasks/spec.py).",
+    )
+    tasks: dict[str, TaskSpec] = Field(
+        default_factory=dict,
+        description="A mixture instead of [task]: [tasks.<name>] tables, mixed by weight.",
+    )
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """Each section's environment prefix follows from its name: `FLYWHEEL_<SECTION>_`.
+
+        Read by pydantic-settings when an instance is built, so setting it
+        here (once per class) is all a subclass needs besides `section`.
+        """
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.model_config = {**cls.model_config, "env_prefix": env_prefix_for(cls.section)}
+
+    @model_validator(mode="after")
+    def _has_task(self) -> ServiceSettings:
+        if self.needs_task:
+            self.task_set()  # a ConfigError (a ValueError) names what is missing
+        return self
+
+    def task_set(self) -> TaskSet:
+        """The run's tasks by name; ConfigError when the run file names none (or both forms)."""
+        from services.tasks.taskset import TaskSet
+
+        return TaskSet.from_fields(self.task, self.tasks)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _RunFileSource(settings_cls))
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def read_run_file(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML run file, with a ConfigError naming the file on failure."""
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"run file not found: {p}") from e
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8
+        raise ConfigError(f"run file {p} cannot be read: {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"run file {p} is not valid TOML: {e}") from e
+
+
+def file_values(doc: dict[str, Any], cls: type[ServiceSettings]) -> dict[str, Any]:
+    """The values `cls` takes from a parsed run file: shared keys, then its section.
+
+    Shared: top-level keys and the tables every service declares (`[nats]`,
+    `[task]`, `[tasks.*]`). Any other table is a section of its own
+    (`[stack] engine` is a field, `[engine]` a section).
+    """
+    common = ServiceSettings.model_fields
+    shared = {
+        k: v
+        for k, v in doc.items()
+        if k in cls.model_fields and k != cls.section and (k in common or not isinstance(v, dict))
+    }
+    section = doc.get(cls.section, {}) if cls.section else {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"[{cls.section}] must be a table")
+    return {**shared, **section}
+
+
+def load_settings(cls: type[S], path: str | Path | None = None, **overrides: Any) -> S:
+    """Build `cls` from the run file at `path` (optional), the environment and overrides.
+
+    Raises ConfigError naming each bad field (with its section) on invalid values.
+    """
+    values = file_values(read_run_file(path), cls) if path else {}
+    token = _FILE_VALUES.set(values)
+    try:
+        return cls(**overrides)
+    except ValidationError as e:
+        raise ConfigError.from_validation(e, cls.section or "run") from e
+    finally:
+        _FILE_VALUES.reset(token)
+
+
+def env_prefix_for(section: str) -> str:
+    """The environment prefix of a section, e.g. `FLYWHEEL_TRAINER_`."""
+    return f"FLYWHEEL_{section.upper()}_" if section else "FLYWHEEL_"
+
+
+def render(settings: BaseSettings) -> str:
+    """The resolved settings as JSON, for `--print-config`."""
+    return settings.model_dump_json(indent=2)

@@ -1,0 +1,288 @@
+"""The held-out evaluation: greedy pass@1 and sampled pass@k, through the task's own reward.
+
+One function, `evaluate`, used by the trainer (`eval_every`), `flywheel
+eval -c run.toml`, the demo and bench/trl_grpo.py. Prompts are formatted
+and tokenized exactly as the rollout worker does (`prompts.format_row` +
+`prompts.encode`), and completions are scored by the task's reward in the
+verifier sandbox (`Scorer`). A completion is correct when the reward part
+named by `eval.part` (default: the first) reaches `eval.threshold`.
+
+Generation is batched Hugging Face `generate` with left padding, so each
+row's last prompt token sits at the same position; greedy decoding makes
+pass@1 deterministic for a given model. pass@k samples k completions per
+prompt (temperature `eval.temperature`, no top-k/top-p truncation) and
+counts a prompt solved when any of them is correct (the unbiased estimator
+with n = k). Stop strings are not applied: generation ends at EOS or
+`eval.max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.runtime.errors import ConfigError
+from services.tasks.episode_eval import run_episodes
+from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.prompts import encode, format_row
+from services.tasks.sandbox import VerifierPool
+from services.tasks.scoring import Scorer, correct, tool_pool, warmup
+from services.tasks.taskset import LoadedTask, TaskSet
+
+
+@dataclass(frozen=True)
+class TaskEval:
+    total: int
+    pass_at_1: float
+    mean_reward: float
+    k: int = 1
+    pass_at_k: float | None = None
+    examples: tuple[tuple[str, str, str | None], ...] = ()  # (prompt, completion, answer)
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    tasks: dict[str, TaskEval] = field(default_factory=dict)
+
+    def _mean(self, attr: str) -> float | None:
+        rows = [(t.total, getattr(t, attr)) for t in self.tasks.values()]
+        rows = [(n, v) for n, v in rows if v is not None]
+        total = sum(n for n, _ in rows)
+        return sum(n * v for n, v in rows) / total if total else None
+
+    @property
+    def pass_at_1(self) -> float:
+        return self._mean("pass_at_1") or 0.0
+
+    @property
+    def pass_at_k(self) -> float | None:
+        return self._mean("pass_at_k")
+
+    @property
+    def k(self) -> int:
+        return max((t.k for t in self.tasks.values()), default=1)
+
+    @property
+    def total(self) -> int:
+        return sum(t.total for t in self.tasks.values())
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics.jsonl fields: eval_accuracy (pass@1), eval_pass_at_k, per task."""
+        out: dict[str, float] = {
+            "eval_accuracy": self.pass_at_1,
+            "eval_mean_reward": self._mean("mean_reward") or 0.0,
+        }
+        if self.pass_at_k is not None:
+            out["eval_pass_at_k"] = self.pass_at_k
+        if len(self.tasks) > 1:
+            for name, t in self.tasks.items():
+                out[f"eval/{name}/pass@1"] = t.pass_at_1
+                if t.pass_at_k is not None:
+                    out[f"eval/{name}/pass@{t.k}"] = t.pass_at_k
+        return out
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    k: int = 1,
+    temperature: float = 1.0,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> list[list[tuple[str, int]]]:
+    """k completions per prompt as (text, generated tokens up to and with EOS); k = 1: greedy."""
+    import torch
+
+    device = next(model.parameters()).device
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad = eos if pad is None else pad
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    out: list[list[tuple[str, int]]] = []
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device
+            )
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            with torch.no_grad():
+                gen = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad,
+                    eos_token_id=eos,
+                    num_return_sequences=k,
+                    **(sampling if k > 1 else {"do_sample": False}),
+                )
+            new = gen[:, width:].tolist()  # [B·k, new]
+            for j in range(len(chunk)):
+                out.append([_cut(tokenizer, new[j * k + s], eos) for s in range(k)])
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _cut(tokenizer: Any, ids: list[int], eos: int | None) -> tuple[str, int]:
+    n = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
+    return tokenizer.decode(ids[:n], skip_special_tokens=True), n
+
+
+async def episode_completions(
+    model: Any, tokenizer: Any, spec: EpisodeSpec, ids: list[list[int]], e: Any, scorer: Scorer
+) -> list[list[tuple[str, int]]]:
+    """Greedy episodes (services/tasks/episode_eval.py) as (transcript, tokens)."""
+    if scorer.tools is None:
+        raise ConfigError("a task with [task.episode] is evaluated without a tool sandbox")
+    episodes = await run_episodes(model, tokenizer, spec, ids, e.max_new_tokens, scorer.tools)
+    return [[(ep.text, len(ep.response_ids))] for ep in episodes]
+
+
+async def _score(
+    scorer: Scorer, name: str, rows: Any, completions: list[list[tuple[str, int]]]
+) -> list[list[Any]]:
+    """Every completion of every held-out row, scored concurrently; per row, in order."""
+    return await asyncio.gather(
+        *(
+            asyncio.gather(
+                *(scorer.score(name, idx, text, row.answer, n, held_out=True) for text, n in comps)
+            )
+            for (idx, row), comps in zip(rows, completions, strict=True)
+        )
+    )
+
+
+async def evaluate_task(
+    model: Any,
+    tokenizer: Any,
+    task: LoadedTask,
+    scorer: Scorer,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+) -> TaskEval:
+    """Greedy pass@1 (and pass@k when eval.k > 1) of one task's held-out rows."""
+    spec, e = task.spec, task.spec.eval
+    rows = task.held_out[: size or e.size]
+    formatted = [format_row(spec, r) for _, r in rows]
+    ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
+
+    if spec.episode is not None:
+        greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer)
+    else:
+        greedy = await asyncio.to_thread(
+            generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
+        )
+    scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy)]
+    n = max(len(rows), 1)
+    result = TaskEval(
+        total=len(rows),
+        pass_at_1=sum(correct(spec, r) for r in scored) / n,
+        mean_reward=sum(r.reward for r in scored) / n,
+        examples=tuple(
+            (p or str(m), g[0][0], r.answer)
+            for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
+        ),
+    )
+    if e.k == 1 or spec.episode is not None:  # episodes: greedy pass@1 only
+        return result
+    sampled = await asyncio.to_thread(
+        generate,
+        model,
+        tokenizer,
+        ids,
+        k=e.k,
+        temperature=e.temperature,
+        seed=seed,
+        max_new_tokens=e.max_new_tokens,
+    )
+    scored_k = await _score(scorer, task.name, rows, sampled)
+    solved = [any(correct(spec, r) for r in rs) for rs in scored_k]
+    return TaskEval(
+        result.total, result.pass_at_1, result.mean_reward, e.k, sum(solved) / n, result.examples
+    )
+
+
+async def evaluate(
+    model: Any,
+    tokenizer: Any,
+    loaded: dict[str, LoadedTask],
+    scorer: Scorer,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+) -> EvalReport:
+    """Every task with a held-out split, evaluated (tasks without one are left out)."""
+    return EvalReport(
+        {
+            name: await evaluate_task(model, tokenizer, t, scorer, size=size, seed=seed)
+            for name, t in loaded.items()
+            if t.held_out
+        }
+    )
+
+
+def load_model(model_dir: str | Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class Evaluator:
+    """`evaluate` from synchronous code (the CLI, the demo, a TRL callback): an event
+    loop and a verifier pool of its own, kept across evaluations.
+
+        with Evaluator(tasks) as ev:
+            report = ev(model, tokenizer)
+    """
+
+    def __init__(
+        self,
+        tasks: TaskSet,
+        loaded: dict[str, LoadedTask] | None = None,
+        *,
+        size: int | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.tasks, self.size = tasks, size
+        self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
+        self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
+        self.tools = tool_pool(tasks)
+        self.loop = asyncio.new_event_loop()
+
+    def __enter__(self) -> Evaluator:
+        self.loop.run_until_complete(self.pool.start())
+        if self.tools is not None:
+            self.loop.run_until_complete(self.tools.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.run_until_complete(self.pool.close())
+        if self.tools is not None:
+            self.loop.run_until_complete(self.tools.close())
+        self.loop.close()
+
+    def __call__(self, model: Any, tokenizer: Any) -> EvalReport:
+        scorer = Scorer(self.tasks, self.pool, self.tools)
+        return self.loop.run_until_complete(
+            evaluate(model, tokenizer, self.loaded, scorer, size=self.size)
+        )
+
+
+def evaluate_dir(
+    model_dir: str | Path, tasks: TaskSet, *, size: int | None = None, timeout_s: float = 5.0
+) -> EvalReport:
+    """`evaluate` a model directory once (`flywheel eval`, the demo)."""
+    model, tokenizer = load_model(model_dir)
+    with Evaluator(tasks, size=size, timeout_s=timeout_s) as ev:
+        return ev(model, tokenizer)

@@ -1,0 +1,122 @@
+"""Score a completion of a named task in the verifier sandbox: rollout and evaluation alike.
+
+`Scorer` turns (task name, row, completion) into one `pool.call` of
+`rewards.score` with that task's reward parts, so a reward runs in the
+killable sandbox under the pool's time limit whether a rollout worker or
+the evaluation asks, and answers the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from services.runtime.errors import PermanentError
+from services.tasks import rewards
+from services.tasks.sandbox import Reward, ToolPool, VerifierPool
+from services.tasks.spec import ReasoningGymSource, TaskSpec, VerifiersSource
+from services.tasks.taskset import TaskSet
+
+
+class UnknownTask(PermanentError):
+    """A PromptTask names a task this service's run file does not have."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(
+            f"task {name!r} is not in this run file's task spec (it has {known}): "
+            "buffer and rollout read different run files?",
+            reason="unknown_task",
+        )
+
+
+def reward_payload(spec: TaskSpec) -> list[dict[str, Any]]:
+    """The task's reward parts as plain dicts, for the sandbox child."""
+    return [p.model_dump(mode="json") for p in spec.reward]
+
+
+class Scorer:
+    """Rewards of a run's tasks, computed in `pool`."""
+
+    def __init__(self, tasks: TaskSet, pool: VerifierPool, tools: ToolPool | None = None) -> None:
+        self.tasks = tasks
+        self.pool = pool
+        self.tools = tools  # where episodes' tool calls run (tasks with [task.episode])
+        self._parts = {n: reward_payload(s) for n, s in tasks.specs.items()}
+
+    def spec(self, name: str) -> TaskSpec:
+        spec = self.tasks.spec(name)
+        if spec is None:
+            raise UnknownTask(name, self.tasks.names)
+        return spec
+
+    def chat_template(self, name: str) -> bool:
+        return self.spec(name).chat_template
+
+    async def score(
+        self,
+        name: str,
+        row: int,
+        completion: str,
+        answer: str | None,
+        response_tokens: int,
+        *,
+        held_out: bool = False,
+    ) -> Reward:
+        """Score one completion of row `row` (of the eval source if `held_out`)."""
+        (r,) = await self.score_group(name, row, answer, [(completion, response_tokens)], held_out)
+        return r
+
+    async def score_group(
+        self,
+        name: str,
+        row: int,
+        answer: str | None,
+        completions: Sequence[tuple[str, int]],
+        held_out: bool = False,
+    ) -> list[Reward]:
+        """Score (completion, response tokens) pairs of row `row` in one sandbox round trip
+        (`VerifierPool.call_many`): the same rewards as one `score` each."""
+        spec = self.spec(name)
+        source = spec.eval.source if held_out and spec.eval.source is not None else spec.source
+        needs_source = isinstance(source, ReasoningGymSource | VerifiersSource)
+        src = source.model_dump(mode="json") if needs_source else None  # its scorer needs it
+        calls = []
+        for completion, response_tokens in completions:
+            ctx: dict[str, Any] = {"row": row, "response_tokens": response_tokens}
+            if src is not None:
+                ctx["source"] = src
+            calls.append((self._parts[name], completion, answer, ctx))
+        return await self.pool.call_many(rewards.SCORE, calls)
+
+
+def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
+    """The pool's warm-up calls for these tasks (both sources of each: training and eval)."""
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    for spec in tasks.specs.values():
+        for source in {id(s): s for s in (spec.source, spec.eval.source) if s}.values():
+            ctx = (
+                {"source": source.model_dump(mode="json")}
+                if isinstance(source, ReasoningGymSource | VerifiersSource)
+                else {}
+            )
+            calls.append((rewards.WARM, (reward_payload(spec), ctx)))
+    return calls
+
+
+def tool_pool(tasks: TaskSet) -> ToolPool | None:
+    """The tool sandbox the run's episodes need (None: no task has one), not yet started:
+    sized and limited by the largest ask among its tasks."""
+    episodes = [s.episode for s in tasks.specs.values() if s.episode is not None]
+    if not episodes:
+        return None
+    return ToolPool(
+        size=max(e.tool_processes for e in episodes),
+        timeout_s=max(e.tool_timeout_s for e in episodes),
+        memory_mb=max(e.tool_memory_mb for e in episodes),
+        tools=[t.model_dump(mode="json") for e in episodes for t in e.tools],
+    )
+
+
+def correct(spec: TaskSpec, r: Reward) -> bool:
+    """Whether a scored completion counts as correct (eval.part >= eval.threshold)."""
+    return r.error is None and r.parts.get(spec.correct_part, r.reward) >= spec.eval.threshold
