@@ -124,6 +124,7 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
+    from proto.weight_version import after_steps
     from services.models.tiny_model import TinyModelSpec, write_tiny_model
     from services.trainer.state import snapshot
     from services.trainer.trainer import Trainer
@@ -138,7 +139,7 @@ def main() -> None:
         model = write_tiny_model(work / "model", TinyModelSpec())
         trainer = Trainer.from_pretrained(model, _cfg())
         trainer.train_step(random_batch(seed=1))  # AdamW's moments exist, as in a run
-        trainer.weight_version = trainer.step
+        trainer.weight_version = after_steps(trainer.step)
         snap = snapshot(trainer)
         params = sum(p.numel() for p in trainer.model.parameters())
         runs = variants(trainer, old_state_module(args.base, work), work)

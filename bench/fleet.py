@@ -230,6 +230,7 @@ async def run_stand_in_trainer(args: argparse.Namespace) -> None:
     """StandInTrainer: batch in, `--step-s` asleep, WeightsReady(step + 1) out (bench only)."""
     from proto.messages import WeightsReady
     from proto.subjects import Subjects
+    from proto.weight_version import to_engine
     from services.runtime.lifecycle import ServiceContext, run_service
     from services.runtime.publish import publish
     from services.runtime.settings import ServiceSettings
@@ -248,7 +249,7 @@ async def run_stand_in_trainer(args: argparse.Namespace) -> None:
         async with aiohttp.ClientSession() as http:
 
             async def update(url: str, v: int) -> None:
-                body = {"model_path": f"/weights/v{v}", "weight_version": str(v)}
+                body = {"model_path": f"/weights/v{v}", "weight_version": to_engine(v)}
                 for attempt in range(10):  # sync retries an engine that does not answer
                     try:
                         async with http.post(url, json=body) as r:

@@ -52,8 +52,8 @@ sys.path.insert(0, str(REPO))
 
 from services.engine_api.sglang_api import Capabilities  # noqa: E402
 from services.weights import published_dir, read_manifest  # noqa: E402
+from services.weights.base import Wiring  # noqa: E402
 from services.weights.manifest import FileEntry, directory_digest  # noqa: E402
-from services.weights.transport import Wiring  # noqa: E402
 
 RELEASE = "0.5.23"  # the newest release read: updates run inside begin/end_weight_update
 START_S = 120.0  # a receiver imports torch and the engine's modules on shared cores

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from proto.weight_version import Version, VersionSpan
 from proto.wirecost import WireCost
 
 SCHEMA_MAJOR = 1
@@ -99,7 +100,6 @@ def _check_finite(logprobs: bytes) -> None:
 
 
 Id = Annotated[str, Field(min_length=1, max_length=512)]
-Version = Annotated[int, Field(ge=0)]
 
 
 class Message(BaseModel):
@@ -158,16 +158,6 @@ class PromptTask(Message):
         if self.prompt is None and self.messages is None and self.prompt_ids is None:
             raise ValueError("one of prompt, messages or prompt_ids is required")
         return self
-
-
-class VersionSpan(BaseModel):
-    """Response tokens `[start, end)` were generated with weight version `version`."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    version: Version
-    start: int = Field(ge=0)
-    end: int = Field(ge=0)
 
 
 class Sample(Message):

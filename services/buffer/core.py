@@ -6,8 +6,8 @@ carries decisions out. All state that must survive a restart is in
 message that changed it.
 
 Versions and steps. Weight version v is the model after v optimizer steps
-(v = 0 is the initial model); step s trains batch s with version s and
-produces version s + 1. A group generated with version w (the oldest
+(proto/weight_version.py says what a version is); step s trains batch s
+with version s and produces version s + 1. A group generated with version w (the oldest
 version any of its tokens came from) may train at step s only if
 `w >= s - k`, k = max_staleness. k = 0 is synchronous on-policy RL.
 

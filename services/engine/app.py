@@ -15,25 +15,16 @@ against). A client that goes away mid-generation aborts its sequences
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from services.engine import info, probes
-from services.engine.core.protocol import (
-    Completion,
-    ParsedGenerate,
-    RequestError,
-    SeqSpec,
-    parse_generate,
-    response,
-    trim_text,
-)
+from services.engine import dist_api, info, openai_api, probes
+from services.engine.core.protocol import RequestError
+from services.engine.generate import generate
+from services.engine.http import error, json_route
 from services.engine.scheduler import PAUSE_MODES, Scheduler, SchedulerStopped
 from services.engine.settings import EngineSettings
 from services.engine.state import STATE, EngineState
@@ -41,131 +32,6 @@ from services.engine.state import STATE, EngineState
 log = logging.getLogger(__name__)
 
 __all__ = ["STATE", "EngineState", "build_app", "create_state", "serve"]
-
-
-def error(message: str, status: int = 400) -> web.Response:
-    """SGLang's `_create_error_response`: {"error": {"message": ...}}."""
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-def refusal(state: EngineState, e: RequestError) -> web.Response:
-    """A refused /generate: schema errors as plain text from 0.5.22 (api_contract.py)."""
-    if e.schema and state.caps.schema_errors_are_text:
-        return web.json_response({"error": str(e)}, status=400)
-    return error(str(e))
-
-
-async def _json_body(request: web.Request) -> Any:
-    if not request.can_read_body:
-        return {}
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from e
-
-
-Route = Callable[[web.Request], Awaitable[web.Response]]
-JsonHandler = Callable[[web.Request, EngineState, Any], Awaitable[web.Response]]
-
-
-def json_route(handler: JsonHandler) -> Route:
-    """What every route with a JSON body starts with, written once: the engine's state
-    and the parsed body in, and a `RequestError` (raised anywhere in the handler) out as
-    the 400 SGLang gives for it (`refusal`)."""
-
-    @functools.wraps(handler)
-    async def route(request: web.Request) -> web.Response:
-        state = request.app[STATE]
-        try:
-            return await handler(request, state, await _json_body(request))
-        except RequestError as e:
-            return refusal(state, e)
-
-    return route
-
-
-async def run_seqs(state: EngineState, seqs: list[SeqSpec]) -> list[Completion]:
-    """Submit sequences and await all; abort them if the caller is cancelled."""
-    handoff = state.handoff()
-    futures: list[asyncio.Future[Completion]] = []
-    for spec in seqs:
-        fut: asyncio.Future[Completion] = handoff.loop.create_future()
-        state.scheduler.submit(spec, functools.partial(handoff.put, fut))
-        futures.append(fut)
-    try:
-        return list(await asyncio.gather(*futures))
-    except asyncio.CancelledError:
-        for rid in {s.rid for s in seqs}:
-            state.scheduler.abort(rid)
-        raise
-
-
-def claim_rids(state: EngineState, parsed: ParsedGenerate) -> dict[str, asyncio.Event] | str:
-    """Register the request's ids as in flight, or the duplicate error SGLang gives.
-
-    Before 0.5.10 SGLang took a duplicate id over (`rid_to_state[rid] = ...`)
-    and the earlier request never got an answer: its event is set.
-    """
-    ids = parsed.held + parsed.claimed
-    if len(set(ids)) != len(ids) and state.caps.rejects_duplicate_rid:
-        dups = sorted({r for r in ids if ids.count(r) > 1})
-        return f"Duplicate request IDs detected within the request: {dups}"
-    for rid in ids:
-        if rid in state.in_flight:
-            if state.caps.rejects_duplicate_rid:
-                return state.caps.duplicate_rid_message(rid)
-            state.in_flight[rid].set()
-    mine = {rid: asyncio.Event() for rid in parsed.held}
-    state.in_flight.update(mine)
-    return mine
-
-
-@json_route
-async def generate(request: web.Request, state: EngineState, body: Any) -> web.Response:
-    out = await native_generate(request, state, body)
-    if isinstance(out, web.Response):
-        return out
-    outs, as_list = out
-    return web.json_response(outs if as_list else outs[0])
-
-
-async def native_generate(
-    request: web.Request, state: EngineState, body: Any
-) -> web.Response | tuple[list[dict[str, Any]], bool]:
-    """/generate's work: the answers (and whether they are a list), or an error response.
-    Also what the OpenAI-compatible routes run (services/engine/openai_api.py)."""
-    parsed = parse_generate(
-        body,
-        state.encode,
-        state.vocab_size,
-        state.context_len,
-        state.settings.default_max_new_tokens,
-    )
-    mine = claim_rids(state, parsed)
-    if isinstance(mine, str):
-        return error(mine)
-    state.requests[id(request)] = request
-    try:
-        done = await run_seqs(state, parsed.seqs)
-    except SchedulerStopped as e:
-        return error(str(e), 503)
-    finally:
-        state.requests.pop(id(request), None)
-        for rid, ev in mine.items():
-            if state.in_flight.get(rid) is ev:
-                del state.in_flight[rid]
-    if any(ev.is_set() for ev in mine.values()):
-        await asyncio.Event().wait()  # taken over: SGLang never answers this request
-    reported = state.scheduler.weight_version
-    out = []
-    for spec, c in zip(parsed.seqs, done, strict=True):
-        text = trim_text(
-            state.decode(c.output_ids, spec.params.skip_special_tokens),
-            spec.params,
-            c.matched_stop_str,
-        )
-        out.append(response(spec, c, text, reported_version=reported, caps=state.caps))
-    return out, parsed.as_list
 
 
 @json_route
@@ -296,8 +162,6 @@ def build_app(state: EngineState) -> web.Application:
     r.add_get("/ping", ping)
     if caps.has_ready:
         r.add_get("/ready", ready)
-    from services.engine import dist_api, openai_api  # imports this module: at call time
-
     openai_api.add_routes(r)
     dist_api.add_routes(app, state)
     return app

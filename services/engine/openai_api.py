@@ -14,9 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from services.engine.app import json_route, native_generate
 from services.engine.core import openai_protocol as oa
 from services.engine.core.protocol import RequestError
+from services.engine.generate import native_generate
+from services.engine.http import json_route
 from services.engine.state import STATE, EngineState
 
 

@@ -11,6 +11,9 @@ pause modes, whether an update takes `flush_cache`. A release outside the
 supported range is refused with `UnsupportedEngine` naming it. The CPU
 engine answers as the release it emulates.
 
+Weight versions are ints here, as everywhere in Flywheel: the client writes
+and reads SGLang's free-text `weight_version` through proto/weight_version.py.
+
 Failure policy:
 - connection errors (refused, reset, DNS) are retried with exponential
   backoff (`retries` times, base `backoff_s`, capped at `max_backoff_s`),
@@ -35,6 +38,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from proto.weight_version import VersionSpan, from_engine, spans_from_engine, to_engine
 from services.engine_api.sglang_api import Capabilities, UnsupportedEngine
 from services.runtime.errors import FlywheelError
 
@@ -70,18 +74,6 @@ class EngineHTTPError(EngineError):
 
 
 @dataclass(frozen=True)
-class VersionSpan:
-    """Output tokens `[start, end)` came from weight version `version` (SGLang >= 0.5.19)."""
-
-    version: str
-    start: int
-    end: int
-
-    def __iter__(self) -> Any:
-        return iter((self.version, self.start, self.end))
-
-
-@dataclass(frozen=True)
 class GenerateResult:
     """One completion: token ids with their logprobs, how it ended, and which weights made it."""
 
@@ -93,9 +85,9 @@ class GenerateResult:
     finish_reason: dict[str, Any]
     prompt_tokens: int
     completion_tokens: int
-    weight_version: str  # the version at completion (the last span's)
+    weight_version: int  # the version at completion (the last span's)
     e2e_latency: float
-    weight_versions: tuple[VersionSpan, ...] = ()  # per-token spans; () if not reported
+    weight_versions: tuple[VersionSpan, ...] = ()  # per-token (SGLang >= 0.5.19); () if not
 
     @property
     def aborted(self) -> bool:
@@ -116,12 +108,9 @@ class GenerateResult:
             finish_reason=dict(reason),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-            weight_version=str(meta.get("weight_version", "")),
+            weight_version=from_engine(meta.get("weight_version")),
             e2e_latency=float(meta.get("e2e_latency") or 0.0),
-            weight_versions=tuple(
-                VersionSpan(str(sp["version"]), int(sp["start"]), int(sp["end"]))
-                for sp in meta.get("weight_versions") or ()
-            ),
+            weight_versions=spans_from_engine(meta.get("weight_versions")),
         )
 
 
@@ -328,7 +317,7 @@ class EngineClient:
     async def update_weights_from_disk(
         self,
         model_path: str,
-        weight_version: str | None = None,
+        weight_version: int | None = None,
         *,
         update_mode: str = "wait",
         flush_cache: bool | None = None,
@@ -350,7 +339,7 @@ class EngineClient:
         if flush is not None and caps.has_flush_cache_field:
             body["flush_cache"] = flush
         if weight_version is not None:
-            body["weight_version"] = weight_version
+            body["weight_version"] = to_engine(weight_version)
         out = await self.request("POST", "/update_weights_from_disk", body, timeout_s=timeout_s)
         return UpdateResult(
             bool(out["success"]), str(out["message"]), paused_count(out.get("num_paused_requests"))
@@ -371,8 +360,8 @@ class EngineClient:
         path = (await self.capabilities()).model_info_path
         return dict(await self.request("GET", path))
 
-    async def weight_version(self) -> str:
-        return str((await self.model_info())["weight_version"])
+    async def weight_version(self) -> int:
+        return from_engine((await self.model_info())["weight_version"])
 
     async def server_info(self) -> dict[str, Any]:
         path = (await self.capabilities()).server_info_path

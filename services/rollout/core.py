@@ -20,24 +20,14 @@ from proto.messages import (
     PromptTask,
     Sample,
     SampleGroup,
-    VersionSpan,
     pack_f32,
     pack_i32,
     pack_u8,
 )
+from proto.weight_version import VersionSpan
 from services.engine_api.engine_client import EngineError, EngineHTTPError, GenerateResult
 from services.runtime.errors import PermanentError, RetryableError
 from services.tasks.sandbox import Reward
-
-
-def parse_version(v: str | int | None) -> int:
-    """Engine weight versions are strings in SGLang; Flywheel's are integers.
-
-    Anything that is not a non-negative integer (SGLang's "default") is the
-    initial weights, version 0.
-    """
-    s = str(v) if v is not None else ""
-    return int(s) if s.isdigit() else 0
 
 
 def request_id(task: PromptTask, delivered: int) -> str:
@@ -83,12 +73,10 @@ def sample_versions(r: GenerateResult, before: int) -> tuple[int, int, tuple[Ver
     version at completion, so the first is bounded from below by `before`,
     the version the engine served when the task began.
     """
-    spans = tuple(
-        VersionSpan(version=parse_version(v), start=a, end=b) for v, a, b in r.weight_versions
-    )
+    spans = r.weight_versions
     if spans:
         return spans[0].version, spans[-1].version, spans
-    last = parse_version(r.weight_version)
+    last = r.weight_version
     return min(before, last), last, ()
 
 

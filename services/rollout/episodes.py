@@ -15,7 +15,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from services.engine_api.engine_client import EngineClient, GenerateResult, VersionSpan
+from proto.weight_version import VersionSpan
+from services.engine_api.engine_client import EngineClient, GenerateResult
 from services.runtime.errors import RetryableError
 from services.tasks.episode import Episode, TurnOutput, run_episode
 from services.tasks.episode_spec import EpisodeSpec
@@ -24,15 +25,13 @@ from services.tasks.sandbox import ToolPool
 
 def turn_output(r: GenerateResult) -> TurnOutput:
     spans = tuple((s.version, s.start, s.end) for s in r.weight_versions)
-    return TurnOutput(
-        r.output_ids, r.logprobs, r.text, r.finish_type, r.weight_version or "0", spans
-    )
+    return TurnOutput(r.output_ids, r.logprobs, r.text, r.finish_type, r.weight_version, spans)
 
 
 def as_result(ep: Episode, rid: str) -> GenerateResult:
     """The episode as one completion: all its tokens, logprob 0.0 on observations."""
     spans = (
-        tuple(VersionSpan(v, a, b) for v, a, b in ep.spans)
+        tuple(VersionSpan(version=v, start=a, end=b) for v, a, b in ep.spans)
         if ep.all_spans and ep.spans and ep.spans[-1][2] == len(ep.response_ids)
         else ()
     )

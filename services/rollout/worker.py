@@ -57,7 +57,6 @@ from services.rollout.core import (
     engine_failure,
     make_group,
     make_sample,
-    parse_version,
     request_id,
     sampling_params,
 )
@@ -128,7 +127,7 @@ class RolloutWorker:
 
     # generation
     async def engine_version(self) -> int:
-        return parse_version(await self.client.weight_version())
+        return await self.client.weight_version()
 
     async def generate(self, task: PromptTask, ids: list[int], d: Delivery) -> list[GenerateResult]:
         """`task.n` finished completions; aborted ones are generated again."""

@@ -27,7 +27,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from services.weights import published_dir, version_of, versions_in
+from proto.weight_version import parse_name
+from services.weights import published_dir, versions_in
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 TOOLS_TARGET = 0.92  # --task tools stops here by default (the 200-problem evaluation's noise)
@@ -279,7 +280,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     if code != 0 or final is None:
         print("flywheel demo: the RL stage failed; see the logs above", file=sys.stderr)
         return code or 1
-    steps = version_of(final.name) or 0
+    steps = parse_name(final.name) or 0
     weights, best_step = best_weights(run_dir, final, steps)
     after = held_out_accuracy(tasks, weights, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from proto.weight_version import INITIAL, to_engine
 from services.engine_api.sglang_launcher import SGLangOptions, command
 from services.stack.settings import StackSettings
 
@@ -60,7 +61,7 @@ def engine_spec(
         opts = SGLangOptions(
             model_path=s.model,
             port=port,
-            weight_version="0",
+            weight_version=to_engine(INITIAL),
             tp_size=len(gpus),
             mem_fraction_static=s.engine_mem_fraction,
             api_key=key,

@@ -145,7 +145,7 @@ class SyncService:
                 if mode != "wait":
                     await c.pause_generation(mode)
                 try:
-                    res = await p.source.load(c, path_for(e, p), str(p.version), mode)
+                    res = await p.source.load(c, path_for(e, p), p.version, mode)
                 finally:
                     if mode != "wait":
                         await c.continue_generation()

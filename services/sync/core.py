@@ -10,7 +10,7 @@ ready. Decisions:
   update. The same rule brings a newly joined engine up to date and retries
   a failed one; nothing else is special-cased.
 - Where an engine loads a version from is the version's `source`, which
-  its transport gave (services/weights/transport.py): a shared
+  its transport gave (services/weights/base.py): a shared
   directory, or the engine's own copy that the worker beside it received
   into the directory its heartbeat names. An engine whose copy is not
   there yet is not due; it just stays behind, holding up `ready_version`

@@ -31,8 +31,8 @@ class TurnOutput:
     logprobs: list[float]
     text: str
     finish_type: str  # "stop" | "length" | "abort"
-    weight_version: str = "0"
-    spans: tuple[tuple[str, int, int], ...] = ()  # per-token versions, if reported
+    weight_version: int = 0
+    spans: tuple[tuple[int, int, int], ...] = ()  # per-token (version, start, end), if reported
 
 
 Generate = Callable[[list[int], dict[str, Any], int], Awaitable[TurnOutput]]
@@ -53,8 +53,8 @@ class Episode:
     tool_errors: int = 0
     tool_seconds: float = 0.0
     finish_type: str = "stop"
-    weight_version: str = "0"  # the last turn's
-    spans: list[tuple[str, int, int]] = field(default_factory=list)
+    weight_version: int = 0  # the last turn's
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
     all_spans: bool = True  # every turn reported its per-token versions
     errors: list[str] = field(default_factory=list)  # tool errors, in order
 
@@ -80,7 +80,7 @@ class Episode:
         if self.spans:  # observation tokens belong to the span of the turn before them
             self._extend_span(self.spans[-1][0], at, at + len(ids))
 
-    def _extend_span(self, version: str, start: int, end: int) -> None:
+    def _extend_span(self, version: int, start: int, end: int) -> None:
         if self.spans and self.spans[-1][0] == version and self.spans[-1][2] == start:
             self.spans[-1] = (version, self.spans[-1][1], end)
         elif end > start:

@@ -29,6 +29,7 @@ import torch
 
 from proto.codec import decode, encode
 from proto.messages import TrainBatch as WireBatch
+from proto.weight_version import after_steps
 from services.trainer.distributed import DistInfo
 from services.trainer.settings import TrainerSettings
 from services.trainer.state import (
@@ -86,7 +87,7 @@ def compute_one(trainer: Trainer, batch: WireBatch) -> StepResult:
     core = to_core_batch(batch)
     encoded = time.perf_counter()
     metrics = trainer.train_step(core)
-    trainer.weight_version = trainer.step
+    trainer.weight_version = after_steps(trainer.step)
     done = time.perf_counter()
     metrics |= {"received_at": received_at, "time_encode_s": encoded - started}
     return StepResult(metrics, trainer.step, compute_s=done - started)

@@ -1,10 +1,12 @@
 """Weight versions: their directory layout, their manifest, and how they travel.
 
-- `layout`     the one place a version's directory name is made (`v000012`);
+- `layout`     where a version's directory is (`<root>/<run>/v000012`; the name
+               itself and everything else a version is: proto/weight_version.py);
 - `manifest`   the weights-directory format: an HF directory plus a sha256
                manifest, written atomically, verified by every reader;
-- `transport`  the `WeightsTransport` protocol (publish → URI, where an engine
-               loads it, receive beside an engine, clean-up) and its registry;
+- `base`       the `WeightsTransport` protocol (publish → URI, where an engine
+               loads it, receive beside an engine, clean-up) and its value types;
+- `registry`   the transports by name and by URI scheme (the package's edge);
 - `disk`, `nats`, `natsdelta`, `diskdelta`, `distributed`  the transports
                (`[trainer] weights_transport`);
 - `distgroup`  the torch.distributed weights-update group (SGLang's, both sides);
@@ -17,11 +19,20 @@ outside this package branches on which one it is. No torch here: engines
 and sync use it too.
 """
 
+from services.weights.base import (
+    BadWeightsUri,
+    LocalCopy,
+    Sent,
+    SharedDir,
+    Transfer,
+    WeightsSource,
+    WeightsTransferError,
+    WeightsTransport,
+    Wiring,
+)
 from services.weights.layout import (
     published_dir,
     version_dir,
-    version_name,
-    version_of,
     versions_in,
 )
 from services.weights.manifest import (
@@ -40,20 +51,7 @@ from services.weights.manifest import (
     verify_weights_dir,
     write_weights_dir,
 )
-from services.weights.transport import (
-    BadWeightsUri,
-    LocalCopy,
-    Sent,
-    SharedDir,
-    Transfer,
-    TransportKind,
-    Transports,
-    WeightsSource,
-    WeightsTransferError,
-    WeightsTransport,
-    Wiring,
-    open_transport,
-)
+from services.weights.registry import TransportKind, Transports, open_transport
 
 __all__ = [
     "MANIFEST_NAME",
@@ -83,8 +81,6 @@ __all__ = [
     "read_manifest",
     "verify_weights_dir",
     "version_dir",
-    "version_name",
-    "version_of",
     "versions_in",
     "write_weights_dir",
 ]

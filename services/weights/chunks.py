@@ -47,6 +47,7 @@ from proto.errors import ProtocolError
 from proto.messages import WeightsChunk
 from proto.streams import stream_name
 from proto.subjects import Subjects
+from services.weights.base import Transfer, WeightsTransferError
 from services.weights.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -54,7 +55,6 @@ from services.weights.manifest import (
     read_manifest,
     verify_weights_dir,
 )
-from services.weights.transport import Transfer, WeightsTransferError
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext

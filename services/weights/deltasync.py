@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from services.weights.base import WeightsTransferError
 from services.weights.delta import Delta, DeltaError, DeltaStats, apply, encode, unpack
 from services.weights.layout import version_dir
 from services.weights.manifest import (
@@ -48,7 +49,6 @@ from services.weights.manifest import (
     read_manifest,
     write_weights_dir,
 )
-from services.weights.transport import WeightsTransferError
 
 log = logging.getLogger(__name__)
 

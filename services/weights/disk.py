@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlparse
 
-from services.weights.transport import (
+from services.weights.base import (
     BadWeightsUri,
     Sent,
     SharedDir,

@@ -25,11 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlparse
 
-from services.weights.delta import DeltaError
-from services.weights.deltasync import DELTA_FILE, DeltaWriter, delta_dir, rebuild
-from services.weights.layout import version_dir, version_name, version_of
-from services.weights.manifest import WeightsError, verify_weights_dir
-from services.weights.transport import (
+from proto.weight_version import dir_name, parse_name
+from services.weights.base import (
     BadWeightsUri,
     LocalCopy,
     Sent,
@@ -37,6 +34,10 @@ from services.weights.transport import (
     WeightsTransferError,
     Wiring,
 )
+from services.weights.delta import DeltaError
+from services.weights.deltasync import DELTA_FILE, DeltaWriter, delta_dir, rebuild
+from services.weights.layout import version_dir
+from services.weights.manifest import WeightsError, verify_weights_dir
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
@@ -50,7 +51,7 @@ def run_dir_of(uri: str, run: str, version: int) -> Path:
     """The trainer's run directory a `filedelta://` URI names; BadWeightsUri otherwise."""
     p = urlparse(uri)
     path = Path(p.path)
-    if p.scheme != SCHEME or path.name != version_name(version) or path.parent.name != run:
+    if p.scheme != SCHEME or path.name != dir_name(version) or path.parent.name != run:
         raise BadWeightsUri(f"weights uri {uri!r} is not {SCHEME}:///…/{run}/v<version>")
     return path.parent
 
@@ -140,6 +141,6 @@ class DiskDeltaTransport:
         if self.wiring.root is None:
             return
         for p in (self.wiring.root / self.wiring.run).glob("v*.delta"):
-            v = version_of(p.name.removesuffix(".delta"))
+            v = parse_name(p.name.removesuffix(".delta"))
             if v is not None and v < below:
                 shutil.rmtree(p, ignore_errors=True)

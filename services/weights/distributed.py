@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlparse
 
+from proto.weight_version import to_engine
+from services.weights.base import BadWeightsUri, Sent, Transfer, Wiring
 from services.weights.disk import shared_path
-from services.weights.transport import BadWeightsUri, Sent, Transfer, Wiring
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
@@ -104,7 +105,7 @@ class Groups:
             destroy_group(held[0])
 
     async def update(
-        self, client: EngineClient, path: str, version: str, update_mode: str
+        self, client: EngineClient, path: str, version: int, update_mode: str
     ) -> UpdateResult:
         from services.engine_api.engine_client import EngineError, UpdateResult
         from services.weights.distgroup import broadcast_tensors
@@ -119,7 +120,7 @@ class Groups:
                 "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
                 "shapes": [list(t.shape) for t in tensors.values()],
                 "group_name": name,
-                "weight_version": version,
+                "weight_version": to_engine(version),
                 "abort_all_requests": update_mode == "abort",
                 "flush_cache": bool(caps.flush_cache_for(update_mode)),
             }
@@ -153,7 +154,7 @@ class Broadcast:
         return self.path
 
     async def load(
-        self, client: EngineClient, path: str, version: str, update_mode: str
+        self, client: EngineClient, path: str, version: int, update_mode: str
     ) -> UpdateResult:
         return await self.groups.update(client, path, version, update_mode)
 

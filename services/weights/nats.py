@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 from proto.streams import NATS_WEIGHTS_SCHEME, parse_weights_nats_uri, stream_name, weights_nats_uri
 from proto.subjects import Subjects
+from proto.weight_version import parse_name
+from services.weights.base import BadWeightsUri, LocalCopy, Sent, Transfer, Wiring
 from services.weights.chunks import download, purge, upload
-from services.weights.layout import version_dir, version_of
-from services.weights.transport import BadWeightsUri, LocalCopy, Sent, Transfer, Wiring
+from services.weights.layout import version_dir
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
@@ -78,7 +79,7 @@ class NatsTransport:
                 stream_name(self.run, "WEIGHTDATA"), subjects_filter=subjects.weightdata_all
             )
             for subject in info.state.subjects or {}:
-                v = version_of(subject.rsplit(".", 1)[-1])
+                v = parse_name(subject.rsplit(".", 1)[-1])
                 if v is not None and v < below:
                     await purge(js, self.run, v)
                     log.info("sync: purged NATS chunks of v%d", v)

@@ -35,6 +35,15 @@ from urllib.parse import parse_qs, urlparse
 
 from proto.streams import stream_name
 from proto.subjects import Subjects
+from proto.weight_version import parse_name
+from services.weights.base import (
+    BadWeightsUri,
+    LocalCopy,
+    Sent,
+    Transfer,
+    WeightsTransferError,
+    Wiring,
+)
 from services.weights.chunks import download, purge, upload
 from services.weights.delta import DeltaError
 from services.weights.deltasync import (
@@ -43,16 +52,8 @@ from services.weights.deltasync import (
     delta_dir,
     rebuild,
 )
-from services.weights.layout import published_dir, version_dir, version_of
+from services.weights.layout import published_dir, version_dir
 from services.weights.manifest import WeightsError
-from services.weights.transport import (
-    BadWeightsUri,
-    LocalCopy,
-    Sent,
-    Transfer,
-    WeightsTransferError,
-    Wiring,
-)
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
@@ -252,12 +253,12 @@ class NatsDeltaTransport:
                 stream_name(self.run, "WEIGHTDATA"), subjects_filter=self.subjects.weightdata_all
             )
             held = [s.rsplit(".", 1)[-1] for s in info.state.subjects or {}]
-            fulls = [v for v in (version_of(t) for t in held) if v is not None]
+            fulls = [v for v in (parse_name(t) for t in held) if v is not None]
             keep = max((v for v in fulls if v <= below), default=None)
             if keep is None:
                 return
             for token in held:
-                v = version_of("v" + token[1:]) if token[:1] in ("v", "d") else None
+                v = parse_name("v" + token[1:]) if token[:1] in ("v", "d") else None
                 if v is not None and v < keep:
                     subject = f"{self.subjects.prefix}.weightdata.{token}"
                     await purge(js, self.run, v, subject)
@@ -270,6 +271,6 @@ class NatsDeltaTransport:
             return
         run_dir = self.wiring.root / self.run
         for p in run_dir.glob("v*.delta"):
-            v = version_of(p.name.removesuffix(".delta"))
+            v = parse_name(p.name.removesuffix(".delta"))
             if v is not None and v < below:
                 shutil.rmtree(delta_dir(published_dir(self.wiring.root, self.run, v)))

@@ -187,6 +187,12 @@ def check_sent(case: Case, seen: list[tuple[str, str, Any]], weights_dir: str) -
         assert k not in sent[-1], f"{case.id}: sent {k}, which SGLang {case.version} lacks"
 
 
+def version_in(body: dict[str, Any]) -> int | None:
+    """The version the client is asked to send: the request body has it as SGLang's text."""
+    text = body.get("weight_version")
+    return None if text is None else int(text)
+
+
 async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None:
     spec = case.client or {}
     call = spec["call"]
@@ -211,7 +217,7 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
             assert len(r.output_ids) == len(r.logprobs) == want["n_tokens"]
             assert r.finish_type == want["finish_type"]
             assert r.weight_version == want["weight_version"]
-            assert [list(s) for s in r.weight_versions] == want["spans"]
+            assert [[s.version, s.start, s.end] for s in r.weight_versions] == want["spans"]
     elif call in ("generate_error", "detect_error", "update_error"):
         with pytest.raises(EngineHTTPError) as err:
             if call == "generate_error":
@@ -220,7 +226,7 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
             elif call == "detect_error":
                 await c.detect()
             else:
-                await c.update_weights_from_disk(body["model_path"], body.get("weight_version"))
+                await c.update_weights_from_disk(body["model_path"], version_in(body))
         assert err.value.status == spec["status"]
         if "message" in spec:
             assert err.value.message == spec["message"]
@@ -233,7 +239,7 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
     elif call == "continue":
         await c.continue_generation()
     elif call == "update":
-        res = await c.update_weights_from_disk(body["model_path"], body.get("weight_version"),
+        res = await c.update_weights_from_disk(body["model_path"], version_in(body),
                                                update_mode=spec["mode"])  # fmt: skip
         assert res.success is spec["success"]
         assert res.num_paused_requests == spec["num_paused_requests"]

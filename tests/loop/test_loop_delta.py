@@ -19,8 +19,9 @@ import pytest
 
 from proto.messages import SampleGroup
 from proto.subjects import Subjects
+from proto.weight_version import parse_name
 from services.stack.localdev.nats_server import NatsServer
-from services.weights import read_manifest, version_of
+from services.weights import read_manifest
 from tests.harness.poll import wait_for
 from tests.harness.stack import Stack, start_loop
 from tests.harness.streams import messages, published_versions
@@ -58,7 +59,7 @@ def engine_copy_is_exact(st: Stack, i: int) -> int:
     """The version engine i serves, after checking its local copy is the trainer's bytes."""
     path = Path((st.engine_info(i) or {})["model_path"])
     assert path.is_relative_to((st.root / f"engine-weights-{i}").resolve()), path
-    version = version_of(path.name)
+    version = parse_name(path.name)
     assert version is not None, path
     assert read_manifest(path).sha256 == published_versions(st.nats_url, RUN)[version].sha256
     return version

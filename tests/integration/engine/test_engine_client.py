@@ -55,7 +55,7 @@ def test_generate_result_and_http_errors_are_not_retried(run_async: Any) -> None
         async with serving(fake_engine(hits, release)) as url, EngineClient(url, retries=3) as c:
             [res] = await c.generate([3], sampling_params={"max_new_tokens": 2})
             assert (res.output_ids, res.logprobs) == ([4, 5], [-0.1, -0.2])
-            assert (res.finish_type, res.weight_version, res.aborted) == ("length", "5", False)
+            assert (res.finish_type, res.weight_version, res.aborted) == ("length", 5, False)
             with pytest.raises(EngineHTTPError) as e400:
                 await c.generate([0])
             assert (e400.value.status, e400.value.message) == (400, "bad prompt")
@@ -120,8 +120,8 @@ def test_api_key_guards_every_path_but_health_and_ready(
                     assert res.completion_tokens >= 1
                     await admin.pause_generation("in_place")
                     await admin.continue_generation()
-                    upd = await admin.update_weights_from_disk(str(tiny_model_dir), "k1")
-                    assert upd.success and await admin.weight_version() == "k1"
+                    upd = await admin.update_weights_from_disk(str(tiny_model_dir), 1)
+                    assert upd.success and await admin.weight_version() == 1
                     assert (await admin.loads()).running == 0
         finally:
             state.scheduler.stop()

@@ -374,25 +374,25 @@ def test_update_weights_versions_and_refusals(
             async with slowed(c, 0.003):
                 running = asyncio.create_task(c.generate(prompt, sampling_params=LONG))
                 await wait_running(c)
-                upd = await c.update_weights_from_disk(str(new_dir), "v2")
+                upd = await c.update_weights_from_disk(str(new_dir), 2)
                 [before] = await running
             # Finished in full on the old version: the update waited for it.
             assert before.finish_type == "length" and before.weight_version == old
-            assert upd.success and "v2" in upd.message
-            assert await c.weight_version() == "v2"
+            assert upd.success and "Weight version updated to 2." in upd.message
+            assert await c.weight_version() == 2
             [after] = await c.generate(prompt, sampling_params={"max_new_tokens": 12})
 
             for bad, why in ((tmp_path / "missing", "not a directory"), (tampered, "sha256")):
                 with pytest.raises(EngineHTTPError) as exc:
-                    await c.update_weights_from_disk(str(bad), "v3")
+                    await c.update_weights_from_disk(str(bad), 3)
                 assert exc.value.status == 400 and why in exc.value.message
-            assert await c.weight_version() == "v2"
+            assert await c.weight_version() == 2
             [still] = await c.generate(prompt, sampling_params={"max_new_tokens": 12})
             return after, still
 
     after, still = run_async(body(), timeout_s=120)
     for res in (after, still):
-        assert res.weight_version == "v2"
+        assert res.weight_version == 2
         expected = recompute_logprobs(new_dir, prompt, res.output_ids, 1.0)
         assert torch.allclose(torch.tensor(res.logprobs), expected, atol=1e-4, rtol=0)
 
@@ -404,13 +404,11 @@ def test_update_with_abort_all_requests_aborts_running(
         async with EngineClient(engine.url) as c, slowed(c):
             running = asyncio.create_task(c.generate(text="5+", sampling_params=LONG))
             await wait_running(c)
-            upd = await c.update_weights_from_disk(
-                str(engine.model_dir), "v-abort", update_mode="abort"
-            )
+            upd = await c.update_weights_from_disk(str(engine.model_dir), 41, update_mode="abort")
             [res] = await running
             assert upd.success and res.aborted
             [later] = await c.generate(text="5+", sampling_params={"max_new_tokens": 2})
-            assert later.weight_version == "v-abort"
+            assert later.weight_version == 41
 
     run_async(body())
 
@@ -432,13 +430,13 @@ def test_a_client_hanging_up_on_a_waiting_update_leaves_the_engine_serving(
                     async with aiohttp.ClientSession() as s:
                         await s.post(
                             engine.url + "/update_weights_from_disk",
-                            json={"model_path": str(engine.model_dir), "weight_version": "v-hup"},
+                            json={"model_path": str(engine.model_dir), "weight_version": "42"},
                             timeout=aiohttp.ClientTimeout(total=0.3),
                         )
                 [res] = await running
             assert res.finish_type == "length"
             [later] = await c.generate(text="5+", sampling_params={"max_new_tokens": 2})
-            assert later.weight_version == "v-hup"
+            assert later.weight_version == 42
             assert (await raw(engine, "GET", "/health"))[0] == 200
 
     run_async(body(), timeout_s=120)

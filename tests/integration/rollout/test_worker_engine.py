@@ -225,7 +225,7 @@ def test_tokens_across_an_in_place_update_carry_both_versions(
                 await until(lambda: state.scheduler.load()["num_running_reqs"] >= 1)
                 await until(lambda: state.scheduler.generated_tokens >= 3)
                 await admin.pause_generation("in_place")
-                res = await admin.update_weights_from_disk(str(v1), "1", update_mode="in_place")
+                res = await admin.update_weights_from_disk(str(v1), 1, update_mode="in_place")
                 assert res.success, res.message
             finally:
                 await admin.request("POST", "/slow_down", {"forward_sleep_time": None})

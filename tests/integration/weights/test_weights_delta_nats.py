@@ -28,10 +28,10 @@ from services.weights import (
     version_dir,
     write_weights_dir,
 )
+from services.weights.base import WeightsTransferError
 from services.weights.chunks import purge, upload
 from services.weights.deltasync import DELTA_FILE, delta_dir
 from services.weights.natsdelta import NatsDeltaTransport
-from services.weights.transport import WeightsTransferError
 from tests.harness.weights import Policy, announced, same_files
 
 MAX_PAYLOAD = 64 * 1024

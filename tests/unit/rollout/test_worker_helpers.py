@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from proto.messages import PromptTask, VersionSpan
+from typing import Any
+
+from proto.messages import PromptTask
+from proto.weight_version import VersionSpan
 from services.engine_api.engine_client import GenerateResult, Load, load_of
-from services.engine_api.engine_client import VersionSpan as EngineSpan
-from services.rollout.core import parse_version, request_id, sample_versions
-
-
-def test_engine_versions() -> None:
-    assert parse_version("12") == 12
-    assert parse_version(3) == 3
-    assert parse_version("default") == 0  # SGLang's initial weights
-    assert parse_version(None) == 0
+from services.rollout.core import request_id, sample_versions
 
 
 def test_loads_sum_over_ranks_in_both_formats() -> None:
@@ -31,12 +26,16 @@ def test_every_delivery_gets_its_own_request_id() -> None:
     assert len(ids) == 3 and all(i.startswith("r:e0:i1:a0:d") for i in ids)
 
 
-def _result(version: str, spans: tuple[EngineSpan, ...]) -> GenerateResult:
-    return GenerateResult("id", "", [1, 2, 3], [0.0] * 3, "length", {}, 1, 3, version, 0.1, spans)
+def _result(version: str, spans: tuple[tuple[str, int, int], ...]) -> GenerateResult:
+    """A completion as the engine's JSON gives it (SGLang's weight versions are text)."""
+    meta: dict[str, Any] = {"weight_version": version, "finish_reason": {"type": "length"}}
+    if spans:
+        meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans]
+    return GenerateResult.from_json({"output_ids": [1, 2, 3], "meta_info": meta})
 
 
 def test_sample_versions_from_spans_or_a_lower_bound() -> None:
-    spans = (EngineSpan("3", 0, 1), EngineSpan("4", 1, 3))
+    spans = (("3", 0, 1), ("4", 1, 3))
     want = (VersionSpan(version=3, start=0, end=1), VersionSpan(version=4, start=1, end=3))
     assert sample_versions(_result("4", spans), before=3) == (3, 4, want)
     # No spans (SGLang < 0.5.19): the version when the task began bounds the first token.

@@ -15,8 +15,10 @@ Three parties meet a version, and each asks its transport one thing:
   engine needs any more hold in the transport.
 
 Nothing outside this package looks at a URI's scheme or at the transport's
-kind. A new transport implements the four methods and registers its class
-in `KINDS`. *Sparse deltas* are one (natsdelta.py: `publish` sends the
+kind. This module is the protocol and its value types; the transports
+implement it beside it, and registry.py, the package's edge, names them.
+A new transport implements the four methods and registers its class there.
+*Sparse deltas* are one (natsdelta.py: `publish` sends the
 elements that changed against the previous version, `receive` rebuilds the
 version from the engine's copy of the base plus the deltas, verified, else
 downloads it whole; `source` is a `LocalCopy`). *torch.distributed* is another
@@ -29,24 +31,17 @@ call differs by transport.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from services.runtime.errors import FlywheelError, PermanentError
-from services.weights.layout import remove_versions, version_dir, versions_in
+from services.weights.layout import version_dir
 
 if TYPE_CHECKING:
     from proto.messages import WeightsPublished
     from services.engine_api.engine_client import EngineClient, UpdateResult
     from services.weights.delta import DeltaStats
-
-log = logging.getLogger(__name__)
-
-TransportKind = Literal["disk", "nats", "nats-delta", "disk-delta", "distributed"]
-"""`[trainer] weights_transport`: the names in `KINDS`."""
 
 
 class WeightsTransferError(FlywheelError, RuntimeError):
@@ -101,7 +96,7 @@ class WeightsSource(Protocol):
         ...
 
     async def load(
-        self, client: EngineClient, path: str, version: str, update_mode: str
+        self, client: EngineClient, path: str, version: int, update_mode: str
     ) -> UpdateResult:
         """Sync: update the engine behind `client` to this version from `path`."""
         ...
@@ -117,7 +112,7 @@ class SharedDir:
         return self.path
 
     async def load(
-        self, client: EngineClient, path: str, version: str, update_mode: str
+        self, client: EngineClient, path: str, version: int, update_mode: str
     ) -> UpdateResult:
         return await client.update_weights_from_disk(path, version, update_mode=update_mode)
 
@@ -134,7 +129,7 @@ class LocalCopy:
         return str(version_dir(engine_dir, self.version))
 
     async def load(
-        self, client: EngineClient, path: str, version: str, update_mode: str
+        self, client: EngineClient, path: str, version: int, update_mode: str
     ) -> UpdateResult:
         return await client.update_weights_from_disk(path, version, update_mode=update_mode)
 
@@ -183,53 +178,3 @@ class WeightsTransport(Protocol):
         """Sync: no engine needs versions below `below` any more; drop what this transport
         holds of them (the version directories themselves: `Transports.cleanup`)."""
         ...
-
-
-def _kinds() -> dict[str, type[WeightsTransport]]:
-    from services.weights.disk import DiskTransport
-    from services.weights.diskdelta import DiskDeltaTransport
-    from services.weights.distributed import DistTransport
-    from services.weights.nats import NatsTransport
-    from services.weights.natsdelta import NatsDeltaTransport
-
-    return {
-        "disk": DiskTransport,
-        "nats": NatsTransport,
-        "nats-delta": NatsDeltaTransport,
-        "disk-delta": DiskDeltaTransport,
-        "distributed": DistTransport,
-    }
-
-
-def open_transport(kind: str, wiring: Wiring) -> WeightsTransport:
-    """The trainer's transport, by its `[trainer] weights_transport` name."""
-    return _kinds()[kind](wiring)  # type: ignore[call-arg]
-
-
-class Transports:
-    """A reader's transports, opened as announced URIs name them (sync, rollout workers)."""
-
-    def __init__(self, wiring: Wiring) -> None:
-        self.wiring = wiring
-        self._open: dict[str, WeightsTransport] = {}
-
-    def for_uri(self, uri: str) -> WeightsTransport:
-        """The transport that announced `uri`; BadWeightsUri when none did."""
-        scheme = urlparse(uri).scheme
-        for kind, cls in _kinds().items():
-            if cls.scheme == scheme:
-                if kind not in self._open:
-                    self._open[kind] = cls(self.wiring)  # type: ignore[call-arg]
-                return self._open[kind]
-        raise BadWeightsUri(f"unsupported weights uri {uri!r}")
-
-    async def cleanup(self, below: int) -> None:
-        """Drop the versions below `below` wherever they are held: the trainer's version
-        directories under the root (whatever carried them), and every opened transport."""
-        if self.wiring.root is not None:
-            run_dir = self.wiring.root / self.wiring.run
-            old = [v for v in versions_in(run_dir) if v < below]
-            for path in remove_versions(run_dir, old):
-                log.info("deleted old weights %s", path)
-        for transport in self._open.values():
-            await transport.cleanup(below)
