@@ -6,10 +6,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from services.runtime.settings import ServiceSettings
+from services.tasks.settings import TaskServiceSettings
 
 
-class BufferSettings(ServiceSettings):
+class BufferSettings(TaskServiceSettings):
     section: ClassVar[str] = "buffer"
     needs_task: ClassVar[bool] = True
 

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr, field_validator
 
 from services.engine_api.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
-from services.runtime.settings import ServiceSettings
+from services.tasks.settings import TaskServiceSettings
 
 
 def _sglang_env_bool(name: str, default: bool) -> bool:
@@ -18,7 +18,7 @@ def _sglang_env_bool(name: str, default: bool) -> bool:
     return default if value is None else value.strip().lower() in ("1", "true", "yes", "y")
 
 
-class EngineSettings(ServiceSettings):
+class EngineSettings(TaskServiceSettings):
     """The CPU engine: which model, where to listen, how much to batch."""
 
     section: ClassVar[str] = "engine"

@@ -8,10 +8,10 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr
 
-from services.runtime.settings import ServiceSettings
+from services.tasks.settings import TaskServiceSettings
 
 
-class RolloutSettings(ServiceSettings):
+class RolloutSettings(TaskServiceSettings):
     section: ClassVar[str] = "rollout"
     needs_task: ClassVar[bool] = True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,34 +17,28 @@ class ConfigError(FlywheelError, ValueError):
     """A setting is missing or invalid; the message names the field."""
 
     @classmethod
-    def from_validation(cls, err: ValidationError, section: str) -> ConfigError:
-        return cls(
-            "invalid settings:\n  "
-            + "\n  ".join(error_line(e["loc"], e["msg"], section) for e in err.errors())
-        )
+    def from_validation(
+        cls, err: ValidationError, section: str, tables: Mapping[str, bool] | None = None
+    ) -> ConfigError:
+        lines = (error_line(e["loc"], e["msg"], section, tables) for e in err.errors())
+        return cls("invalid settings:\n  " + "\n  ".join(lines))
 
 
-# Discriminator tags pydantic puts in an error's location (`task.source.jsonl.path`):
-# not keys of the run file, so left out of the key it names (`[task] source.path`).
-_TAGS = set(
-    "jsonl hf reasoning_gym function arithmetic exact_match numeric math gsm8k format "
-    "soft_overlong custom verifiers".split()
-)
-
-
-def error_line(loc: tuple[int | str, ...], msg: str, section: str) -> str:
-    """`[section] key.path: message`; the task spec's keys under `[task]` / `[tasks.<name>]`."""
+def error_line(
+    loc: tuple[int | str, ...], msg: str, section: str, tables: Mapping[str, bool] | None = None
+) -> str:
+    """`[section] key.path: message`. A field that is a table of its own in the run file
+    (`tables`: its name -> whether it holds named tables, as `[tasks.<name>]`) is named
+    by that table: the task spec's keys under `[task]` / `[tasks.<name>]`."""
     msg = msg.removeprefix("Value error, ")
     parts = list(loc)
-    if parts and parts[0] in ("task", "tasks"):
-        head = parts.pop(0)
-        section = f"{head}.{parts.pop(0)}" if head == "tasks" and parts else str(head)
+    if parts and tables and parts[0] in tables:
+        head = str(parts.pop(0))
+        section = f"{head}.{parts.pop(0)}" if tables[head] and parts else head
     key = ""
-    for i, p in enumerate(parts):
+    for p in parts:
         if isinstance(p, int):
             key += f"[{p}]"
-        elif i > 0 and p in _TAGS and (isinstance(parts[i - 1], int) or parts[i - 1] == "source"):
-            continue
         else:
             key += f".{p}" if key else str(p)
     if key:

@@ -1,8 +1,9 @@
 """Typed settings for every service: a TOML run file plus environment overrides.
 
-One run file configures a whole run. Top-level keys and the `[nats]` table
-are shared by every service; each service reads its own table (`[trainer]`,
-`[buffer]`, …) on top. Environment variables override the file:
+One run file configures a whole run. Top-level keys and the shared tables
+(`[nats]`; a domain adds its own, as the tasks domain adds `[task]`:
+services/tasks/settings.py) are read by every service; each service reads
+its own table (`[trainer]`, `[buffer]`, …) on top. Environment variables override the file:
 `FLYWHEEL_<SECTION>_<FIELD>` (e.g. `FLYWHEEL_TRAINER_LR=1e-4`), with `__`
 for nested fields (`FLYWHEEL_TRAINER_NATS__URL=…`). Unknown keys are errors
 that name the key, so a typo cannot silently fall back to a default.
@@ -15,16 +16,12 @@ from __future__ import annotations
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.runtime.errors import ConfigError
-from services.tasks.spec import TaskSpec
-
-if TYPE_CHECKING:
-    from services.tasks.taskset import TaskSet
 
 # The run file's values for the settings class being built right now. A
 # context variable (not a class attribute) so concurrent loads cannot mix.
@@ -79,7 +76,12 @@ class ServiceSettings(BaseSettings):
     """Fields every service shares. Subclass per service and set `section`."""
 
     section: ClassVar[str] = ""
-    needs_task: ClassVar[bool] = False  # the service cannot run without a task spec
+    # Tables of the run file every service reads (not a section of their own); a
+    # subclass that adds a shared table's field adds its name.
+    shared_tables: ClassVar[frozenset[str]] = frozenset({"nats"})
+    # Shared tables that are sections of their own in errors (`[task] source.path`, not
+    # `[buffer] task.source.path`): name -> whether it holds named tables (`[tasks.<name>]`).
+    own_tables: ClassVar[dict[str, bool]] = {}
 
     model_config = SettingsConfigDict(
         env_prefix="FLYWHEEL_", env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -94,15 +96,6 @@ class ServiceSettings(BaseSettings):
         0, ge=0, le=65535, description="Port of /metrics and /healthz; 0 picks a free port."
     )
     log_level: str = Field("INFO", description="Python logging level.")
-    task: TaskSpec | None = Field(
-        None,
-        description="The run's task ([task] table: source, reward, prompt format, eval); "
-        "every service validates the same spec (services/tasks/spec.py).",
-    )
-    tasks: dict[str, TaskSpec] = Field(
-        default_factory=dict,
-        description="A mixture instead of [task]: [tasks.<name>] tables, mixed by weight.",
-    )
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -113,18 +106,6 @@ class ServiceSettings(BaseSettings):
         """
         super().__pydantic_init_subclass__(**kwargs)
         cls.model_config = {**cls.model_config, "env_prefix": env_prefix_for(cls.section)}
-
-    @model_validator(mode="after")
-    def _has_task(self) -> ServiceSettings:
-        if self.needs_task:
-            self.task_set()  # a ConfigError (a ValueError) names what is missing
-        return self
-
-    def task_set(self) -> TaskSet:
-        """The run's tasks by name; ConfigError when the run file names none (or both forms)."""
-        from services.tasks.taskset import TaskSet
-
-        return TaskSet.from_fields(self.task, self.tasks)
 
     @classmethod
     def settings_customise_sources(
@@ -157,15 +138,15 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
 def file_values(doc: dict[str, Any], cls: type[ServiceSettings]) -> dict[str, Any]:
     """The values `cls` takes from a parsed run file: shared keys, then its section.
 
-    Shared: top-level keys and the tables every service declares (`[nats]`,
+    Shared: top-level keys and the tables `cls` shares (`shared_tables`: `[nats]`,
     `[task]`, `[tasks.*]`). Any other table is a section of its own
     (`[stack] engine` is a field, `[engine]` a section).
     """
-    common = ServiceSettings.model_fields
+    tables = cls.shared_tables
     shared = {
         k: v
         for k, v in doc.items()
-        if k in cls.model_fields and k != cls.section and (k in common or not isinstance(v, dict))
+        if k in cls.model_fields and k != cls.section and (k in tables or not isinstance(v, dict))
     }
     section = doc.get(cls.section, {}) if cls.section else {}
     if not isinstance(section, dict):
@@ -183,7 +164,7 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides: Any
     try:
         return cls(**overrides)
     except ValidationError as e:
-        raise ConfigError.from_validation(e, cls.section or "run") from e
+        raise ConfigError.from_validation(e, cls.section or "run", cls.own_tables) from e
     finally:
         _FILE_VALUES.reset(token)
 

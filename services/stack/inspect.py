@@ -62,7 +62,8 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
     from services.runtime.settings import load_settings
     from services.stack.demo import latest_weights
     from services.stack.settings import StackSettings
-    from services.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
+    from services.tasks.arithmetic import ArithmeticSource
+    from services.tasks.spec import EvalSpec, TaskSpec
     from services.tasks.taskset import TaskSet
 
     if config is None:

@@ -7,10 +7,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from services.runtime.settings import ServiceSettings
+from services.tasks.settings import TaskServiceSettings
 
 
-class StackSettings(ServiceSettings):
+class StackSettings(TaskServiceSettings):
     section: ClassVar[str] = "stack"
 
     run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")

@@ -7,10 +7,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
-from services.runtime.settings import ServiceSettings
+from services.tasks.settings import TaskServiceSettings
 
 
-class SyncSettings(ServiceSettings):
+class SyncSettings(TaskServiceSettings):
     section: ClassVar[str] = "sync"
 
     weights_root: Path = Field(

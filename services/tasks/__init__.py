@@ -1,13 +1,18 @@
 """Tasks: what the user brings — data, prompt formatting, rewards, held-out evaluation.
 
-Shared by buffer, rollout and trainer (no service imports another), and
+The tasks domain, shared by the services (no service imports another), and
 light to import: heavy packages (torch, transformers, datasets,
 reasoning-gym, math-verify) are imported inside the functions that use them.
 
 - `spec`:     the typed `[task]` / `[tasks.<name>]` tables of the run file;
-- `sources`:  rows of JSONL files, local HF datasets, reasoning-gym, user
-              functions and the arithmetic task; start-up checks;
-- `taskset`:  the run's tasks by name, their held-out split, the training order;
+- `registry`: what a source and a reward part are, and their registries:
+              each is one class, registered where it is defined;
+- `sources`:  rows of JSONL files, local HF datasets and user functions;
+- `arithmetic`, `reasoning_gym`, `verifiers_env`: a task with its source
+              (and, for the last two, its own reward);
+- `settings`: the task tables in every service's settings;
+- `taskset`:  the run's tasks by name, their held-out split, the training
+              order, their start-up checks;
 - `prompts`:  row -> prompt text/messages -> token ids (training and eval alike);
 - `rewards`:  the named reward functions and their weighted sum;
 - `sandbox`:  `VerifierPool`, where every reward runs with a time limit;

@@ -1,24 +1,33 @@
 """The built-in rewards, and `score`, the one entry point the verifier sandbox calls.
 
 Each reward is a pure function of the completion (and the reference answer,
-and for some the response length or the row), tested on its own. A task's
+and for some the response length or the row), tested on its own, and a
+class (`fn = "<name>"` in the run file, registered with `@REWARDS.register`)
+whose fields are its options and whose `value` calls the function. A task's
 reward is a weighted sum of parts; `score` computes every part of one
 completion in the sandbox's child process — one round trip per completion
 whatever the number of parts, all under the pool's one time limit — and
 returns {"reward": Σ weight·value, "parts": {name: value}}, so reward_parts
 keeps each part and the trainer can log its mean.
 
-The parts travel to the child as plain dicts (`payload`), not pydantic
-models: the child imports this module and nothing else of the spec.
+The parts travel to the child as plain fields with their class's module
+(registry.as_fields); the child imports that module and rebuilds each part
+without validating it again. The rewards of a source of their own live with
+it (reasoning_gym.py, verifiers_env.py).
 """
 
 from __future__ import annotations
 
 import functools
-import json
+import importlib.util
 import re
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from services.runtime.errors import ConfigError
+from services.tasks.registry import FN_PATH, REWARDS, RewardPart
 
 _SPACE = re.compile(r"\s+")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -199,112 +208,190 @@ def soft_overlong(response_tokens: int, *, max_tokens: int, buffer_tokens: int) 
     return (start - response_tokens) / buffer_tokens
 
 
-def reasoning_gym_score(
-    completion: str, *, dataset: str, config: dict[str, Any], seed: int, size: int, row: int
-) -> float:
-    """The generator's own score_answer on row `row` of the (cached) dataset."""
-    from services.tasks.sources import reasoning_gym_dataset
-
-    data = reasoning_gym_dataset(dataset, json.dumps(config, sort_keys=True), seed, size)
-    return float(data.score_answer(answer=completion.strip(), entry=data[row]))
+# ── the reward classes (the run file's `fn = ...`) ────────────────────────────
+Extract = Literal["first_line", "last_line", "full", "answer_tag", "boxed", "marker", "last_number"]
 
 
-# ── the weighted sum (what the sandbox runs) ─────────────────────────────────
-def part_value(
-    part: dict[str, Any], completion: str, answer: str | None, ctx: dict[str, Any]
-) -> tuple[float, dict[str, float]]:
-    """One part's value (and sub-parts a custom function returned)."""
-    fn = part["fn"]
-    if fn == "exact_match":
+@REWARDS.register
+class ExactMatch(RewardPart):
+    """1 if the extracted answer equals the reference (after normalisation)."""
+
+    fn: Literal["exact_match"]
+    extract: Extract = Field("first_line", description="Which part of the completion to compare.")
+    marker: str = Field("####", description="extract = 'marker': text after its last occurrence.")
+    normalize: bool = Field(
+        True, description="Collapse whitespace, drop surrounding $ and a trailing period."
+    )
+    case_sensitive: bool = Field(True, description="Compare case-sensitively.")
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
         return exact_match(
             completion,
             answer,
-            extract_=part["extract"],
-            marker=part["marker"],
-            normalize=part["normalize"],
-            case_sensitive=part["case_sensitive"],
+            extract_=self.extract,
+            marker=self.marker,
+            normalize=self.normalize,
+            case_sensitive=self.case_sensitive,
         ), {}
-    if fn == "numeric":
+
+
+@REWARDS.register
+class NumericMatch(RewardPart):
+    """1 if the extracted number equals the reference number (exact for integers/fractions)."""
+
+    fn: Literal["numeric"]
+    extract: Extract = Field("last_number", description="Which part of the completion to parse.")
+    marker: str = Field("####", description="extract = 'marker': text after its last occurrence.")
+    rel_tol: float = Field(1e-6, ge=0, description="Relative tolerance for non-exact numbers.")
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
         return numeric_match(
-            completion,
-            answer,
-            extract_=part["extract"],
-            marker=part["marker"],
-            rel_tol=part["rel_tol"],
+            completion, answer, extract_=self.extract, marker=self.marker, rel_tol=self.rel_tol
         ), {}
-    if fn == "math":
-        return math_answer(completion, answer, fallback=part["fallback"]), {}
-    if fn == "gsm8k":
-        return gsm8k_answer(completion, answer, strict=part["strict"]), {}
-    if fn == "format":
-        return format_reward(completion, pattern=part["pattern"], full_match=part["full_match"]), {}
-    if fn == "soft_overlong":
-        return soft_overlong(
-            int(ctx["response_tokens"]),
-            max_tokens=part["max_tokens"],
-            buffer_tokens=part["buffer_tokens"],
-        ), {}
-    if fn == "reasoning_gym":
-        src = ctx["source"]
-        return reasoning_gym_score(
-            completion,
-            dataset=src["dataset"],
-            config=src["config"],
-            seed=src["seed"],
-            size=src["size"],
-            row=int(ctx["row"]),
-        ), {}
-    if fn == "verifiers":
-        from services.tasks.verifiers_env import rubric_score
-
-        return rubric_score(completion, source=ctx["source"], row=int(ctx["row"]))
-    from services.tasks.sandbox import resolve, to_reward
-
-    r = to_reward(resolve(fn)(completion, answer, **part.get("kwargs", {})))
-    return r.reward, r.parts
 
 
+@REWARDS.register
+class MathAnswer(RewardPart):
+    """math-verify's parse + verify (LaTeX, \\boxed{}, plain numbers), or the built-in fallback."""
+
+    fn: Literal["math"]
+    fallback: bool = Field(
+        True,
+        description="Without math-verify installed, use the built-in normaliser (last \\boxed{} "
+        "or number); false: refuse to start without math-verify.",
+    )
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        return math_answer(completion, answer, fallback=self.fallback), {}
+
+    def warm(self, ctx: dict[str, Any]) -> None:
+        math_answer("1", "1", fallback=self.fallback)  # imports math-verify (seconds)
+
+    def check(self, key: str) -> None:
+        if not self.fallback and importlib.util.find_spec("math_verify") is None:
+            raise ConfigError(
+                f"{key}: needs math-verify: pip install 'flywheel[math]' (or set fallback = true)"
+            )
+
+
+@REWARDS.register
+class Gsm8kAnswer(RewardPart):
+    """GSM8K: the number after the completion's last '####' equals the reference's."""
+
+    fn: Literal["gsm8k"]
+    strict: bool = Field(
+        True, description="Require '#### n' in the completion; false: fall back to its last number."
+    )
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        return gsm8k_answer(completion, answer, strict=self.strict), {}
+
+
+@REWARDS.register
+class FormatReward(RewardPart):
+    """1 if the completion matches a regular expression (an answer tag present, well-formed)."""
+
+    fn: Literal["format"]
+    pattern: str = Field(
+        r"<answer>.+?</answer>", description="Python regular expression searched for."
+    )
+    full_match: bool = Field(False, description="The whole completion must match, not a part.")
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a regular expression: {e}") from e
+        return v
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        return format_reward(completion, pattern=self.pattern, full_match=self.full_match), {}
+
+
+@REWARDS.register
+class SoftOverlong(RewardPart):
+    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then down to -1 at max."""
+
+    fn: Literal["soft_overlong"]
+    max_tokens: int = Field(ge=1, description="L_max: responses this long or longer score -1.")
+    buffer_tokens: int = Field(ge=1, description="L_cache: the length of the linear ramp.")
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> SoftOverlong:
+        if self.buffer_tokens > self.max_tokens:
+            raise ValueError("buffer_tokens must be <= max_tokens")
+        return self
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        n = int(ctx["response_tokens"])
+        return soft_overlong(n, max_tokens=self.max_tokens, buffer_tokens=self.buffer_tokens), {}
+
+
+@REWARDS.register
+class CustomReward(RewardPart):
+    """A user function `fn(completion, answer, **kwargs)` -> float | (float, parts) | dict."""
+
+    tag: ClassVar[str] = "custom"  # any 'pkg.module:function' (registry._reward_tag)
+
+    fn: str = Field(pattern=FN_PATH, description="'pkg.module:function'.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        from services.tasks.sandbox import resolve, to_reward
+
+        r = to_reward(resolve(self.fn)(completion, answer, **self.kwargs))
+        return r.reward, r.parts
+
+    def warm(self, ctx: dict[str, Any]) -> None:
+        from services.tasks.sandbox import resolve
+
+        resolve(self.fn)
+
+    def check(self, key: str) -> None:
+        from services.tasks.sources import import_function
+
+        import_function(self.fn, f"{key}.fn")
+
+
+# ── the weighted sum (what the sandbox runs) ─────────────────────────────────
 def score(
     parts: list[dict[str, Any]], completion: str, answer: str | None, ctx: dict[str, Any]
 ) -> dict[str, Any]:
     """Σ weight·value over `parts`; every part's value in "parts" (sub-parts as name.sub)."""
     total = 0.0
     values: dict[str, float] = {}
-    for part in parts:
-        value, sub = part_value(part, completion, answer, ctx)
-        name = part["name"] or str(part["fn"]).rpartition(":")[2]
+    for fields in parts:
+        part = REWARDS.rebuild(fields)
+        value, sub = part.value(completion, answer, ctx)
+        name = part.part_name
         values[name] = value
         values.update({f"{name}.{k}": v for k, v in sub.items()})
-        total += part["weight"] * value
+        total += part.weight * value
     return {"reward": total, "parts": values}
 
 
 def warm(parts: list[dict[str, Any]], ctx: dict[str, Any]) -> float:
     """Run in every new sandbox child before it serves: import what the parts need
-    (custom functions, math-verify) and build a reasoning-gym dataset, so a
-    completion's time limit is spent scoring it, not importing."""
-    from services.tasks.sandbox import resolve
-
-    for part in parts:
-        fn = str(part["fn"])
-        if ":" in fn:
-            resolve(fn)
-        elif fn == "math":
-            math_answer("1", "1", fallback=part["fallback"])
-        elif fn == "verifiers" and "source" in ctx:
-            from services.tasks.verifiers_env import env_of
-
-            env_of(ctx["source"])  # importing and building an env takes seconds
-        elif fn == "reasoning_gym" and "source" in ctx:
-            src = ctx["source"]
-            reasoning_gym_score(
-                "",
-                dataset=src["dataset"],
-                config=src["config"],
-                seed=src["seed"],
-                size=src["size"],
-                row=0,
-            )
+    (custom functions, math-verify) and build a reasoning-gym dataset or a verifiers
+    env, so a completion's time limit is spent scoring it, not importing."""
+    for fields in parts:
+        REWARDS.rebuild(fields).warm(ctx)
     return 1.0
 
 

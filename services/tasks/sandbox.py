@@ -139,6 +139,16 @@ def _verdict(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
     return ["ok", r.reward, r.parts]
 
 
+def preload(modules: list[str]) -> float:
+    """A child's first call: import `modules` (VerifierPool.PRELOAD)."""
+    for module in modules:
+        importlib.import_module(module)
+    return 1.0
+
+
+_PRELOAD = "services.tasks.sandbox:preload"
+
+
 def _child_main(argv: Sequence[str]) -> None:
     """Child loop: read [path, args(, "value" | "many")], answer ["ok", reward, parts],
     ["value", text], ["many", [verdict, ...]] or ["error", message]."""
@@ -208,10 +218,13 @@ class VerifierPool:
     `warmup`: calls every new child makes before it serves (import math-verify,
     build a reasoning-gym dataset: seconds, which must not count against the
     first real call's limit, or a slow import times out on every child it
-    replaces). A warm-up that fails at start is a ConfigError.
+    replaces). A warm-up that fails at start is a ConfigError. Before those,
+    every child imports `PRELOAD`, the reward entry point (pydantic and the
+    reward classes: a tenth of a second of CPU, seconds on a loaded box).
     """
 
     WARMUP_TIMEOUT_S = 120.0
+    PRELOAD: tuple[str, ...] = ("services.tasks.rewards",)
 
     def __init__(
         self,
@@ -247,7 +260,8 @@ class VerifierPool:
     async def _spawn(self, strict: bool = False) -> _Child:
         child = await _Child.start(self.argv)
         self._all.append(child)
-        for path, args in self.warmup:
+        preload = [(_PRELOAD, (list(self.PRELOAD),))] if self.PRELOAD else []
+        for path, args in [*preload, *self.warmup]:
             try:
                 answer = await asyncio.wait_for(child.roundtrip(path, args), self.WARMUP_TIMEOUT_S)
             except (TimeoutError, EOFError, OSError) as e:
@@ -353,6 +367,8 @@ class ToolPool(VerifierPool):
     Apart from the verifiers: a tool's limits must not apply to a reward, and
     a hung tool must not hold a verifier's process.
     """
+
+    PRELOAD = ()  # no reward runs here; its warm-up imports the tools
 
     def __init__(
         self,

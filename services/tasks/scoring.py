@@ -13,8 +13,9 @@ from typing import Any
 
 from services.runtime.errors import PermanentError
 from services.tasks import rewards
+from services.tasks.registry import as_fields
 from services.tasks.sandbox import Reward, ToolPool, VerifierPool
-from services.tasks.spec import ReasoningGymSource, TaskSpec, VerifiersSource
+from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
 
 
@@ -30,8 +31,8 @@ class UnknownTask(PermanentError):
 
 
 def reward_payload(spec: TaskSpec) -> list[dict[str, Any]]:
-    """The task's reward parts as plain dicts, for the sandbox child."""
-    return [p.model_dump(mode="json") for p in spec.reward]
+    """The task's reward parts as plain fields, for the sandbox child (registry.as_fields)."""
+    return [as_fields(p) for p in spec.reward]
 
 
 class Scorer:
@@ -78,8 +79,7 @@ class Scorer:
         (`VerifierPool.call_many`): the same rewards as one `score` each."""
         spec = self.spec(name)
         source = spec.eval.source if held_out and spec.eval.source is not None else spec.source
-        needs_source = isinstance(source, ReasoningGymSource | VerifiersSource)
-        src = source.model_dump(mode="json") if needs_source else None  # its scorer needs it
+        src = source.scorer_context()  # a source's own scorer needs the source
         calls = []
         for completion, response_tokens in completions:
             ctx: dict[str, Any] = {"row": row, "response_tokens": response_tokens}
@@ -94,11 +94,8 @@ def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
     calls: list[tuple[str, tuple[Any, ...]]] = []
     for spec in tasks.specs.values():
         for source in {id(s): s for s in (spec.source, spec.eval.source) if s}.values():
-            ctx = (
-                {"source": source.model_dump(mode="json")}
-                if isinstance(source, ReasoningGymSource | VerifiersSource)
-                else {}
-            )
+            src = source.scorer_context()
+            ctx = {"source": src} if src is not None else {}
             calls.append((rewards.WARM, (reward_payload(spec), ctx)))
     return calls
 

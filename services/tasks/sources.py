@@ -1,10 +1,11 @@
-"""Rows of a task's source: loading, the held-out split, and start-up checks.
+"""The file and function sources (`jsonl`, `hf`, `function`), and what every source uses.
 
-A `Rows` is anything with `len()` and `row(i)`: a JSONL file is read once
-into memory, a Hugging Face dataset and a reasoning-gym generator are
-indexed lazily, the arithmetic task computes row i from (seed, i). Row i of
-a source is the same in every service, which is what lets a PromptTask name
-its row by index.
+A source's `rows` are anything with `len()` and `row(i)` (registry.Rows): a
+JSONL file is read once into memory, a Hugging Face dataset and a
+reasoning-gym generator are indexed lazily, the arithmetic task computes
+row i from (seed, i). Row i of a source is the same in every service, which
+is what lets a PromptTask name its row by index. The other built-in sources
+live with their task: arithmetic.py, reasoning_gym.py, verifiers_env.py.
 
 Bad records. A record without a prompt (or not JSON) is skipped and counted,
 so one bad row cannot stop a run; but when fewer than half the records are
@@ -18,49 +19,24 @@ procedural and `datasets` runs with HF_DATASETS_OFFLINE=1.
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.util
 import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal
+
+from pydantic import Field
 
 from services.runtime.errors import ConfigError
-from services.tasks import arithmetic
 from services.tasks.episode_spec import FunctionTool
-from services.tasks.spec import (
-    ArithmeticSource,
-    CustomReward,
-    FunctionSource,
-    HfSource,
-    JsonlSource,
-    MathAnswer,
-    ReasoningGymSource,
-    SourceSpec,
-    TaskSpec,
-    VerifiersSource,
-)
+from services.tasks.registry import FN_PATH, SOURCES, Row, Rows, SourceSpec
+
+__all__ = ["Row", "Rows", "load_rows"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One problem: a prompt (text or chat messages) and its reference answer."""
-
-    prompt: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    answer: str | None = None
-    solution: str | None = None  # the answer as written (SFT target); `answer` may be cut
-
-
-class Rows(Protocol):
-    def __len__(self) -> int: ...
-    def row(self, index: int) -> Row: ...
 
 
 @dataclass(frozen=True)
@@ -72,18 +48,6 @@ class ListRows:
 
     def row(self, index: int) -> Row:
         return self.rows[index]
-
-
-@dataclass(frozen=True)
-class ArithmeticRows:
-    spec: ArithmeticSource
-
-    def __len__(self) -> int:
-        return self.spec.size
-
-    def row(self, index: int) -> Row:
-        p = arithmetic.problem(self.spec.seed, index, self.spec.digits, self.spec.op)
-        return Row(prompt=p.prompt, answer=p.answer, solution=p.answer)
 
 
 @dataclass(frozen=True)
@@ -170,51 +134,90 @@ def _jsonl_records(path: Path, key: str) -> Iterable[tuple[str, Any]]:
 
 def load_rows(spec: SourceSpec, key: str = "[task] source") -> Rows:
     """The rows of a source; ConfigError names `key` (e.g. '[task] source') on failure."""
-    if isinstance(spec, ArithmeticSource):
-        return ArithmeticRows(spec)
-    if isinstance(spec, JsonlSource):
-        return rows_from_records(_jsonl_records(spec.path, key), spec, key, str(spec.path))
-    if isinstance(spec, HfSource):
-        return MappedRows(_hf_dataset(spec, key), spec, str(spec.path))
-    if isinstance(spec, ReasoningGymSource):
-        data = reasoning_gym_dataset(
-            spec.dataset, json.dumps(spec.config, sort_keys=True), spec.seed, spec.size
-        )
-        return MappedRows(data, _RG_FIELDS, f"reasoning_gym:{spec.dataset}")
-    if isinstance(spec, VerifiersSource):
-        from services.tasks.verifiers_env import VerifiersRows  # imports this module
+    return spec.rows(key)
 
-        return VerifiersRows(spec)
-    assert isinstance(spec, FunctionSource)
-    fn = import_function(spec.fn, f"{key}.fn")
-    try:
-        records = list(fn(**spec.kwargs))
-    except Exception as e:
-        raise ConfigError(f"{key}.fn: {spec.fn} raised {type(e).__name__}: {e}") from e
-    return rows_from_records(
-        ((f"{spec.fn}[{i}]", r) for i, r in enumerate(records)), spec, key, spec.fn
+
+# ── the file and function sources ───────────────────────────────────────────
+class Fields(SourceSpec):
+    """Which fields of a record hold the prompt and the answer."""
+
+    prompt_field: str = Field(
+        "prompt", description="Field holding the prompt text (e.g. 'question', 'problem')."
+    )
+    messages_field: str = Field(
+        "messages", description="Field holding chat messages [{role, content}] (used if present)."
+    )
+    answer_field: str = Field(
+        "answer", description="Field holding the reference answer (e.g. 'solution')."
+    )
+    answer_marker: str | None = Field(
+        None,
+        description="Keep only the answer's text after the last occurrence of this marker "
+        "(GSM8K: '####'); the full text stays the SFT target of `flywheel init-model`.",
     )
 
 
-@dataclass(frozen=True)
-class _RgFields:
-    prompt_field: str = "question"
-    messages_field: str = "messages"
-    answer_field: str = "answer"
-    answer_marker: str | None = None
+@SOURCES.register
+class JsonlSource(Fields):
+    """A local JSONL file, one record per line."""
+
+    type: Literal["jsonl"]
+    path: Path = Field(description="The JSONL file (relative paths: from the working directory).")
+
+    def rows(self, key: str) -> Rows:
+        return rows_from_records(_jsonl_records(self.path, key), self, key, str(self.path))
+
+    def check(self, key: str, *, data: bool) -> None:
+        if data and not self.path.exists():
+            raise ConfigError(f"{key}.path: not found: {self.path} (from {Path.cwd()})")
 
 
-_RG_FIELDS = _RgFields()
+@SOURCES.register
+class HfSource(Fields):
+    """A local Hugging Face `datasets` directory or a Parquet/Arrow/JSON/CSV file.
+
+    Needs the `datasets` package (extra: datasets).
+    """
+
+    type: Literal["hf"]
+    path: Path = Field(
+        description="A directory written by Dataset.save_to_disk, or a .parquet/.arrow/"
+        ".json/.jsonl/.csv file. Nothing is downloaded."
+    )
+    split: str = Field("train", description="Split to read when the data has several.")
+
+    def rows(self, key: str) -> Rows:
+        return MappedRows(_hf_dataset(self, key), self, str(self.path))
+
+    def check(self, key: str, *, data: bool) -> None:
+        if not data:
+            return
+        if not self.path.exists():
+            raise ConfigError(f"{key}.path: not found: {self.path} (from {Path.cwd()})")
+        require("datasets", f"{key}: type 'hf'", "datasets")
 
 
-@functools.lru_cache(maxsize=16)
-def reasoning_gym_dataset(name: str, config_json: str, seed: int, size: int) -> Any:
-    """A reasoning-gym dataset (cached: the sandbox's scorer asks for it per completion)."""
-    rg = require("reasoning_gym", "source type 'reasoning_gym'", "reasoning")
-    try:
-        return rg.create_dataset(name, seed=seed, size=size, **json.loads(config_json))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"reasoning_gym dataset {name!r}: {e}") from e
+@SOURCES.register
+class FunctionSource(Fields):
+    """Rows from a user function `pkg.module:function(**kwargs)` returning an iterable of dicts."""
+
+    type: Literal["function"]
+    fn: str = Field(pattern=FN_PATH, description="'pkg.module:function' returning rows.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
+
+    def rows(self, key: str) -> Rows:
+        f = import_function(self.fn, f"{key}.fn")
+        try:
+            records = list(f(**self.kwargs))
+        except Exception as e:
+            raise ConfigError(f"{key}.fn: {self.fn} raised {type(e).__name__}: {e}") from e
+        return rows_from_records(
+            ((f"{self.fn}[{i}]", r) for i, r in enumerate(records)), self, key, self.fn
+        )
+
+    def check(self, key: str, *, data: bool) -> None:
+        if data:
+            import_function(self.fn, f"{key}.fn")
 
 
 def _hf_dataset(spec: HfSource, key: str) -> Any:
@@ -246,6 +249,25 @@ def _hf_dataset(spec: HfSource, key: str) -> Any:
     return data
 
 
+def check_tool(tool: FunctionTool, key: str) -> None:
+    """The function imports and accepts exactly the declared parameters (by keyword)."""
+    import inspect
+
+    fn = import_function(tool.fn, f"{key}.fn")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: checked by its calls
+    try:
+        sig.bind(**dict.fromkeys(tool.required))
+        sig.bind(**dict.fromkeys(tool.parameters))
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}.parameters: {tool.fn} does not take {sorted(tool.parameters)} "
+            f"(required {list(tool.required)}): {e}"
+        ) from e
+
+
 def require(module: str, what: str, extra: str) -> Any:
     """Import an optional package, or a ConfigError saying which extra installs it."""
     try:
@@ -266,58 +288,3 @@ def import_function(path: str, key: str) -> Any:
     if not callable(fn):
         raise ConfigError(f"{key}: {path!r} is not callable")
     return fn
-
-
-def check_tool(tool: FunctionTool, key: str) -> None:
-    """The function imports and accepts exactly the declared parameters (by keyword)."""
-    import inspect
-
-    fn = import_function(tool.fn, f"{key}.fn")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin without a signature: checked by its calls
-    try:
-        sig.bind(**dict.fromkeys(tool.required))
-        sig.bind(**dict.fromkeys(tool.parameters))
-    except TypeError as e:
-        raise ConfigError(
-            f"{key}.parameters: {tool.fn} does not take {sorted(tool.parameters)} "
-            f"(required {list(tool.required)}): {e}"
-        ) from e
-
-
-def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
-    """Start-up checks that need the disk or optional packages (not the data itself).
-
-    `data`: also check the sources' files exist and their packages import
-    (the buffer, trainer and `flywheel up`; a rollout worker needs no data).
-    """
-    for i, part in enumerate(spec.reward):
-        if isinstance(part, CustomReward):
-            import_function(part.fn, f"{key} reward[{i}].fn")
-        elif isinstance(part, MathAnswer) and not part.fallback:
-            if importlib.util.find_spec("math_verify") is None:
-                raise ConfigError(
-                    f"{key} reward[{i}]: needs math-verify: pip install "
-                    "'flywheel[math]' (or set fallback = true)"
-                )
-    for i, tool in enumerate(spec.episode.tools if spec.episode else ()):
-        if isinstance(tool, FunctionTool):
-            check_tool(tool, f"{key} episode.tools[{i}]")
-    sources = [(f"{key} source", spec.source)]
-    if spec.eval.source is not None:
-        sources.append((f"{key} eval.source", spec.eval.source))
-    for skey, src in sources:
-        if isinstance(src, ReasoningGymSource):
-            require("reasoning_gym", f"{skey}: type 'reasoning_gym'", "reasoning")
-        elif isinstance(src, VerifiersSource):
-            require("verifiers", f"{skey}: type 'verifiers'", "verifiers")
-        elif not data:
-            continue
-        elif isinstance(src, JsonlSource | HfSource) and not src.path.exists():
-            raise ConfigError(f"{skey}.path: not found: {src.path} (from {Path.cwd()})")
-        elif isinstance(src, HfSource):
-            require("datasets", f"{skey}: type 'hf'", "datasets")
-        elif isinstance(src, FunctionSource):
-            import_function(src.fn, f"{skey}.fn")

@@ -10,279 +10,36 @@ own copy of the same file and nothing but a name travels.
 Everything here is pure validation: no file is opened and nothing heavy is
 imported. Checks that need the disk or an optional package (a file exists,
 math-verify is installed, a custom function imports) are `check()` in
-services.tasks.sources, run by each service before it starts work.
+services.tasks.taskset, run by each service before it starts work.
+
+The sources and rewards are classes registered where they are defined
+(registry.py); `source` and `reward` accept whatever is registered. The
+built-in ones are imported here, so a spec that validates knows them all.
 """
 
 from __future__ import annotations
 
-import re
 import string
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
+# Importing a module registers the sources and rewards it defines.
+from services.tasks import arithmetic, reasoning_gym, rewards, sources, verifiers_env  # noqa: F401
 from services.tasks.episode_spec import EpisodeSpec
-
-_FN_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
-_ENV_ID = r"^([\w.-]+/)?[A-Za-z_][\w.-]*$"  # verifiers: 'owner/my-env' imports my_env
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# ── sources ──────────────────────────────────────────────────────────────────
-class _Fields(_Strict):
-    """Which fields of a record hold the prompt and the answer."""
-
-    prompt_field: str = Field(
-        "prompt", description="Field holding the prompt text (e.g. 'question', 'problem')."
-    )
-    messages_field: str = Field(
-        "messages", description="Field holding chat messages [{role, content}] (used if present)."
-    )
-    answer_field: str = Field(
-        "answer", description="Field holding the reference answer (e.g. 'solution')."
-    )
-    answer_marker: str | None = Field(
-        None,
-        description="Keep only the answer's text after the last occurrence of this marker "
-        "(GSM8K: '####'); the full text stays the SFT target of `flywheel init-model`.",
-    )
-
-
-class JsonlSource(_Fields):
-    """A local JSONL file, one record per line."""
-
-    type: Literal["jsonl"]
-    path: Path = Field(description="The JSONL file (relative paths: from the working directory).")
-
-
-class HfSource(_Fields):
-    """A local Hugging Face `datasets` directory or a Parquet/Arrow/JSON/CSV file.
-
-    Needs the `datasets` package (extra: datasets).
-    """
-
-    type: Literal["hf"]
-    path: Path = Field(
-        description="A directory written by Dataset.save_to_disk, or a .parquet/.arrow/"
-        ".json/.jsonl/.csv file. Nothing is downloaded."
-    )
-    split: str = Field("train", description="Split to read when the data has several.")
-
-
-class ReasoningGymSource(_Strict):
-    """A reasoning-gym generator (extra: reasoning); procedural, nothing is downloaded."""
-
-    type: Literal["reasoning_gym"]
-    dataset: str = Field(description="Generator name, e.g. 'basic_arithmetic', 'leg_counting'.")
-    config: dict[str, Any] = Field(
-        default_factory=dict, description="The generator's own options (its *Config fields)."
-    )
-    size: int = Field(10_000, ge=1, description="Number of distinct problems.")
-    seed: int = Field(0, description="Seed of the generator.")
-
-
-class FunctionSource(_Fields):
-    """Rows from a user function `pkg.module:function(**kwargs)` returning an iterable of dicts."""
-
-    type: Literal["function"]
-    fn: str = Field(pattern=_FN_PATH, description="'pkg.module:function' returning rows.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
-
-
-class ArithmeticSource(_Strict):
-    """The built-in arithmetic task ('a+b=' -> the sum), procedural and seeded."""
-
-    type: Literal["arithmetic"]
-    size: int = Field(100_000, ge=1, description="Number of distinct problems.")
-    seed: int = Field(0, description="Seed of the problems.")
-    digits: int = Field(2, ge=1, le=9, description="Operand digits.")
-    op: Literal["+", "*"] = Field(
-        "+", description="'+': addition; '*': multiplication (the tool-use demo)."
-    )
-
-
-class VerifiersSource(_Strict):
-    """A `verifiers` environment's dataset (extra: verifiers); its rubric scores by default."""
-
-    type: Literal["verifiers"]
-    env: str = Field(pattern=_ENV_ID, description="Its id as vf-eval takes it ('my-env').")
-    args: dict[str, Any] = Field(default_factory=dict, description="load_environment's kwargs.")
-    split: Literal["train", "eval"] = Field("train", description="dataset or eval_dataset.")
-
-
-SourceSpec = Annotated[
-    JsonlSource
-    | HfSource
-    | ReasoningGymSource
-    | FunctionSource
-    | ArithmeticSource
-    | VerifiersSource,
-    Field(discriminator="type"),
-]
-
-# ── rewards ──────────────────────────────────────────────────────────────────
-Extract = Literal["first_line", "last_line", "full", "answer_tag", "boxed", "marker", "last_number"]
-
-
-class _Part(_Strict):
-    weight: float = Field(1.0, description="Weight of this part in the reward (a weighted sum).")
-    name: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="Name in reward_parts and the trainer's logs (default: fn).",
-    )
-
-    @property
-    def part_name(self) -> str:
-        return self.name or str(getattr(self, "fn", "")).rpartition(":")[2]
-
-
-class ExactMatch(_Part):
-    """1 if the extracted answer equals the reference (after normalisation)."""
-
-    fn: Literal["exact_match"]
-    extract: Extract = Field("first_line", description="Which part of the completion to compare.")
-    marker: str = Field("####", description="extract = 'marker': text after its last occurrence.")
-    normalize: bool = Field(
-        True, description="Collapse whitespace, drop surrounding $ and a trailing period."
-    )
-    case_sensitive: bool = Field(True, description="Compare case-sensitively.")
-
-
-class NumericMatch(_Part):
-    """1 if the extracted number equals the reference number (exact for integers/fractions)."""
-
-    fn: Literal["numeric"]
-    extract: Extract = Field("last_number", description="Which part of the completion to parse.")
-    marker: str = Field("####", description="extract = 'marker': text after its last occurrence.")
-    rel_tol: float = Field(1e-6, ge=0, description="Relative tolerance for non-exact numbers.")
-
-
-class MathAnswer(_Part):
-    """math-verify's parse + verify (LaTeX, \\boxed{}, plain numbers), or the built-in fallback."""
-
-    fn: Literal["math"]
-    fallback: bool = Field(
-        True,
-        description="Without math-verify installed, use the built-in normaliser (last \\boxed{} "
-        "or number); false: refuse to start without math-verify.",
-    )
-
-
-class Gsm8kAnswer(_Part):
-    """GSM8K: the number after the completion's last '####' equals the reference's."""
-
-    fn: Literal["gsm8k"]
-    strict: bool = Field(
-        True, description="Require '#### n' in the completion; false: fall back to its last number."
-    )
-
-
-class FormatReward(_Part):
-    """1 if the completion matches a regular expression (an answer tag present, well-formed)."""
-
-    fn: Literal["format"]
-    pattern: str = Field(
-        r"<answer>.+?</answer>", description="Python regular expression searched for."
-    )
-    full_match: bool = Field(False, description="The whole completion must match, not a part.")
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, v: str) -> str:
-        try:
-            re.compile(v)
-        except re.error as e:
-            raise ValueError(f"not a regular expression: {e}") from e
-        return v
-
-
-class SoftOverlong(_Part):
-    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then down to -1 at max."""
-
-    fn: Literal["soft_overlong"]
-    max_tokens: int = Field(ge=1, description="L_max: responses this long or longer score -1.")
-    buffer_tokens: int = Field(ge=1, description="L_cache: the length of the linear ramp.")
-
-    @model_validator(mode="after")
-    def _buffer_fits(self) -> SoftOverlong:
-        if self.buffer_tokens > self.max_tokens:
-            raise ValueError("buffer_tokens must be <= max_tokens")
-        return self
-
-
-class ReasoningGymScore(_Part):
-    """The reasoning-gym generator's own `score_answer` (source type 'reasoning_gym')."""
-
-    fn: Literal["reasoning_gym"]
-
-
-class VerifiersRubric(_Part):
-    """The `verifiers` environment's own rubric (source type 'verifiers')."""
-
-    fn: Literal["verifiers"]
-
-
-class CustomReward(_Part):
-    """A user function `fn(completion, answer, **kwargs)` -> float | (float, parts) | dict."""
-
-    fn: str = Field(pattern=_FN_PATH, description="'pkg.module:function'.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
-
-
-BUILTIN_REWARDS = (
-    "exact_match",
-    "numeric",
-    "math",
-    "gsm8k",
-    "format",
-    "soft_overlong",
-    "reasoning_gym",
-    "verifiers",
+from services.tasks.registry import (
+    REWARDS,
+    AnyRewardPart,
+    AnySource,
+    Strict,
 )
-
-
-def _reward_tag(v: Any) -> str:
-    fn = v.get("fn", "") if isinstance(v, dict) else getattr(v, "fn", "")
-    return "custom" if isinstance(fn, str) and ":" in fn else str(fn)
-
-
-RewardPart = Annotated[
-    Annotated[ExactMatch, Tag("exact_match")]
-    | Annotated[NumericMatch, Tag("numeric")]
-    | Annotated[MathAnswer, Tag("math")]
-    | Annotated[Gsm8kAnswer, Tag("gsm8k")]
-    | Annotated[FormatReward, Tag("format")]
-    | Annotated[SoftOverlong, Tag("soft_overlong")]
-    | Annotated[ReasoningGymScore, Tag("reasoning_gym")]
-    | Annotated[VerifiersRubric, Tag("verifiers")]
-    | Annotated[CustomReward, Tag("custom")],
-    Discriminator(
-        _reward_tag,
-        custom_error_type="unknown_reward",
-        custom_error_message=f"fn must be one of {', '.join(BUILTIN_REWARDS)} "
-        "or 'pkg.module:function'",
-    ),
-]
 
 
 # ── evaluation ───────────────────────────────────────────────────────────────
-class EvalSpec(_Strict):
+class EvalSpec(Strict):
     """The held-out split and how it is measured (trainer eval_every, flywheel eval, demo)."""
 
-    source: SourceSpec | None = Field(
+    source: AnySource | None = Field(
         None, description="A separate held-out source (e.g. a test JSONL), same fields as source."
     )
     holdout: float = Field(
@@ -314,11 +71,11 @@ class EvalSpec(_Strict):
 
 
 # ── the task ─────────────────────────────────────────────────────────────────
-class TaskSpec(_Strict):
+class TaskSpec(Strict):
     """One task: where prompts come from, how they are shown, how answers are scored."""
 
-    source: SourceSpec = Field(description="Where the prompts come from (type = ...).")
-    reward: tuple[RewardPart, ...] = Field(
+    source: AnySource = Field(description="Where the prompts come from (type = ...).")
+    reward: tuple[AnyRewardPart, ...] = Field(
         (),
         description="One reward ('math', 'pkg.module:function', or a table with fn = ...) or a "
         "list of parts, summed with their weights. Default for arithmetic: exact_match; for "
@@ -366,18 +123,20 @@ class TaskSpec(_Strict):
 
     @model_validator(mode="after")
     def _reward_fits(self) -> TaskSpec:
-        kind = self.source.type
+        kind = self.source.kind
         if not self.reward:
-            default = _DEFAULT_PART.get(kind)
+            default = self.source.default_reward
             if default is None:
                 raise ValueError(
                     f'reward: required for source type {kind!r} (e.g. reward = "math", '
                     '"exact_match", "gsm8k" or "pkg.module:function")'
                 )
-            object.__setattr__(self, "reward", (default,))
+            object.__setattr__(
+                self, "reward", (REWARDS.kinds[default].model_validate({"fn": default}),)
+            )
         for i, part in enumerate(self.reward):
-            own = {ReasoningGymScore: "reasoning_gym", VerifiersRubric: "verifiers"}.get(type(part))
-            kinds = {kind, self.eval.source.type if self.eval.source else kind}
+            own = part.own_source
+            kinds = {kind, self.eval.source.kind if self.eval.source else kind}
             if own is not None and kinds != {own}:
                 raise ValueError(f"reward[{i}]: {own!r} needs source type {own!r}")
         names = [p.part_name for p in self.reward]
@@ -390,11 +149,3 @@ class TaskSpec(_Strict):
     @property
     def correct_part(self) -> str:
         return self.eval.part or self.reward[0].part_name
-
-
-# The reward of a source type given no `reward` (others must give one).
-_DEFAULT_PART = {
-    "arithmetic": ExactMatch(fn="exact_match"),
-    "reasoning_gym": ReasoningGymScore(fn="reasoning_gym"),
-    "verifiers": VerifiersRubric(fn="verifiers"),
-}

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.runtime.errors import ConfigError
-from services.tasks.sources import Row, Rows, check, load_rows
-from services.tasks.spec import ReasoningGymSource, SourceSpec, TaskSpec, VerifiersSource
+from services.tasks.episode_spec import FunctionTool
+from services.tasks.registry import Row, Rows, SourceSpec
+from services.tasks.sources import check_tool, load_rows
+from services.tasks.spec import TaskSpec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,10 +27,23 @@ if TYPE_CHECKING:
 
 def task_name(spec: TaskSpec) -> str:
     """The name of a lone `[task]`: its source type (reasoning-gym: with the generator)."""
-    src = spec.source
-    if isinstance(src, VerifiersSource):
-        return f"verifiers:{src.env}"
-    return f"reasoning_gym:{src.dataset}" if isinstance(src, ReasoningGymSource) else src.type
+    return spec.source.task_name()
+
+
+def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
+    """Start-up checks that need the disk or optional packages (not the data itself).
+
+    `data`: also check the sources' files exist and their packages import
+    (the buffer, trainer and `flywheel up`; a rollout worker needs no data).
+    """
+    for i, part in enumerate(spec.reward):
+        part.check(f"{key} reward[{i}]")
+    for i, tool in enumerate(spec.episode.tools if spec.episode else ()):
+        if isinstance(tool, FunctionTool):
+            check_tool(tool, f"{key} episode.tools[{i}]")
+    spec.source.check(f"{key} source", data=data)
+    if spec.eval.source is not None:
+        spec.eval.source.check(f"{key} eval.source", data=data)
 
 
 def holdout_mask(n: int, fraction: float, seed: int) -> np.ndarray:

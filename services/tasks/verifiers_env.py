@@ -26,15 +26,61 @@ import json
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from services.runtime.errors import ConfigError
-from services.tasks.sources import Row, require
-from services.tasks.spec import VerifiersSource
+from services.tasks.registry import REWARDS, SOURCES, RewardPart, Row, Rows, SourceSpec
+from services.tasks.sources import require
+
+_ENV_ID = r"^([\w.-]+/)?[A-Za-z_][\w.-]*$"  # 'owner/my-env' imports my_env
 
 # The client `init_state` asks for: only stored in the state, never called (the
 # completion is Flywheel's), so its address is never reached.
 _UNUSED_URL = "http://flywheel.invalid/v1"
+
+
+@SOURCES.register
+class VerifiersSource(SourceSpec):
+    """A `verifiers` environment's dataset (extra: verifiers); its rubric scores by default."""
+
+    default_reward: ClassVar[str | None] = "verifiers"
+
+    type: Literal["verifiers"]
+    env: str = Field(pattern=_ENV_ID, description="Its id as vf-eval takes it ('my-env').")
+    args: dict[str, Any] = Field(default_factory=dict, description="load_environment's kwargs.")
+    split: Literal["train", "eval"] = Field("train", description="dataset or eval_dataset.")
+
+    def rows(self, key: str) -> Rows:
+        return VerifiersRows(self)
+
+    def check(self, key: str, *, data: bool) -> None:
+        require("verifiers", f"{key}: type 'verifiers'", "verifiers")
+
+    def task_name(self) -> str:
+        return f"verifiers:{self.env}"
+
+    def scorer_context(self) -> dict[str, Any] | None:
+        return self.model_dump(mode="json")
+
+
+@REWARDS.register
+class VerifiersRubric(RewardPart):
+    """The `verifiers` environment's own rubric (source type 'verifiers')."""
+
+    own_source: ClassVar[str | None] = "verifiers"
+
+    fn: Literal["verifiers"]
+
+    def value(
+        self, completion: str, answer: str | None, ctx: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        return rubric_score(completion, source=ctx["source"], row=int(ctx["row"]))
+
+    def warm(self, ctx: dict[str, Any]) -> None:
+        if "source" in ctx:
+            env_of(ctx["source"])  # importing and building an env takes seconds
 
 
 def _load(env_id: str, args: dict[str, Any]) -> Any:

@@ -63,11 +63,12 @@ def init_for_task(
     """Build the task's tiny model at `out` (default: the run file's [stack] model)."""
     from services.models.tiny_model import build_bpe_tokenizer, write_tiny_model
     from services.runtime.errors import ConfigError
-    from services.runtime.settings import ServiceSettings, load_settings, read_run_file
+    from services.runtime.settings import load_settings, read_run_file
+    from services.tasks.settings import TaskServiceSettings
     from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
     from services.trainer.sft.loop import run_sft
 
-    s = load_settings(ServiceSettings, config)
+    s = load_settings(TaskServiceSettings, config)
     stack = read_run_file(config).get("stack", {})
     model = stack.get("model") if isinstance(stack, dict) else None
     if out is None:

@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.runtime.settings import ServiceSettings
+from services.tasks.settings import TaskServiceSettings
 from services.trainer.core.schedule import ScheduleKind
 from services.trainer.loggers import LoggerName, WandbMode
 from services.weights import TransportKind
@@ -193,7 +193,7 @@ class TrainConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
 
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(TaskServiceSettings):
     section: ClassVar[str] = "trainer"
     needs_task: ClassVar[bool] = True
 
@@ -260,7 +260,7 @@ class TrainerSettings(ServiceSettings):
         return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime)
 
 
-class SftSettings(ServiceSettings):
+class SftSettings(TaskServiceSettings):
     """`[sft]` of the run file; env overrides FLYWHEEL_SFT_<FIELD>."""
 
     section: ClassVar[str] = "sft"

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from services.tasks.arithmetic import problem
+from services.tasks.arithmetic import ArithmeticSource, problem
 from services.tasks.evaluate import evaluate_dir
-from services.tasks.spec import ArithmeticSource, EvalSpec, TaskSpec
+from services.tasks.spec import EvalSpec, TaskSpec
 from services.tasks.taskset import TaskSet
 from services.trainer.model import load_tokenizer
 from services.trainer.sft.data import (

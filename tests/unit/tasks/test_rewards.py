@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from services.tasks import rewards as R
+from services.tasks.reasoning_gym import reasoning_gym_score
 from services.tasks.sandbox import VerifierPool, resolve, to_reward
 from services.tasks.scoring import reward_payload
 from services.tasks.spec import TaskSpec
@@ -98,8 +99,8 @@ def test_reasoning_gym_scores_with_its_own_scorer() -> None:
     rg = pytest.importorskip("reasoning_gym")
     data = rg.create_dataset("leg_counting", size=5, seed=1)
     src = {"dataset": "leg_counting", "config": {}, "seed": 1, "size": 5}
-    right = R.reasoning_gym_score(str(data[2]["answer"]), **src, row=2)
-    assert right == 1.0 and R.reasoning_gym_score("nope", **src, row=2) == 0.0
+    right = reasoning_gym_score(str(data[2]["answer"]), **src, row=2)
+    assert right == 1.0 and reasoning_gym_score("nope", **src, row=2) == 0.0
 
 
 def test_weighted_sum_keeps_every_part() -> None:

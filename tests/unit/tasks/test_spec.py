@@ -9,17 +9,18 @@ import pytest
 from services.buffer.settings import BufferSettings
 from services.rollout.settings import RolloutSettings
 from services.runtime.errors import ConfigError
-from services.runtime.settings import ServiceSettings, load_settings
+from services.runtime.settings import load_settings
 from services.sync.settings import SyncSettings
+from services.tasks.settings import TaskServiceSettings
 
 
-def settings(tmp_path: Path, body: str, cls: type = ServiceSettings):
+def settings(tmp_path: Path, body: str, cls: type = TaskServiceSettings):
     p = tmp_path / "run.toml"
     p.write_text(body)
     return load_settings(cls, p)
 
 
-def error(tmp_path: Path, body: str, cls: type = ServiceSettings) -> str:
+def error(tmp_path: Path, body: str, cls: type = TaskServiceSettings) -> str:
     with pytest.raises(ConfigError) as e:
         settings(tmp_path, body, cls)
     return str(e.value)

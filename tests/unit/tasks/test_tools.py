@@ -7,8 +7,8 @@ from pydantic import ValidationError
 
 from services.runtime.errors import ConfigError
 from services.tasks.episode_spec import EpisodeSpec, FunctionTool
-from services.tasks.sources import check
 from services.tasks.spec import TaskSpec
+from services.tasks.taskset import check
 from services.tasks.tools import (
     ToolCall,
     ToolError,

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from services.runtime.errors import ConfigError
-from services.runtime.settings import ServiceSettings
 from services.tasks import rewards as R
 from services.tasks.sandbox import VerifierPool
 from services.tasks.scoring import Scorer, reward_payload
-from services.tasks.spec import TaskSpec, VerifiersSource
+from services.tasks.settings import TaskServiceSettings
+from services.tasks.spec import TaskSpec
+from services.tasks.verifiers_env import VerifiersSource
 from tests.unit.tasks.test_spec import settings
 
 ENV = "tests.unit.tasks.verifiers_env_fixture"
@@ -36,7 +37,7 @@ def test_a_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_rubric_is_the_default_reward_and_needs_a_verifiers_source(tmp_path: Path) -> None:
-    s = settings(tmp_path, RUN, ServiceSettings)
+    s = settings(tmp_path, RUN, TaskServiceSettings)
     assert s.task is not None and [p.fn for p in s.task.reward] == ["verifiers"]
     assert s.task_set().names == [f"verifiers:{ENV}"]
     with pytest.raises(ValueError, match="'verifiers' needs source type 'verifiers'"):
