@@ -39,10 +39,10 @@ MODELS = {
 def synthetic_batch(rows: int, prompt_len: int, response_len: int):
     import torch
 
-    from services.trainer.core.batching import TrainBatch
+    from services.trainer.core.batching import TensorBatch
 
     g = torch.Generator().manual_seed(0)
-    return TrainBatch(
+    return TensorBatch(
         prompt_ids=[torch.randint(3, 90, (prompt_len,), generator=g) for _ in range(rows)],
         response_ids=[torch.randint(3, 90, (response_len,), generator=g) for _ in range(rows)],
         rollout_logprobs=[-torch.rand(response_len, generator=g) - 4 for _ in range(rows)],

@@ -108,7 +108,7 @@ def codec_bench(seconds: float) -> None:
 def group(i: int, tokens: int) -> SampleGroup:
     s = sample(tokens)
     return SampleGroup(
-        run="bench", group_id=f"bench:g{i}", task_id=f"bench:t{i}", env="e", worker_id="w",
+        run="bench", group_id=f"bench:g{i}", task_id=f"bench:t{i}", task_name="e", worker_id="w",
         samples=(s,),
     )  # fmt: skip
 

@@ -64,10 +64,16 @@ def _fields(obj: Any) -> dict[str, Any]:
     golden bytes.
     """
     if isinstance(obj, Message):
-        return {**obj.__dict__, "type": obj.TYPE}
+        return {**(_wire_fields(obj) if obj.WIRE_KEYS else obj.__dict__), "type": obj.TYPE}
     if isinstance(obj, BaseModel):
         return obj.__dict__
     raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _wire_fields(msg: Message) -> dict[str, Any]:
+    """Its fields by their wire names, in order (called only where a name differs)."""
+    keys = msg.WIRE_KEYS
+    return {keys.get(k, k): v for k, v in msg.__dict__.items()}
 
 
 _KEEP_PACKER_BUFFER = 4 * 1024 * 1024
@@ -97,7 +103,8 @@ def encode(msg: Message, max_payload: int | None = DEFAULT_MAX_PAYLOAD) -> bytes
     """
     if not isinstance(msg, Message):
         raise TypeError(f"cannot encode {type(msg).__name__}")
-    data: bytes = _packer().pack({**msg.__dict__, "type": msg.TYPE})
+    fields = _wire_fields(msg) if msg.WIRE_KEYS else msg.__dict__
+    data: bytes = _packer().pack({**fields, "type": msg.TYPE})
     if len(data) > _KEEP_PACKER_BUFFER:
         _local.packer = None  # do not keep a buffer that large per thread
     if max_payload is not None and len(data) > max_payload:

@@ -103,16 +103,32 @@ Id = Annotated[str, Field(min_length=1, max_length=512)]
 
 
 class Message(BaseModel):
-    """Base of every wire message."""
+    """Base of every wire message.
 
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=False)
+    A field may have another name on the wire than in Python (`task_name`,
+    `env` on the wire since 1.0): its `validation_alias` is the wire's name,
+    which decoding reads and the codec writes (`WIRE_KEYS`), so the bytes do
+    not change when only the Python name does.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=False, populate_by_name=True)
 
     TYPE: ClassVar[str] = ""
+    WIRE_KEYS: ClassVar[dict[str, str]] = {}  # Python name -> wire name, where they differ
     schema_version: str = SCHEMA_VERSION
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.TYPE = cls.__name__
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.WIRE_KEYS = {
+            name: f.validation_alias
+            for name, f in cls.model_fields.items()
+            if isinstance(f.validation_alias, str)
+        }
 
 
 class FinishReason(StrEnum):
@@ -140,7 +156,11 @@ class PromptTask(Message):
     task_id: Id
     epoch: int = Field(ge=0)
     index: int = Field(ge=0, description="Row of the task's source (the same in every service).")
-    env: Id = Field(description="The task's name in the run file's task spec, e.g. 'jsonl'.")
+    task_name: Id = Field(
+        validation_alias="env",
+        description="The task's name in the run file's task spec, e.g. 'jsonl' (`env` on the "
+        "wire). A PromptTask is one unit of work of that task: one prompt, `n` completions.",
+    )
     prompt: str | None = Field(None, description="Prompt text (or chat-templated by the worker).")
     messages: tuple[dict[str, str], ...] | None = Field(None, description="Chat messages.")
     prompt_ids: PackedI32 | None = Field(None, description="Pre-tokenised prompt (<i4).")
@@ -238,7 +258,7 @@ class SampleGroup(Message):
     run: Id
     group_id: Id
     task_id: Id
-    env: Id
+    task_name: Id = Field(validation_alias="env", description="Its PromptTask's task_name.")
     worker_id: Id
     samples: tuple[Sample, ...] = Field(min_length=1)
     temperature: float = Field(

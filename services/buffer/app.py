@@ -48,7 +48,7 @@ from services.buffer.core import (
     Assembler,
     BufferState,
     FailureWatch,
-    TaskMaker,
+    PromptTaskMaker,
     Verdict,
     advance,
     group_failure,
@@ -84,7 +84,7 @@ class BufferService:
             max_new_tokens=settings.max_new_tokens,
             stop=settings.stop,
         )
-        self.task_maker = TaskMaker(
+        self.task_maker = PromptTaskMaker(
             settings.run,
             self.loaded,
             seed=settings.seed,
@@ -288,7 +288,7 @@ class BufferService:
 
     # dispatch
     def make_task(self, epoch: int, offset: int) -> PromptTask:
-        """The task at `offset` of `epoch` (core.TaskMaker); ConfigError: a bad row."""
+        """The task at `offset` of `epoch` (core.PromptTaskMaker); ConfigError: a bad row."""
         return self.task_maker.task(epoch, offset, self.asm.state.ready_version, time.time())
 
     async def _dispatch_one(self, epoch: int, offset: int) -> bool:

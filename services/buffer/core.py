@@ -67,10 +67,11 @@ def task_id(run: str, epoch: int, position: int) -> str:
     return f"{run}:e{epoch}:i{position}"
 
 
-class TaskMaker:
-    """The task at a dataset position: a row of one task, formatted by its spec.
+class PromptTaskMaker:
+    """The PromptTask (the unit of work) at a dataset position: a row of one of the run's
+    tasks, formatted by its spec.
 
-    `env` names the task (its key in the run file's task spec) and `index`
+    `task_name` names the task (its key in the run file's task spec) and `index`
     the row of that task's source: every service resolves the reward and
     the formatting from them. Each epoch visits the rows in its own seeded
     order (`epoch_order`), computed once per epoch.
@@ -104,7 +105,7 @@ class TaskMaker:
             task_id=task_id(self.run, epoch, offset),
             epoch=epoch,
             index=row_index,
-            env=name,
+            task_name=name,
             prompt=prompt,
             messages=messages,
             answer=row.answer,

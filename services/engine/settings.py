@@ -8,7 +8,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from services.engine_api.sglang_api import NEWEST_READ, Capabilities, UnsupportedEngine, fmt
+from services.engine_api.sglang_api import (
+    NEWEST_READ,
+    Capabilities,
+    UnsupportedEngine,
+    fmt_release,
+)
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -32,7 +37,7 @@ class EngineSettings(TaskServiceSettings):
         "'Authorization: Bearer <key>' (SGLang's --api-key).",
     )
     sglang_version: str = Field(
-        fmt(NEWEST_READ),
+        fmt_release(NEWEST_READ),
         description="The SGLang release whose HTTP API this engine answers as: its routes, "
         "pause modes, duplicate-rid and flush rules (services/engine_api/sglang_api.py). "
         "Reported as `version` by /server_info.",

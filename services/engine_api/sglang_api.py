@@ -46,11 +46,11 @@ from dataclasses import dataclass
 
 from services.runtime.errors import FlywheelError
 
-Version = tuple[int, int, int]
+Release = tuple[int, int, int]
 
-MIN_SUPPORTED: Version = (0, 5, 4)
+MIN_SUPPORTED: Release = (0, 5, 4)
 """Oldest release whose API Flywheel speaks (the GPU overlay's former pin)."""
-NEWEST_READ: Version = (0, 5, 23)
+NEWEST_READ: Release = (0, 5, 23)
 """Newest release whose source this table was written from."""
 SUPPORTED_RANGE = ">=0.5.4,<0.6"
 """The same bound as a pip specifier (pyproject's `sglang` extra)."""
@@ -70,7 +70,7 @@ class UnsupportedEngine(FlywheelError, RuntimeError):
     """The engine runs an SGLang release (or feature) Flywheel does not support."""
 
 
-def parse_version(text: str) -> Version:
+def parse_release(text: str) -> Release:
     """`"0.5.4.post3"` -> (0, 5, 4); UnsupportedEngine if it is not `MAJOR.MINOR.PATCH...`."""
     m = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", str(text).strip())
     if m is None:
@@ -78,7 +78,7 @@ def parse_version(text: str) -> Version:
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
-def fmt(v: Version) -> str:
+def fmt_release(v: Release) -> str:
     return ".".join(map(str, v))
 
 
@@ -86,16 +86,16 @@ def fmt(v: Version) -> str:
 class Capabilities:
     """How one SGLang release's HTTP API behaves (see the module table)."""
 
-    version: Version
+    version: Release
 
     @classmethod
     def of(cls, text: str) -> Capabilities:
         """The capabilities of a release; UnsupportedEngine (naming it) if outside the range."""
-        v = parse_version(text)
+        v = parse_release(text)
         if v < MIN_SUPPORTED or v[:2] != MIN_SUPPORTED[:2]:
             raise UnsupportedEngine(
                 f"engine runs SGLang {text}; Flywheel supports SGLang {SUPPORTED_RANGE} "
-                f"(read against {fmt(MIN_SUPPORTED)}..{fmt(NEWEST_READ)})"
+                f"(read against {fmt_release(MIN_SUPPORTED)}..{fmt_release(NEWEST_READ)})"
             )
         return cls(v)
 
@@ -179,9 +179,9 @@ class Capabilities:
         if mode in ("wait", "abort") or mode in self.pause_modes:
             return
         raise UnsupportedEngine(
-            f"SGLang {fmt(self.version)} cannot pause in {mode!r} mode (its /pause_generation "
-            f"always aborts; modes arrived in 0.5.6): set [sync] update_mode to 'abort' or "
-            f"'wait', or run SGLang >= 0.5.6"
+            f"SGLang {fmt_release(self.version)} cannot pause in {mode!r} mode (its "
+            f"/pause_generation always aborts; modes arrived in 0.5.6): set [sync] "
+            f"update_mode to 'abort' or 'wait', or run SGLang >= 0.5.6"
         )
 
     def flush_cache_for(self, mode: str) -> bool | None:

@@ -30,10 +30,11 @@ def load_tokenizer(model: Path | None) -> Any:
     return AutoTokenizer.from_pretrained(model, local_files_only=True)
 
 
-class TaskScorer:
-    """The worker's view of the run's tasks: how to render a task's prompt, how to score it.
+class PromptTaskScorer:
+    """The worker's view of the run's tasks (worker.PromptTaskScoring): how to render a
+    PromptTask's prompt and score its completions, through the tasks domain's `Scorer`.
 
-    Resolved by the task's name (PromptTask.env) from this worker's own
+    Resolved by the task's name (PromptTask.task_name) from this worker's own
     run file; a name it does not know is a PermanentError (`unknown_task`).
     """
 
@@ -41,15 +42,15 @@ class TaskScorer:
         self.scorer = scorer
 
     def chat_template(self, task: PromptTask) -> bool:
-        return self.scorer.chat_template(task.env)
+        return self.scorer.chat_template(task.task_name)
 
     def episode(self, task: PromptTask) -> EpisodeSpec | None:
-        return self.scorer.spec(task.env).episode
+        return self.scorer.spec(task.task_name).episode
 
     async def score_group(
         self, task: PromptTask, completions: list[tuple[str, int]]
     ) -> list[Reward]:
-        return await self.scorer.score_group(task.env, task.index, task.answer, completions)
+        return await self.scorer.score_group(task.task_name, task.index, task.answer, completions)
 
 
 @contextlib.asynccontextmanager
@@ -79,7 +80,7 @@ async def body(ctx: ServiceContext) -> None:
         VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
         tools_for(tasks) as tools,
     ):
-        worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
+        worker = RolloutWorker(ctx, s, c, tokenizer, PromptTaskScorer(Scorer(tasks, pool)))
         if tools is not None:
             worker.use_tools(tools)
         worker.fetcher = WeightsFetcher(

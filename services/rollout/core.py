@@ -134,7 +134,7 @@ def make_group(
         run=run,
         group_id=group_id,
         task_id=task.task_id,
-        env=task.env,
+        task_name=task.task_name,
         worker_id=worker_id,
         samples=samples,
         temperature=task.sampling.temperature or 1.0,

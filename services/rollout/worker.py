@@ -76,8 +76,9 @@ from services.tasks.sandbox import Reward, ToolPool
 log = logging.getLogger(__name__)
 
 
-class Scorer(Protocol):
-    """The task's prompt rendering and reward (its spec in the run file; rewards in the sandbox)."""
+class PromptTaskScoring(Protocol):
+    """A PromptTask's prompt rendering and reward (its task's spec in the run file; rewards in
+    the sandbox): what the worker needs of the run's tasks (app.PromptTaskScorer)."""
 
     def chat_template(self, task: PromptTask) -> bool: ...
 
@@ -95,7 +96,7 @@ class RolloutWorker:
         s: RolloutSettings,
         client: EngineClient,
         tokenizer: Any,
-        scorer: Scorer,
+        scorer: PromptTaskScoring,
     ) -> None:
         self.ctx = ctx
         self.s = s

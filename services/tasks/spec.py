@@ -3,7 +3,7 @@
 One spec, validated the same way by every service at start-up: the buffer
 reads its `source` (what to prompt with), the rollout worker its `reward`
 (how to score), the trainer and `flywheel eval` its `eval` (what to hold out
-and how to measure). A PromptTask names its task (`env` on the wire) and
+and how to measure). A PromptTask names its task (`task_name`, `env` on the wire) and
 the row of that task's source, so each service resolves the rest from its
 own copy of the same file and nothing but a name travels.
 

@@ -29,7 +29,7 @@ from typing import Any
 from proto.chunking import Reassembler
 from proto.codec import decode
 from proto.errors import ProtocolError
-from proto.messages import TrainBatch as WireBatch
+from proto.messages import TrainBatch
 from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.runtime.errors import FlywheelError
@@ -50,7 +50,7 @@ class BatchStreamError(FlywheelError, RuntimeError):
 class Batch:
     """One batch to train, with where it came from and how long the trainer waited."""
 
-    wire: WireBatch
+    wire: TrainBatch
     seq: int  # its (last) stream sequence: the step's checkpoint records it
     waited_s: float
 
@@ -143,7 +143,7 @@ class BatchReader:
                 return
             yield Batch(got[0], got[1], time.perf_counter() - started)
 
-    async def next(self, step: int, stop: asyncio.Event) -> tuple[WireBatch, int] | None:
+    async def next(self, step: int, stop: asyncio.Event) -> tuple[TrainBatch, int] | None:
         """The batch for `step` and its (last) stream sequence; None once stopped."""
         from nats.errors import ConnectionClosedError
         from nats.errors import TimeoutError as NatsTimeout
@@ -181,7 +181,7 @@ class BatchReader:
                 whole = self.reassembler.feed(msg.data)
                 if whole is None:
                     continue
-                batch = decode(whole, WireBatch)
+                batch = decode(whole, TrainBatch)
             except ProtocolError as e:
                 await self._dead_letter(msg, e)
                 continue

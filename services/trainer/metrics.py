@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from proto.messages import TrainBatch as WireBatch
+from proto.messages import TrainBatch
 from services.runtime.metrics import MetricSet
 from services.trainer.heldout import eval_line, reward_parts
 from services.trainer.loggers import open_loggers
@@ -127,7 +127,7 @@ class Recorder:
         self.waited += waited_s
         self.busy += busy_s
 
-    def row(self, batch: WireBatch, r: StepResult, waited: float) -> dict[str, Any]:
+    def row(self, batch: TrainBatch, r: StepResult, waited: float) -> dict[str, Any]:
         """Step `r.step`'s metrics row; the gauges follow it."""
         stats = batch_stats(batch)
         parts = reward_parts(batch)

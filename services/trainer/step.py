@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from proto.codec import decode, encode
-from proto.messages import TrainBatch as WireBatch
+from proto.messages import TrainBatch
 from proto.weight_version import after_steps
 from services.trainer.distributed import DistInfo
 from services.trainer.settings import TrainerSettings
@@ -41,7 +41,7 @@ from services.trainer.state import (
     stage_checkpoint,
 )
 from services.trainer.trainer import Trainer
-from services.trainer.wire import to_core_batch
+from services.trainer.wire import to_tensor_batch
 from services.weights import Manifest, published_dir
 
 STOP = -1  # broadcast length that tells the other ranks to stop
@@ -80,11 +80,11 @@ class StepResult:
     snapshot: Snapshot | None = None  # one process: the state `persist` writes later
 
 
-def compute_one(trainer: Trainer, batch: WireBatch) -> StepResult:
+def compute_one(trainer: Trainer, batch: TrainBatch) -> StepResult:
     """One optimizer step on `batch`; the weight version follows the step."""
     received_at = time.time()  # the profile's clock: other services stamp messages with it
     started = time.perf_counter()
-    core = to_core_batch(batch)
+    core = to_tensor_batch(batch)
     encoded = time.perf_counter()
     metrics = trainer.train_step(core)
     trainer.weight_version = after_steps(trainer.step)
@@ -98,7 +98,7 @@ def publish_due(trainer: Trainer, s: TrainerSettings) -> bool:
 
 
 def persist(
-    trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int, r: StepResult
+    trainer: Trainer, s: TrainerSettings, batch: TrainBatch, seq: int, r: StepResult
 ) -> None:
     """Save step `r.step`'s weights directory and its checkpoint (which records `seq`).
 
@@ -142,7 +142,7 @@ def save_version(
     return manifest
 
 
-def train_one(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:
+def train_one(trainer: Trainer, s: TrainerSettings, batch: TrainBatch, seq: int) -> StepResult:
     """Train `batch` (stream sequence `seq`) and, when due, save weights + checkpoint."""
     r = compute_one(trainer, batch)
     if publish_due(trainer, s):
@@ -150,7 +150,7 @@ def train_one(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) 
     return r
 
 
-def step(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> StepResult:
+def step(trainer: Trainer, s: TrainerSettings, batch: TrainBatch, seq: int) -> StepResult:
     """Rank 0: hand `batch` to every rank and train it; when due, a snapshot to persist
     later (one process) or the saving done in step (a collective under FSDP2)."""
     if trainer.info.world_size > 1:
@@ -165,7 +165,7 @@ def step(trainer: Trainer, s: TrainerSettings, batch: WireBatch, seq: int) -> St
 def follower_loop(trainer: Trainer, s: TrainerSettings) -> None:
     """Ranks > 0: train whatever rank 0 broadcasts until it says stop."""
     while (data := broadcast_bytes(None, trainer.info)) is not None:
-        train_one(trainer, s, decode(data, WireBatch), seq=-1)
+        train_one(trainer, s, decode(data, TrainBatch), seq=-1)
 
 
 def stop_followers(info: DistInfo) -> None:

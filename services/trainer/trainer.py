@@ -25,7 +25,7 @@ import torch
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
     MetricAccumulator,
-    TrainBatch,
+    TensorBatch,
     collate,
     layout_sample,
     plan_micro_batches,
@@ -127,7 +127,7 @@ class Trainer:
 
     # ---- the algorithm -------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TensorBatch) -> dict[str, float]:
         """Train on one RL batch: `optim.minibatches` optimizer steps over its groups.
 
         Returns batch-level metrics (the mean over mini-batches; same on all ranks).
@@ -141,7 +141,7 @@ class Trainer:
         timings = self.watch.take()  # summed over the mini-batches, not averaged
         return {**merged, **timings, "step": self.step, "minibatches": len(results)}
 
-    def _train_minibatch(self, batch: TrainBatch) -> dict[str, float]:
+    def _train_minibatch(self, batch: TensorBatch) -> dict[str, float]:
         with self.watch("prepare"):  # advantages, layout, micro-batches
             micro = self._micro_batches(self._rl_rows(batch))
         with self.watch("logprobs"):  # the no-grad passes: old and reference logprobs
@@ -178,7 +178,7 @@ class Trainer:
 
     # ---- batch preparation (pure given the batch) ----------------------------------
 
-    def _rl_rows(self, batch: TrainBatch) -> list[Row]:
+    def _rl_rows(self, batch: TensorBatch) -> list[Row]:
         lc = self.cfg.loss
         adv = compute_advantages(
             batch.rewards.float(),

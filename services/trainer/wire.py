@@ -1,15 +1,14 @@
-"""Wire → tensors: a proto TrainBatch as the trainer core's TrainBatch. Pure."""
+"""Wire → tensors: the wire's TrainBatch as the trainer core's TensorBatch. Pure."""
 
 from __future__ import annotations
 
 import torch
 
-from proto.messages import FinishReason, unpack_f32, unpack_i32, unpack_u8
-from proto.messages import TrainBatch as WireBatch
-from services.trainer.core.batching import BatchError, TrainBatch
+from proto.messages import FinishReason, TrainBatch, unpack_f32, unpack_i32, unpack_u8
+from services.trainer.core.batching import BatchError, TensorBatch
 
 
-def to_core_batch(batch: WireBatch) -> TrainBatch:
+def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
     """Flatten groups into samples; samples of one group share a group id (0, 1, …)."""
     temps = {g.temperature for g in batch.groups}
     if len(temps) != 1:
@@ -26,7 +25,7 @@ def to_core_batch(batch: WireBatch) -> TrainBatch:
             rewards.append(s.reward)
             groups.append(gi)
             truncated.append(s.finish_reason == FinishReason.LENGTH)
-    return TrainBatch(
+    return TensorBatch(
         prompt_ids=prompt,
         response_ids=response,
         rollout_logprobs=logprobs,
@@ -38,7 +37,7 @@ def to_core_batch(batch: WireBatch) -> TrainBatch:
     )
 
 
-def batch_stats(batch: WireBatch) -> dict[str, float]:
+def batch_stats(batch: TrainBatch) -> dict[str, float]:
     """What the batch itself says: reward, lengths, staleness (for metrics)."""
     samples = [s for g in batch.groups for s in g.samples]
     n = len(samples)

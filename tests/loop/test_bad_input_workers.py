@@ -73,7 +73,7 @@ def dead_letters(st: Stack, subject: str) -> list[DeadLetter]:
 
 def task(i: int) -> PromptTask:
     return PromptTask(
-        run=RUN, task_id=f"{RUN}:e0:i{i}", epoch=0, index=i, env="arithmetic", prompt="1+2=",
+        run=RUN, task_id=f"{RUN}:e0:i{i}", epoch=0, index=i, task_name="arithmetic", prompt="1+2=",
         answer="3", n=2, sampling=SamplingParams(max_new_tokens=4), min_weight_version=0,
         created_at=time.time(),
     )  # fmt: skip

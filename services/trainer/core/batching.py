@@ -33,7 +33,7 @@ class BatchError(FlywheelError, ValueError):
 
 
 @dataclass
-class TrainBatch:
+class TensorBatch:
     """One RL train batch, as the trainer service hands it to `Trainer.train_step`.
 
     Lists hold one 1-D tensor per sample. `loss_mask` (per response token,
@@ -78,7 +78,7 @@ class TrainBatch:
                 raise BatchError("loss_mask length != response length", sample=i, field="loss_mask")
 
 
-def split_groups(batch: TrainBatch, parts: int) -> list[TrainBatch]:
+def split_groups(batch: TensorBatch, parts: int) -> list[TensorBatch]:
     """`batch` as up to `parts` mini-batches of whole groups (for several optimizer
     steps per batch, PPO-style). A group is never split: its advantages are
     relative to its own samples."""
@@ -92,7 +92,7 @@ def split_groups(batch: TrainBatch, parts: int) -> list[TrainBatch]:
         keep = set(chunk)
         idx = [i for i, g in enumerate(batch.group_ids.tolist()) if g in keep]
         out.append(
-            TrainBatch(
+            TensorBatch(
                 prompt_ids=[batch.prompt_ids[i] for i in idx],
                 response_ids=[batch.response_ids[i] for i in idx],
                 rollout_logprobs=[batch.rollout_logprobs[i] for i in idx],

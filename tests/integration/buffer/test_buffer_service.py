@@ -96,7 +96,12 @@ def group_for(task: PromptTask, version: int) -> SampleGroup:
         for i in range(task.n)
     )
     return SampleGroup(
-        run=RUN, group_id=gid, task_id=task.task_id, env=task.env, worker_id="fake", samples=samples
+        run=RUN,
+        group_id=gid,
+        task_id=task.task_id,
+        task_name=task.task_name,
+        worker_id="fake",
+        samples=samples,
     )
 
 

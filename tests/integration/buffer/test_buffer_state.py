@@ -123,7 +123,7 @@ async def _large(tmp_path: Path, url: str, g: int, steps: int) -> None:
     started = time.monotonic()
     await feed(svc, js, groups)
     fed_s = time.monotonic() - started
-    task = PromptTask(run=RUN, task_id=f"{RUN}:e0:i{n}", epoch=0, index=0, env="arithmetic",
+    task = PromptTask(run=RUN, task_id=f"{RUN}:e0:i{n}", epoch=0, index=0, task_name="arithmetic",
                       prompt="1+1", answer="2", n=2, created_at=0.0)  # fmt: skip
     dead = DeadLetter(run=RUN, reason="max_deliver", error="", subject="t", service="rollout",
                       message_type=PromptTask.TYPE, payload=encode(task))  # fmt: skip

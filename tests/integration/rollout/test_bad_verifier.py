@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proto.messages import PromptTask, SamplingParams
-from services.rollout.app import TaskScorer
+from services.rollout.app import PromptTaskScorer
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.worker import RolloutWorker
 from services.tasks.sandbox import Reward, VerifierPool
@@ -45,7 +45,7 @@ def errors_total(registry: CollectorRegistry) -> float:
 
 def test_hanging_and_raising_verifiers_score_zero_and_are_counted() -> None:
     task = PromptTask(
-        run="v", task_id="v:e0:i0", epoch=0, index=0, env="arithmetic", prompt="1+2=",
+        run="v", task_id="v:e0:i0", epoch=0, index=0, task_name="arithmetic", prompt="1+2=",
         answer="3", n=1, sampling=SamplingParams(), created_at=time.time(),
     )  # fmt: skip
 
@@ -62,7 +62,7 @@ def test_hanging_and_raising_verifiers_score_zero_and_are_counted() -> None:
                 worker = RolloutWorker.__new__(RolloutWorker)  # only the scoring step
                 worker.metrics = metrics
                 worker.warned_errors = set()
-                worker.scorer = TaskScorer(Scorer(tasks(reward), pool))
+                worker.scorer = PromptTaskScorer(Scorer(tasks(reward), pool))
                 t0 = time.monotonic()
                 results.append(await worker.score(task, "3", 1))
                 if reward.endswith("hangs"):

@@ -140,7 +140,7 @@ def test_two_tool_calls_make_one_sample_of_exactly_what_the_engine_saw(
 
 def task(run: str, i: int, prompt: str, answer: str) -> PromptTask:
     sp = SamplingParams(max_new_tokens=40, temperature=0.8)
-    return PromptTask(run=run, task_id=f"{run}:e0:i{i}", epoch=0, index=i, env="arithmetic",
+    return PromptTask(run=run, task_id=f"{run}:e0:i{i}", epoch=0, index=i, task_name="arithmetic",
                       prompt=prompt, answer=answer, n=2, sampling=sp)  # fmt: skip
 
 

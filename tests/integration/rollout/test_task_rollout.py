@@ -95,7 +95,7 @@ weight = 0.5
     answers = {t["task_id"]: t["answer"] for t in sent}
     assert {g.task_id for g in groups} == {t["task_id"] for t in sent[:-1]}
     for g in groups:
-        assert g.env == "jsonl"
+        assert g.task_name == "jsonl"
         for s in g.samples:
             text = tok.decode(unpack_i32(s.response_ids).tolist(), skip_special_tokens=True)
             n = s.num_response_tokens
@@ -150,7 +150,7 @@ async def publish_tasks(url: str, config: Path) -> list[dict[str, Any]]:
     js = nc.jetstream()
     await ensure_streams(js, streams_for(RUN))
     tasks = [svc.make_task(0, i) for i in range(4)]
-    tasks.append(tasks[0].model_copy(update={"task_id": f"{RUN}:e9:i0", "env": "gsm9k"}))
+    tasks.append(tasks[0].model_copy(update={"task_id": f"{RUN}:e9:i0", "task_name": "gsm9k"}))
     for t in tasks:
         await publish(js, S.tasks, t, nc.max_payload)
     await nc.close()

@@ -60,7 +60,7 @@ def engines(model_dir: Path) -> Iterator[EngineStates]:
 
 def task(run: str, i: int, n: int = 2, **sampling: Any) -> PromptTask:
     sp = SamplingParams(**{"max_new_tokens": 4, **sampling})
-    return PromptTask(run=run, task_id=f"{run}:e0:i{i}", epoch=0, index=i, env="arithmetic",
+    return PromptTask(run=run, task_id=f"{run}:e0:i{i}", epoch=0, index=i, task_name="arithmetic",
                       prompt="1+2=", answer="3", n=n, sampling=sp)  # fmt: skip
 
 

@@ -151,15 +151,15 @@ def test_bad_messages_are_dead_lettered_and_the_loop_goes_on(nats_settings_modul
         handled: list[str] = []
 
         async def handle(group: SampleGroup, d: Delivery) -> None:
-            if group.env == "boom":
+            if group.task_name == "boom":
                 raise KeyError("a bug in the handler")
-            if group.env == "stale":
+            if group.task_name == "stale":
                 raise PermanentError("sample older than the staleness bound", reason="stale")
             handled.append(group.group_id)
 
         good = EXAMPLES["SampleGroup"]
-        bug = good.model_copy(update={"group_id": "bug", "env": "boom"})
-        old = good.model_copy(update={"group_id": "old", "env": "stale"})
+        bug = good.model_copy(update={"group_id": "bug", "task_name": "boom"})
+        old = good.model_copy(update={"group_id": "old", "task_name": "stale"})
         for data in (garbage, wrong_type, encode(bug), encode(old), encode(good)):
             await js.publish(subjects.samples, data)
 

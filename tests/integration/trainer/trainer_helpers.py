@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.core.batching import TrainBatch
+from services.trainer.core.batching import TensorBatch
 
 
 def random_batch(
@@ -13,7 +13,7 @@ def random_batch(
     per_group: int = 4,
     vocab: int = 90,
     temperature: float = 1.0,
-) -> TrainBatch:
+) -> TensorBatch:
     """A deterministic RL batch of varied lengths with a partial loss mask."""
     g = torch.Generator().manual_seed(seed)
     n = groups * per_group
@@ -28,7 +28,7 @@ def random_batch(
         if r > 3:
             m[1] = 0  # a tool token inside the response
         masks.append(m)
-    return TrainBatch(
+    return TensorBatch(
         prompt_ids=prompts,
         response_ids=responses,
         rollout_logprobs=logps,

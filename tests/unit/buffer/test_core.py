@@ -43,7 +43,9 @@ def group(gid: str, version: int, rewards: tuple[float, ...] = (0.0, 1.0), token
         )
         for i, r in enumerate(rewards)
     )
-    return SampleGroup(run="r", group_id=gid, task_id=gid, env="t", worker_id="w", samples=samples)
+    return SampleGroup(
+        run="r", group_id=gid, task_id=gid, task_name="t", worker_id="w", samples=samples
+    )
 
 
 # ── cursor ──

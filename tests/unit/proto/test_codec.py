@@ -84,7 +84,7 @@ def groups(draw: st.DrawFn) -> SampleGroup:
         run=draw(ids),
         group_id=draw(ids),
         task_id=draw(ids),
-        env=draw(ids),
+        task_name=draw(ids),
         worker_id=draw(ids),
         samples=tuple(draw(st.lists(samples(), min_size=1, max_size=3))),
         created_at=draw(times),
@@ -98,7 +98,7 @@ STRATEGIES = {
         task_id=ids,
         epoch=st.integers(0, 100),
         index=st.integers(0, 10**6),
-        env=ids,
+        task_name=ids,
         prompt=st.text(max_size=50),
         messages=st.none()
         | st.lists(st.fixed_dictionaries({"role": ids, "content": st.text()}), max_size=3).map(
@@ -368,7 +368,9 @@ def _batch(groups: int, tokens: int) -> TrainBatch:
             "loss_mask": pack_u8(np.ones(tokens)),
         }
     )
-    g = SampleGroup(run="r", group_id="g", task_id="t", env="e", worker_id="w", samples=(s,) * 8)
+    g = SampleGroup(
+        run="r", group_id="g", task_id="t", task_name="e", worker_id="w", samples=(s,) * 8
+    )
     return TrainBatch(run="r", batch_id="r:step0", step=0, groups=(g,) * groups)
 
 

@@ -20,7 +20,7 @@ def test_loads_sum_over_ranks_in_both_formats() -> None:
 
 
 def test_every_delivery_gets_its_own_request_id() -> None:
-    task = PromptTask(run="r", task_id="r:e0:i1", epoch=0, index=1, env="arithmetic",
+    task = PromptTask(run="r", task_id="r:e0:i1", epoch=0, index=1, task_name="arithmetic",
                       prompt="1+1=", n=2)  # fmt: skip
     ids = {request_id(task, 1), request_id(task, 1), request_id(task, 2)}
     assert len(ids) == 3 and all(i.startswith("r:e0:i1:a0:d") for i in ids)

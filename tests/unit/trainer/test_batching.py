@@ -5,7 +5,7 @@ import torch
 
 from services.trainer.core.batching import (
     BatchError,
-    TrainBatch,
+    TensorBatch,
     collate,
     layout_sample,
     plan_micro_batches,
@@ -57,7 +57,7 @@ def test_shards_balance_tokens_and_cover_everything():
 
 
 def test_validate_names_sample_and_field():
-    b = TrainBatch(
+    b = TensorBatch(
         prompt_ids=[torch.tensor([1])],
         response_ids=[torch.tensor([2, 3])],
         rollout_logprobs=[torch.tensor([-1.0])],

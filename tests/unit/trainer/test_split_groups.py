@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.core.batching import TrainBatch, split_groups
+from services.trainer.core.batching import TensorBatch, split_groups
 
 
-def batch(groups: list[int]) -> TrainBatch:
+def batch(groups: list[int]) -> TensorBatch:
     n = len(groups)
-    return TrainBatch(
+    return TensorBatch(
         prompt_ids=[torch.tensor([1, 2])] * n,
         response_ids=[torch.tensor([i, i]) for i in range(n)],
         rollout_logprobs=[torch.zeros(2)] * n,

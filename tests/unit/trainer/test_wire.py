@@ -8,21 +8,21 @@ import torch
 from proto.examples import sample
 from proto.messages import SampleGroup, TrainBatch, pack_u8
 from services.trainer.core.batching import BatchError
-from services.trainer.wire import batch_stats, to_core_batch
+from services.trainer.wire import batch_stats, to_tensor_batch
 
 
 def group(gid: str, temperature: float = 0.7) -> SampleGroup:
     s0 = sample(0)
     s1 = sample(1).model_copy(update={"finish_reason": "length", "loss_mask": pack_u8([1, 0, 1])})
     return SampleGroup(
-        run="r", group_id=gid, task_id=gid, env="e", worker_id="w", samples=(s0, s1),
+        run="r", group_id=gid, task_id=gid, task_name="e", worker_id="w", samples=(s0, s1),
         temperature=temperature,
     )  # fmt: skip
 
 
 def test_groups_flatten_to_samples_with_shared_group_ids() -> None:
     wire = TrainBatch(run="r", batch_id="r:step3", step=3, groups=(group("a"), group("b")))
-    b = to_core_batch(wire)
+    b = to_tensor_batch(wire)
     b.validate()
     assert len(b) == 4
     assert b.group_ids.tolist() == [0, 0, 1, 1]
@@ -41,4 +41,4 @@ def test_groups_flatten_to_samples_with_shared_group_ids() -> None:
 def test_mixed_temperatures_are_refused() -> None:
     wire = TrainBatch(run="r", batch_id="r:step0", step=0, groups=(group("a", 1.0), group("b")))
     with pytest.raises(BatchError, match="temperature"):
-        to_core_batch(wire)
+        to_tensor_batch(wire)
