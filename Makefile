@@ -4,7 +4,7 @@
 #   make test-fast  the edit-test loop: unit + integration, no stack start-ups (< 2 min)
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
-#   make lint    ruff (lint + format check) and mypy
+#   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -35,6 +35,7 @@ PARALLEL ?= -n 4 --dist loadscope
 
 test: setup tools
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL)
 
 # The edit-test loop: everything not marked slow (no whole-stack start-ups, no
@@ -61,6 +62,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 format: setup
 	$(VENV)/bin/ruff format .

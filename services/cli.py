@@ -3,6 +3,11 @@
 Each subcommand is a `"module:function"` reference taking the remaining
 argv and returning an exit code, imported only when that subcommand runs,
 so `flywheel --help` imports nothing heavy (torch, transformers, nats).
+
+This is also where commands that use two services meet: no service imports
+another (the import contract in pyproject.toml), so the stack's `demo` is
+handed the trainer's `flywheel sft`, and `status` the buffer's reader of its
+own state, here.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from collections.abc import Callable, Sequence
 
 # name -> (entry point, one-line help). Keep sorted by how a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("services.stack.demo:demo_main", "SFT warm start, then async GRPO: watch it learn"),
+    "demo": ("services.cli:demo_main", "SFT warm start, then async GRPO: watch it learn"),
     "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
-    "status": ("services.stack.inspect:status_main", "a run's state, read from NATS"),
+    "status": ("services.cli:status_main", "a run's state, read from NATS"),
     "eval": ("services.stack.inspect:eval_main", "held-out pass@1 / pass@k of a run's weights"),
     "init-model": (
         "services.trainer.cli:init_model_main",
@@ -29,6 +34,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("services.trainer.cli:main", "run the RL trainer service"),
     "sync": ("services.sync.cli:main", "run the weight-sync service"),
 }
+
+
+def demo_main(argv: list[str]) -> int:
+    """`flywheel demo` (the stack's), with the trainer's `flywheel sft` for its warm start."""
+    from services.stack.demo import demo_main as demo
+    from services.trainer.sft.cli import sft_main
+
+    return demo(argv, sft=sft_main)
+
+
+def status_main(argv: list[str]) -> int:
+    """`flywheel status` (the stack's), with the buffer's reader of its persisted state."""
+    from services.buffer.store import read_status
+    from services.stack.inspect import status_main as status
+
+    return status(argv, buffer_status=read_status)
 
 
 def _usage() -> str:

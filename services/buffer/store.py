@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from proto.streams import kv_bucket
 from services.buffer.core import BufferState
@@ -101,6 +101,27 @@ async def _read_once(kv: KeyValue) -> tuple[dict[str, tuple[bytes, int]], int]:
 async def read_state(kv: KeyValue) -> Recovered:
     """The stored state, read only (`flywheel status`, the chaos suite's accounting)."""
     return recover({k: v for k, (v, _) in (await read_entries(kv)).items()})
+
+
+async def read_status(js: JetStreamContext, run: str) -> dict[str, Any] | None:
+    """The buffer's persisted state as `flywheel status` shows it (services/stack/inspect.py,
+    which services/cli.py hands this), None before the buffer wrote one."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        rec = await read_state(await js.key_value(kv_bucket(run, "buffer")))
+    except NotFoundError:  # no bucket yet
+        return None
+    if rec.fresh:
+        return None
+    state, pending = rec.state, rec.pending
+    return {
+        "next_step": state.next_step,
+        "dispatched": state.dispatched,
+        "in_flight": state.in_flight,
+        "pending_groups": len(pending),
+        "epoch": state.cursor.epoch,
+    }
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,23 @@ from services.weights import published_dir, versions_in
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 TOOLS_TARGET = 0.92  # --task tools stops here by default (the 200-problem evaluation's noise)
+
+Command = Callable[[list[str]], int]
+"""A `flywheel` subcommand: argv in, exit status out. The demo runs the trainer's
+`flywheel sft` in this process (services/cli.py hands it over: no service imports
+another), on the run file `warm_start` writes."""
+
+# The warm start's [sft] table (<run_dir>/sft.toml; `flywheel sft -c` it to rerun it).
+SFT_SETTINGS: dict[str, Any] = {
+    "overwrite": True,
+    "batch_size": 64,
+    "log_every": 200,
+    "optim": {"lr": 2e-3, "warmup_steps": 50, "schedule": "cosine"},
+    # Micro-batches of rows of like length (the longest first): the tool traces are
+    # 30-75 tokens, and one padded micro-batch of 64 made a step 1.47x slower
+    # (0.308 vs 0.209 s, median of 27 alternating steps in one process).
+    "model": {"cpu_threads": 1, "micro_batch_tokens": 2560},
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,7 +126,7 @@ def sft_data(args: argparse.Namespace, run_dir: Path) -> Path:
         from services.stack.demo_tools import write_tool_traces
 
         return write_tool_traces(run_dir / "sft.jsonl", 50_000, 7, args.tool_fraction)
-    from services.trainer.sft.data import write_arithmetic_jsonl
+    from services.tasks.arithmetic_sft import write_arithmetic_jsonl
 
     return write_arithmetic_jsonl(
         run_dir / "sft.jsonl", 50_000, seed=7, corrupt_fraction=args.sft_corrupt,
@@ -116,28 +134,18 @@ def sft_data(args: argparse.Namespace, run_dir: Path) -> Path:
     )  # fmt: skip
 
 
-def warm_start(run_dir: Path, steps: int, data: Path) -> Path:
+def warm_start(run_dir: Path, steps: int, data: Path, sft: Command) -> Path:
+    """The tiny model, then `steps` of SFT on `data` (`flywheel sft`, in this process)."""
     from services.models.tiny_model import write_tiny_model
-    from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
-    from services.trainer.sft.loop import run_sft
 
     init = write_tiny_model(run_dir / "model-init")
     out = run_dir / "model-sft"
-    settings = SftSettings(
-        model_dir=init,
-        train_file=data,
-        output_dir=out,
-        overwrite=True,
-        steps=steps,
-        batch_size=64,
-        log_every=200,
-        optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="cosine"),
-        # Micro-batches of rows of like length (the longest first): the tool traces are
-        # 30-75 tokens, and one padded micro-batch of 64 made a step 1.47x slower
-        # (0.308 vs 0.209 s, median of 27 alternating steps in one process).
-        model=ModelConfig(cpu_threads=1, micro_batch_tokens=2560),
-    )
-    run_sft(settings)
+    paths = {"model_dir": str(init), "train_file": str(data), "output_dir": str(out)}
+    config = run_dir / "sft.toml"
+    config.write_text(dump_toml({"sft": {**paths, "steps": steps, **SFT_SETTINGS}}))
+    code = sft(["-c", str(config)])
+    if code != 0:
+        raise RuntimeError(f"flywheel demo: the SFT warm start failed (flywheel sft: {code})")
     return out
 
 
@@ -230,10 +238,10 @@ def latest_weights(run_dir: Path, run: str) -> Path | None:
 
 def best_weights(run_dir: Path, final: Path, steps: int) -> tuple[Path, int]:
     """The weights the demo hands over, and their step: those of the trainer's best
-    held-out evaluation of a trained version (services/trainer/best.py), else the
+    held-out evaluation of a trained version (services/weights/best.py), else the
     last version. A run stopped on its target ends a step or two after
     the evaluation that met it; those newer weights were never evaluated."""
-    from services.trainer.best import best_record
+    from services.weights.best import best_record
 
     best = best_record(run_dir / "checkpoints")
     if best is None:
@@ -241,7 +249,8 @@ def best_weights(run_dir: Path, final: Path, steps: int) -> tuple[Path, int]:
     return Path(best["weights"]), int(best["step"])
 
 
-def demo_main(argv: list[str] | None = None) -> int:
+def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
+    """`flywheel demo`; `sft` is the trainer's `flywheel sft` (services/cli.py passes it)."""
     args = parser().parse_args(argv)
     tools = args.task == "tools"
     # 1500: the SFT model already gets every held-out three-digit sum right given its
@@ -266,7 +275,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     base = load_settings(StackSettings, config)
     run_dir = Path(args.run_dir or base.run_dir).resolve()
     tasks = base.task_set()
-    sft_model = sft_stage(args, run_dir)
+    sft_model = sft_stage(args, run_dir, sft)
     before = held_out_accuracy(tasks, sft_model, args.eval_size)
     print(f"flywheel demo: held-out accuracy after SFT: {before:.3f}", flush=True)
     rf = run_file(config, run_dir, sft_model, args.max_staleness, args.cpus)
@@ -316,7 +325,7 @@ def tool_summary(run_dir: Path) -> dict[str, Any]:
     return out
 
 
-def sft_stage(args: argparse.Namespace, run_dir: Path) -> Path:
+def sft_stage(args: argparse.Namespace, run_dir: Path, sft: Command) -> Path:
     """The warm-started model: trained afresh, or (--keep) the one a previous demo left."""
     sft_model = run_dir / "model-sft"
     if args.keep and (sft_model / "flywheel-manifest.json").is_file():
@@ -333,4 +342,4 @@ def sft_stage(args: argparse.Namespace, run_dir: Path) -> Path:
         else f"{args.sft_corrupt:.0%} of labels write the carry out of the tens as 0"
     )
     print(f"flywheel demo: SFT warm start, {args.sft_steps} steps ({what})", flush=True)
-    return warm_start(run_dir, args.sft_steps, sft_data(args, run_dir))
+    return warm_start(run_dir, args.sft_steps, sft_data(args, run_dir), sft)

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,13 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
     return tasks, model_dir
 
 
-async def gather_status(settings: Any) -> dict[str, Any]:
+BufferStatus = Callable[[Any, str], Awaitable["dict[str, Any] | None"]]
+"""(JetStream context, run) -> the buffer's persisted state as `flywheel status` shows it,
+None before it wrote one. The buffer owns its state's format: services/cli.py hands
+`flywheel status` the buffer's reader (services/buffer/store.py `read_status`)."""
+
+
+async def gather_status(settings: Any, buffer_status: BufferStatus) -> dict[str, Any]:
     """Everything `flywheel status` shows, as a plain dict."""
     from services.runtime.nats_conn import connect
 
@@ -99,7 +106,7 @@ async def gather_status(settings: Any) -> dict[str, Any]:
             **await _task_queue(js, run),
             **await _weight_versions(js, run),
             "engines": await _engines(js, run),
-            "buffer": await _buffer(js, run),
+            "buffer": await buffer_status(js, run),
             "dead_letters": await _dead_letters(js, run),
         }
     finally:
@@ -202,29 +209,6 @@ async def _engines(js: Any, run: str) -> dict[str, Any]:
     }
 
 
-async def _buffer(js: Any, run: str) -> dict[str, Any] | None:
-    """The buffer's persisted state (services/buffer/state.py), None before it wrote one."""
-    from nats.js.errors import NotFoundError
-
-    from proto.streams import kv_bucket
-    from services.buffer.store import read_state
-
-    try:
-        rec = await read_state(await js.key_value(kv_bucket(run, "buffer")))
-    except NotFoundError:  # no bucket yet
-        return None
-    if rec.fresh:
-        return None
-    state, pending = rec.state, rec.pending
-    return {
-        "next_step": state.next_step,
-        "dispatched": state.dispatched,
-        "in_flight": state.in_flight,
-        "pending_groups": len(pending),
-        "epoch": state.cursor.epoch,
-    }
-
-
 async def _dead_letters(js: Any, run: str) -> dict[str, int]:
     """Dead letters by reason: per-subject counts, straight from the server."""
     from nats.js.errors import NotFoundError
@@ -320,7 +304,7 @@ def render_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def status_main(argv: list[str] | None = None) -> int:
+def status_main(argv: list[str] | None = None, *, buffer_status: BufferStatus) -> int:
     p = argparse.ArgumentParser(prog="flywheel status", description=__doc__.split("\n\n")[1])
     p.add_argument("-c", "--config", help="the run file ([nats] url and run name)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
@@ -338,7 +322,7 @@ def status_main(argv: list[str] | None = None) -> int:
     logging.getLogger("services.runtime.nats_conn").setLevel(logging.ERROR)
     nats = settings.nats.model_copy(update={"connect_attempts": 1})
     try:
-        s = asyncio.run(gather_status(settings.model_copy(update={"nats": nats})))
+        s = asyncio.run(gather_status(settings.model_copy(update={"nats": nats}), buffer_status))
     except (OSError, TimeoutError, FlywheelError) as e:
         print(f"flywheel status: cannot reach NATS at {nats.url}: {e}", file=sys.stderr)
         return 1

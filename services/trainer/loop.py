@@ -32,7 +32,6 @@ from typing import Any
 
 from services.runtime.lifecycle import ServiceContext
 from services.trainer.batches import Batch, BatchReader
-from services.trainer.best import keep_if_best
 from services.trainer.heldout import HeldOut, eval_line
 from services.trainer.metrics import Recorder
 from services.trainer.publishing import Publisher
@@ -40,6 +39,7 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.state import reconcile_rows
 from services.trainer.step import StepResult, step
 from services.trainer.trainer import Trainer
+from services.weights.best import keep_if_best
 
 log = logging.getLogger(__name__)
 

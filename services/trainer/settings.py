@@ -17,7 +17,6 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.tasks.settings import TaskServiceSettings
-from services.trainer.core.schedule import ScheduleKind
 from services.trainer.loggers import LoggerName, WandbMode
 from services.weights import TransportKind
 
@@ -26,6 +25,7 @@ PolicyLossKind = Literal["ppo", "gspo"]
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlEstimator = Literal["k1", "k2", "k3"]
 OldLogprobSource = Literal["rollout", "recompute"]
+ScheduleKind = Literal["constant", "cosine"]  # core/schedule.py
 
 
 class LossConfig(BaseModel):

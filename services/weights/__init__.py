@@ -10,6 +10,7 @@
 - `disk`, `nats`, `natsdelta`, `diskdelta`, `distributed`  the transports
                (`[trainer] weights_transport`);
 - `distgroup`  the torch.distributed weights-update group (SGLang's, both sides);
+- `best`       the best evaluated version kept beside the checkpoints (`best/`);
 - `chunks`     the NATS transports' mechanism: a directory as WeightsChunks;
 - `delta`      the pure sparse-delta codec (changed elements' indices + bits);
 - `deltasync`  deltas around it: the trainer writes them, a receiver rebuilds.

@@ -12,9 +12,8 @@ recipes). `s` counts optimizer steps from 0; the multiplier scales the base LR.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-ScheduleKind = Literal["constant", "cosine"]
+from services.trainer.settings import ScheduleKind
 
 
 def lr_multiplier(

@@ -7,16 +7,12 @@ import sys
 import pytest
 
 from services.tasks.arithmetic import ArithmeticSource, problem
+from services.tasks.arithmetic_sft import arithmetic_records
 from services.tasks.evaluate import evaluate_dir
 from services.tasks.spec import EvalSpec, TaskSpec
 from services.tasks.taskset import TaskSet
 from services.trainer.model import load_tokenizer
-from services.trainer.sft.data import (
-    SftDataError,
-    arithmetic_records,
-    load_sft_file,
-    tokenize_chat,
-)
+from services.trainer.sft.data import SftDataError, load_sft_file, tokenize_chat
 from services.weights import verify_weights_dir
 
 # Measured on the shared 2-core box (45 s budget, <= 900 steps): 10.6% to 26.3% held-out

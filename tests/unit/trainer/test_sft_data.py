@@ -1,4 +1,5 @@
-"""The arithmetic SFT data's plausible mistakes (services/trainer/sft/data.py)."""
+"""The arithmetic SFT data's plausible mistakes (services/tasks/arithmetic_sft.py), and SFT
+files' segments (services/trainer/sft/data.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from services.trainer.sft.data import (
+from services.tasks.arithmetic_sft import (
     add_without_carry,
     arithmetic_records,
     drop_final_carry,

@@ -1,11 +1,11 @@
-"""The trainer keeps the weights of its best held-out evaluation (services/trainer/best.py)."""
+"""The trainer keeps the weights of its best held-out evaluation (services/weights/best.py)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from services.trainer.best import BEST_DIR, best_record, keep_if_best
+from services.weights.best import BEST_DIR, best_record, keep_if_best
 
 
 def version(root: Path, n: int) -> Path:
