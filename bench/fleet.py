@@ -174,7 +174,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     from proto.messages import PromptTask
     from proto.streams import consumers_for
     from services.engine_api.engine_client import EngineClient
-    from services.rollout.app import TaskScorer, load_tokenizer
+    from services.rollout.app import PromptTaskScorer, load_tokenizer
     from services.rollout.settings import RolloutSettings
     from services.rollout.worker import RolloutWorker
     from services.runtime.lifecycle import ServiceContext, run_service
@@ -190,7 +190,7 @@ async def run_workers(args: argparse.Namespace) -> None:
         tasks = base.task_set()
         tokenizer = await asyncio.to_thread(load_tokenizer, base.model)
         async with VerifierPool(size=2, timeout_s=30.0, warmup=warmup(tasks)) as pool:
-            scorer = TaskScorer(Scorer(tasks, pool))
+            scorer = PromptTaskScorer(Scorer(tasks, pool))
             loops = []
             shard, shards = args.shard
             for i in range(shard, args.n, shards):

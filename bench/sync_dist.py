@@ -193,7 +193,7 @@ async def measure(v2: Path, urls: list[str], root: Path) -> dict[str, Any]:
         source = transport.source(sent.uri, 2)
         path = source.engine_path(None, None)
         assert path is not None
-        done = await asyncio.gather(*(source.load(c, path, "2", "wait") for c in clients))
+        done = await asyncio.gather(*(source.load(c, path, 2, "wait") for c in clients))
         held = await asyncio.gather(*(c.request("GET", "/held") for c in clients))
         seconds = time.perf_counter() - t
         assert all(r.success for r in done), [r.message for r in done]

@@ -71,9 +71,10 @@ def demo_hparams(config: Path) -> dict[str, Any]:
 
 def load_tasks(config: Path) -> Any:
     """The run file's task set (what the buffer, the workers and the trainer resolve)."""
-    from services.runtime.settings import ServiceSettings, load_settings
+    from services.runtime.settings import load_settings
+    from services.tasks.settings import TaskServiceSettings
 
-    return load_settings(ServiceSettings, config).task_set()
+    return load_settings(TaskServiceSettings, config).task_set()
 
 
 class SignalCount:
