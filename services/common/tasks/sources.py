@@ -11,8 +11,9 @@ so one bad row cannot stop a run; but when fewer than half the records are
 usable the field names are wrong, not the data, and loading fails with a
 ConfigError naming the key to set (`prompt_field = "question"`).
 
-The held-out split is a seeded choice of rows (`eval.holdout`) removed from
-training, or a separate `eval.source`. Nothing downloads: reasoning-gym is
+The held-out splits (validation and test) are a seeded choice of prompts
+(`eval.holdout`) removed from training, or separate sources
+(services/common/tasks/taskset.py). Nothing downloads: reasoning-gym is
 procedural and `datasets` runs with HF_DATASETS_OFFLINE=1.
 """
 
@@ -82,7 +83,8 @@ class ArithmeticRows:
         return self.spec.size
 
     def row(self, index: int) -> Row:
-        p = arithmetic.problem(self.spec.seed, index, self.spec.digits, self.spec.op)
+        s = self.spec
+        p = arithmetic.problem(s.seed, index, s.digits, s.op, s.split or "train")
         return Row(prompt=p.prompt, answer=p.answer, solution=p.answer)
 
 
@@ -308,6 +310,8 @@ def check(name: str, spec: TaskSpec, key: str, *, data: bool) -> None:
     sources = [(f"{key} source", spec.source)]
     if spec.eval.source is not None:
         sources.append((f"{key} eval.source", spec.eval.source))
+    if spec.eval.test_source is not None:
+        sources.append((f"{key} eval.test_source", spec.eval.test_source))
     for skey, src in sources:
         if isinstance(src, ReasoningGymSource):
             require("reasoning_gym", f"{skey}: type 'reasoning_gym'", "reasoning")

@@ -111,6 +111,13 @@ class ArithmeticSource(_Strict):
     op: Literal["+", "*"] = Field(
         "+", description="'+': addition; '*': multiplication (the tool-use demo)."
     )
+    split: Literal["train", "validation", "test"] | None = Field(
+        None,
+        description="Which part of the problem space to draw from (each problem belongs to one "
+        "by a hash of the problem: services/common/arithmetic.py). Default: by where the "
+        "source stands: train for `source`, validation for `eval.source`, test for "
+        "`eval.test_source`; any other choice there is refused.",
+    )
 
 
 class VerifiersSource(_Strict):
@@ -280,17 +287,38 @@ RewardPart = Annotated[
 
 # ── evaluation ───────────────────────────────────────────────────────────────
 class EvalSpec(_Strict):
-    """The held-out split and how it is measured (trainer eval_every, flywheel eval, demo)."""
+    """The held-out splits and how they are measured.
+
+    Two held-out splits, never trained on (in SFT or RL): `validation`, which
+    the trainer evaluates every `eval_every` steps and chooses its best
+    checkpoint on (best.json, `--target-accuracy`), and `test`, which only
+    reports (`flywheel eval`, the demo's before/after), so the reported
+    figure is not the one the checkpoint was picked for.
+    """
 
     source: SourceSpec | None = Field(
-        None, description="A separate held-out source (e.g. a test JSONL), same fields as source."
+        None,
+        description="A separate validation source (e.g. a dev JSONL), same fields as source. "
+        "Rows whose prompt also occurs in the training source are dropped from training.",
+    )
+    test_source: SourceSpec | None = Field(
+        None,
+        description="A separate test source, reported by `flywheel eval` and the demo; none: "
+        "they report on validation and say so. Its prompts are dropped from training too.",
     )
     holdout: float = Field(
         0.0,
         ge=0.0,
         le=0.9,
-        description="Instead: this fraction of the training source, chosen by a seeded hash, "
-        "is held back from training and evaluated on.",
+        description="Instead of sources: this fraction of the training source's prompts is "
+        "held back from training, chosen by a seeded hash of the prompt text (a prompt that "
+        "repeats is held out everywhere it occurs), and split into validation and test.",
+    )
+    test_share: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="holdout: the share of held-out prompts that are test (the rest validation).",
     )
     seed: int = Field(0, description="Seed of the holdout choice.")
     size: int = Field(200, ge=1, description="Evaluate at most this many held-out rows.")
@@ -304,13 +332,38 @@ class EvalSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_split(self) -> EvalSpec:
-        if self.source is not None and self.holdout > 0:
-            raise ValueError("eval: give source or holdout, not both")
+        if (self.source is not None or self.test_source is not None) and self.holdout > 0:
+            raise ValueError("eval: give source (and test_source) or holdout, not both")
+        if self.test_source is not None and self.source is None:
+            raise ValueError("eval.test_source: needs eval.source (the validation split)")
+        object.__setattr__(self, "source", _split_as(self.source, "validation", "eval.source"))
+        object.__setattr__(
+            self, "test_source", _split_as(self.test_source, "test", "eval.test_source")
+        )
         return self
 
     @property
     def enabled(self) -> bool:
         return self.source is not None or self.holdout > 0
+
+    @property
+    def sources(self) -> tuple[SourceSpec, ...]:
+        """The separate held-out sources given (validation, then test)."""
+        return tuple(s for s in (self.source, self.test_source) if s is not None)
+
+
+def _split_as(src: Any, split: str, key: str) -> Any:
+    """An arithmetic source with its split set by where it stands (and checked)."""
+    if not isinstance(src, ArithmeticSource):
+        return src
+    if src.split is None:
+        return src.model_copy(update={"split": split})
+    if src.split != split:
+        raise ValueError(
+            f"{key}.split: {src.split!r}, but this source is the {split} split: every "
+            f"problem it draws must be one no other split draws (leave split out)"
+        )
+    return src
 
 
 # ── the task ─────────────────────────────────────────────────────────────────
@@ -365,6 +418,11 @@ class TaskSpec(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _train_split(self) -> TaskSpec:
+        object.__setattr__(self, "source", _split_as(self.source, "train", "source"))
+        return self
+
+    @model_validator(mode="after")
     def _reward_fits(self) -> TaskSpec:
         kind = self.source.type
         if not self.reward:
@@ -377,7 +435,7 @@ class TaskSpec(_Strict):
             object.__setattr__(self, "reward", (default,))
         for i, part in enumerate(self.reward):
             own = {ReasoningGymScore: "reasoning_gym", VerifiersRubric: "verifiers"}.get(type(part))
-            kinds = {kind, self.eval.source.type if self.eval.source else kind}
+            kinds = {kind, *(src.type for src in self.eval.sources)}
             if own is not None and kinds != {own}:
                 raise ValueError(f"reward[{i}]: {own!r} needs source type {own!r}")
         names = [p.part_name for p in self.reward]
