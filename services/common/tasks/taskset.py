@@ -66,6 +66,7 @@ class LoadedTask:
     test: list[tuple[int, Row]]  # (index in test_source, row), distinct prompts
     validation_source: SourceSpec  # where those indices point: eval.source or the source
     test_source: SourceSpec  # eval.test_source or the source
+    held_keys: frozenset[str] = frozenset()  # every held-out prompt (mixtures: see TaskSet.load)
 
     def held_out(self, split: Split) -> list[tuple[int, Row]]:
         return self.validation if split == "validation" else self.test
@@ -115,6 +116,7 @@ def load_task(name: str, spec: TaskSpec, key: str, eval_size: int | None = None)
     train: Sequence[int] = range(len(rows))
     validation: list[tuple[int, Row]] = []
     test: list[tuple[int, Row]] = []
+    held: set[str] = set()
     if e.source is not None:
         vrows = load_rows(e.source, f"{key} eval.source")
         trows = load_rows(e.test_source, f"{key} eval.test_source") if e.test_source else None
@@ -122,13 +124,15 @@ def load_task(name: str, spec: TaskSpec, key: str, eval_size: int | None = None)
         vkeys = set() if apart else _keys(vrows)
         validation = _distinct(vrows, size)
         test = _distinct(trows, size, banned=vkeys) if trows is not None else []
+        held = {prompt_key(r) for _, r in validation + test}
         if not apart:  # by construction for arithmetic splits; by prompt for the rest
-            banned = vkeys | _keys(trows)
-            train = [i for i in range(len(rows)) if prompt_key(rows.row(i)) not in banned]
+            held = vkeys | _keys(trows)
+            train = [i for i in range(len(rows)) if prompt_key(rows.row(i)) not in held]
     elif e.holdout > 0:
         shares = [holdout_share(prompt_key(rows.row(i)), e.seed) for i in range(len(rows))]
         cut = e.holdout * e.test_share
         train = [i for i, u in enumerate(shares) if u >= e.holdout]
+        held = {prompt_key(rows.row(i)) for i, u in enumerate(shares) if u < e.holdout}
         test = _distinct(rows, size, where=(i for i, u in enumerate(shares) if u < cut))
         validation = _distinct(
             rows, size, where=(i for i, u in enumerate(shares) if cut <= u < e.holdout)
@@ -141,7 +145,8 @@ def load_task(name: str, spec: TaskSpec, key: str, eval_size: int | None = None)
     if e.enabled and not train:
         raise ConfigError(f"{key} source: every training prompt is also a held-out prompt")
     vsource = e.source or spec.source
-    return LoadedTask(name, spec, rows, train, validation, test, vsource, e.test_source or vsource)
+    tsource = e.test_source or vsource
+    return LoadedTask(name, spec, rows, train, validation, test, vsource, tsource, frozenset(held))
 
 
 class TaskSet:
@@ -177,8 +182,17 @@ class TaskSet:
             check(name, spec, self.keys[name], data=data)
 
     def load(self, eval_size: int | None = None) -> dict[str, LoadedTask]:
+        """Every task loaded; in a mixture, no task trains on another's held-out prompts."""
         self.check(data=True)
-        return {n: load_task(n, s, self.keys[n], eval_size) for n, s in self.specs.items()}
+        loaded = {n: load_task(n, s, self.keys[n], eval_size) for n, s in self.specs.items()}
+        for name, t in loaded.items():
+            others = frozenset().union(*(o.held_keys for n, o in loaded.items() if n != name))
+            if others:
+                t.train = [i for i in t.train if prompt_key(t.rows.row(int(i))) not in others]
+                if not t.train:
+                    raise ConfigError(f"{self.keys[name]} source: every training prompt is "
+                                      "held out by another task of the mixture")  # fmt: skip
+        return loaded
 
 
 @dataclass

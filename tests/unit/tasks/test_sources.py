@@ -192,6 +192,25 @@ def test_separate_eval_files_are_dropped_from_training(tmp_path: Path) -> None:
     assert trained == {r["question"] for r in rows[20:]}
 
 
+def test_a_mixture_task_never_trains_on_another_tasks_held_out_prompts(tmp_path: Path) -> None:
+    rows = gsm_rows(200)
+    a = write_jsonl(tmp_path / "a.jsonl", rows)  # trains on every prompt of b's file
+    b = write_jsonl(tmp_path / "b.jsonl", rows[:100])
+    f = {"type": "jsonl", "prompt_field": "question"}
+    ts = TaskSet(
+        {
+            "a": spec(source={**f, "path": str(a)}, reward="gsm8k"),
+            "b": spec(source={**f, "path": str(b)}, reward="gsm8k", eval={"holdout": 0.3}),
+        },
+        {"a": "[tasks.a]", "b": "[tasks.b]"},
+    )
+    loaded = ts.load()
+    held_b = {r.prompt for _, r in loaded["b"].validation + loaded["b"].test}
+    trained_a = {loaded["a"].rows.row(i).prompt for i in loaded["a"].train}
+    assert held_b and not held_b & trained_a
+    assert len(trained_a) == 200 - len(loaded["b"].held_keys)
+
+
 def test_arithmetic_splits_partition_the_problem_space() -> None:
     """Every problem is in one split by a hash of the problem (a+b and b+a together), and a
     source of a split draws only its problems, whatever the seed."""
