@@ -53,7 +53,7 @@ def episodes(model_dir: Path, size: int) -> Counter[str]:
     model, tok = load_model(model_dir)
     with Evaluator(tasks, size=size) as ev:
         ((_, task),) = ev.loaded.items()
-        spec, rows = task.spec, task.held_out[:size]
+        spec, rows = task.spec, task.held_out(ev.split)[:size]
         assert spec.episode is not None and ev.tools is not None
         prompts = [format_row(spec, r)[0] or "" for _, r in rows]
         ids = [encode(tok, p, None, spec.chat_template) for p in prompts]
@@ -76,7 +76,7 @@ def copies(model_dir: Path, size: int) -> dict[int, tuple[int, int]]:
     model.eval()
     seen: dict[int, list[int]] = {}
     for i in range(size):
-        p = problem(1000003, i, 3, "*")  # the held-out seed of configs/demo-tools.toml
+        p = problem(1000003, i, 3, "*", "test")  # problems of the test split
         text = f"{p.prompt}<calc>{p.prompt.rstrip('=')}</calc><result>{p.answer}</result><answer>"
         ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         with torch.no_grad():

@@ -122,7 +122,8 @@ def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float 
     from services.tasks.evaluate import Evaluator
 
     per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
-    evaluator = Evaluator(tasks).__enter__()  # one pool for the whole run (Bench.close)
+    # The validation split, as Flywheel's trainer: these evaluations stop the run.
+    evaluator = Evaluator(tasks, split="validation").__enter__()  # one pool (Bench.close)
 
     class Bench(TrainerCallback):
         def __init__(self) -> None:

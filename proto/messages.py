@@ -207,7 +207,11 @@ class Sample(Message):
     queued_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
-    verifier_error: str | None = Field(None, description="Why the reward is 0 if scoring failed.")
+    verifier_error: str | None = Field(
+        None,
+        description="Why the reward could not be computed (then reward is 0 and the sample "
+        "is never trained on: the buffer leaves it out of its group).",
+    )
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:

@@ -53,7 +53,9 @@ from services.buffer.core import (
     advance,
     group_failure,
     make_filters,
+    scored_part,
     task_id,
+    unscored,
 )
 from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
@@ -100,7 +102,12 @@ class BufferService:
             max_oversample=settings.max_oversample,
             margin=settings.oversample_margin,
         )
-        self.asm = Assembler(self.policy, BufferState(), make_filters(settings))
+        self.asm = Assembler(
+            self.policy,
+            BufferState(),
+            make_filters(settings),
+            min_scored=settings.min_scored_per_group,
+        )
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
         self.metrics = BufferMetrics(ctx.registry)
         self.lock = asyncio.Lock()  # one state change (and its persist) at a time
@@ -144,8 +151,9 @@ class BufferService:
         await self.persist()
 
     async def _stored_group(self, seq: int) -> SampleGroup:
+        """An accepted group as it was accepted: its scored samples (core.scored_part)."""
         raw = await self.ctx.js.get_msg(stream_name(self.s.run, "SAMPLES"), seq)
-        return decode(raw.data or b"", SampleGroup)
+        return scored_part(decode(raw.data or b"", SampleGroup))
 
     def _head(self) -> bytes:
         """The head: counters, and the first step not yet published."""
@@ -182,6 +190,7 @@ class BufferService:
                 return
             if self.asm.state.answered > answered:  # decided now, not a redelivered drop
                 self._record(group.group_id, d.stream_seq if verdict == Verdict.ACCEPTED else None)
+                self.metrics.unscored_samples.inc(unscored(group))
             tokens = sum(s.num_response_tokens for s in group.samples)
             self.metrics.group_tokens.labels(verdict=str(verdict)).inc(tokens)
             self.metrics.filter_rate.set(self.asm.rate)
@@ -194,6 +203,15 @@ class BufferService:
                 await self._publish_ready_batches()
             await self.persist()
             self.wake.set()
+        if verdict == Verdict.UNSCORED:  # a failure, not a decision: a dead letter to read
+            first = next(s.verifier_error for s in group.samples if s.verifier_error)
+            raise PermanentError(
+                f"group {group.group_id}: {unscored(group)} of {len(group.samples)} rewards "
+                f"could not be computed, too few left to train on ([buffer] "
+                f"min_scored_per_group); e.g. {first}",
+                reason=str(verdict),
+                expected=True,  # the worker warned of the error; the status line counts these
+            )
         if verdict != Verdict.ACCEPTED:
             raise PermanentError(
                 f"group {group.group_id} (version {group.weight_version}) dropped at step "

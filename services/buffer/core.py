@@ -126,6 +126,7 @@ class PromptTaskMaker:
 class Verdict(StrEnum):
     ACCEPTED = "accepted"
     DUPLICATE = "duplicate"
+    UNSCORED = "unscored"  # too few samples whose reward could be computed
     STALE = "stale"
     ZERO_VARIANCE = "zero_variance"
     TOO_LONG = "too_long"
@@ -134,6 +135,33 @@ class Verdict(StrEnum):
 
 GroupFilter = Callable[[SampleGroup], str | None]
 """A filter returns a drop reason, or None to keep the group."""
+
+
+def scored_part(group: SampleGroup) -> SampleGroup:
+    """The group without its samples whose reward could not be computed.
+
+    A verifier that timed out, crashed or raised gave its sample reward 0
+    with a `verifier_error`: not a judgement of the completion (a right
+    answer whose checker timed out would be pushed down), so the sample is
+    never trained on, and the group's mean and std (the trainer's GRPO
+    baseline, over the samples a batch holds) are of the scored samples
+    alone. Deterministic: a batch re-read from the stream after a restart
+    is rebuilt the same, byte for byte.
+    """
+    kept = tuple(s for s in group.samples if s.verifier_error is None)
+    if len(kept) == len(group.samples):
+        return group
+    return group.model_copy(update={"samples": kept})
+
+
+def min_scored(setting: int | None, n: int) -> int:
+    """Scored samples a group of `n` needs to train (`[buffer] min_scored_per_group`)."""
+    return min(n, setting if setting is not None else max(2, -(-n // 2)))
+
+
+def unscored(group: SampleGroup) -> int:
+    """How many of the group's samples have no reward (a verifier error)."""
+    return sum(s.verifier_error is not None for s in group.samples)
 
 
 def zero_variance(group: SampleGroup) -> str | None:
@@ -202,6 +230,7 @@ class Assembler:
     pending: list[SampleGroup] = field(default_factory=list)
     filter_rate: FilterRate | None = None  # default: learned over 8 batches of groups
     forgotten_below: int = 0  # settled ids of steps before this one are forgotten
+    min_scored: int | None = None  # [buffer] min_scored_per_group
 
     def __post_init__(self) -> None:
         if self.filter_rate is None:
@@ -231,21 +260,25 @@ class Assembler:
         if any(p.group_id == gid for p in self.pending):
             return Verdict.DUPLICATE
         self.state.answered += 1
-        reason = self._drop_reason(group)
+        scored = scored_part(group)
+        reason = self._drop_reason(group, scored)
         if self.filter_rate is not None:  # a stale group passed the filters
             self.filter_rate.observe(reason is not None and reason != Verdict.STALE)
         if reason is not None:
             self.state.settled[gid] = (self.state.next_step, reason)
             return reason
-        self.pending.append(group)
+        self.pending.append(scored)
         return Verdict.ACCEPTED
 
-    def _drop_reason(self, group: SampleGroup) -> str | None:
+    def _drop_reason(self, group: SampleGroup, scored: SampleGroup) -> str | None:
+        """Why `group` is dropped (None: it trains as `scored`, its scored samples)."""
+        if len(scored.samples) < min_scored(self.min_scored, len(group.samples)):
+            return Verdict.UNSCORED
         for check in self.filters:
-            reason = check(group)
+            reason = check(scored)
             if reason is not None:
                 return reason
-        if group.weight_version < self.target_step() - self.policy.max_staleness:
+        if scored.weight_version < self.target_step() - self.policy.max_staleness:
             return Verdict.STALE
         return None
 

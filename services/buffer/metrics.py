@@ -18,6 +18,11 @@ class BufferMetrics:
             "Response tokens of the groups received, by verdict (stale: generated, then wasted).",
             ["verdict"],
         )
+        self.unscored_samples = m.counter(
+            "unscored_samples",
+            "Samples whose reward could not be computed (verifier timed out, crashed or "
+            "raised): never trained on; their group trained on the rest or was dead-lettered.",
+        )
         self.filter_rate = m.gauge(
             "filter_rate", "Learned share of groups the filters drop (admission over-samples it)."
         )

@@ -44,6 +44,15 @@ class BufferSettings(TaskServiceSettings):
         description="Standard deviations of filter luck the learned admission keeps back, so "
         "that a run of kept groups does not overflow the bound (0: dispatch the expectation).",
     )
+    min_scored_per_group: int | None = Field(
+        None,
+        ge=1,
+        description="A sample whose reward could not be computed (its verifier timed out, "
+        "crashed or raised: `verifier_error`) is never trained on, nor counts in its group's "
+        "baseline; its group trains on the rest if at least this many samples were scored, "
+        "else it is dead-lettered (reason 'unscored'). None: half the group, at least 2 "
+        "(GRPO's mean and std of fewer say little).",
+    )
     filter_zero_variance: bool = Field(
         True, description="Drop groups whose rewards are all equal (no learning signal)."
     )

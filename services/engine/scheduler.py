@@ -21,14 +21,21 @@ while generation is paused, or while an update waits, are *held*: SGLang
 keeps them in its tokenizer manager (the pause condition, the weight lock),
 outside the scheduler, so they count for nothing the scheduler checks.
 
-A weight update while generation runs waits, like SGLang's writer lock,
-for every request admitted before it (running or waiting, not held) to
-finish; while paused it loads at once. Then, as SGLang's scheduler does, it
-records the version change on every live request (tokens so far came from
-the old version: `weight_versions` spans) and, if asked, flushes the cache,
-which needs no running request and (before 0.5.22, or unpaused) no waiting
-one. A refused flush fails the update with SGLang's 400 message (0.5.22+)
-or kills the scheduler as SGLang's assertion did (`crashed`, before).
+A weight update asked for while generation runs waits, like SGLang's
+writer lock, for every request admitted before it (running or waiting, not
+held) to finish; one asked for while paused loads at once (SGLang takes no
+lock then: 0.5.6+; 0.5.4 takes it, but its pause has aborted every reader).
+Then, as SGLang's scheduler does, it records the version change on every
+live request (tokens so far came from the old version: `weight_versions`
+spans) and, if asked, flushes the cache, which needs no running request and
+(before 0.5.22, or unpaused) no waiting one. A refused flush fails the
+update with SGLang's 400 message (0.5.22+) or kills the scheduler as
+SGLang's assertion did (`crashed`, before). Requests held by the update are
+released only once it has answered, flush included: in every release from
+0.5.4 to 0.5.23 the tokenizer manager holds the writer lock around
+`_wait_for_model_update_from_disk` (and `update_weights_from_distributed`),
+which returns after the scheduler's flush, so a request that arrives during
+an update never is in the scheduler's queue when the flush looks at it.
 """
 
 from __future__ import annotations
@@ -152,7 +159,7 @@ class Scheduler:
                 return
             if abort_all:
                 self._abort_matching(None, True, "Aborted by a weight update")
-            self._update = Update(load, version, flush, fut)
+            self._update = Update(load, version, flush, fut, locked=not self._paused)
 
         if not self.alive():
             fut.set_exception(self._stopped())
@@ -181,6 +188,7 @@ class Scheduler:
             "num_held_reqs": held,
             "num_used_tokens": self._batch.used_tokens(),
             "paused": self._paused,
+            "update_pending": self._update is not None,
         }
 
     @property
@@ -264,11 +272,15 @@ class Scheduler:
         """Requests admitted before a pending (unpaused) update are still unfinished."""
         return bool(self._running) or any(not s.held for s in self._waiting)
 
+    def _update_due(self) -> bool:
+        """A pending update may load now: it holds no lock, or its readers are done."""
+        upd = self._update
+        return upd is not None and (not upd.locked or not self._blocking_update())
+
     def _has_work(self) -> bool:
         decoding = bool(self._running) and not self._paused
         admitting = not self._paused and self._admittable()
-        updating = self._update is not None and (self._paused or not self._blocking_update())
-        return decoding or admitting or updating
+        return decoding or admitting or self._update_due()
 
     def _release_held(self) -> None:
         for seq in self._waiting:
@@ -333,40 +345,48 @@ class Scheduler:
 
     def _maybe_update(self) -> None:
         upd = self._update
-        if upd is None or (not self._paused and self._blocking_update()):
+        if upd is None or not self._update_due():
             return
         self._update = None
-        if not self._paused:
-            self._release_held()
+        try:
+            answer(upd.future, self._apply(upd))
+        finally:
+            # The writer lock goes only now, after the answer (flush included):
+            # requests that came meanwhile enter the scheduler after it.
+            if not self._paused:
+                self._release_held()
+
+    def _apply(self, upd: Update) -> tuple[bool, str, int]:
+        """Load, record the version change, flush: SGLang's scheduler's answer."""
         try:
             message = upd.load()
         except UpdateRefused as e:
             log.warning("weight update refused: %s", e)
-            answer(upd.future, (False, str(e), 0))
-            return
+            return False, str(e), 0
         if upd.version is not None and upd.version != self.served_version:
             for seq in [*self._running, *self._waiting]:
                 if seq.output_ids:
                     seq.events.append((self.served_version, len(seq.output_ids)))
             self.served_version = upd.version
-        if upd.flush and not self._flush_possible():
+        # An unlocked update was asked for while paused; SGLang's scheduler handles
+        # it before any /continue_generation that came after it.
+        if upd.flush and not self._flush_possible(paused=self._paused or not upd.locked):
             if not self.caps.flush_refusal_is_400:
                 why = f"AssertionError: {FLUSH_ASSERT}"
                 self.crashed = f"the engine scheduler crashed: {why}"
                 answer(upd.future, error=SchedulerCrashed(why))
                 raise SchedulerCrashed(why)
-            answer(upd.future, (False, FLUSH_REFUSED, 0))
-            return
+            return False, FLUSH_REFUSED, 0
         if upd.version is not None:
             self.weight_version = upd.version
-        answer(upd.future, (True, message, 0))
+        return True, message, 0
 
-    def _flush_possible(self) -> bool:
+    def _flush_possible(self, paused: bool | None = None) -> bool:
         """SGLang's `flush_cache` precondition (`is_fully_idle`): nothing running, and
         nothing waiting in the scheduler unless paused on 0.5.22+ (held ones are not in it)."""
         if self._running:
             return False
-        if self._paused and self.caps.paused_flush_ignores_waiting:
+        if (self._paused if paused is None else paused) and self.caps.paused_flush_ignores_waiting:
             return True
         return not any(not s.held for s in self._waiting)
 

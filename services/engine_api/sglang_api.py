@@ -32,7 +32,10 @@ Unchanged over the whole range: `/generate` (`GenerateReqInput`), the
 `n > 1`, `top_k` -1 or >= 1 (`SamplingParams.verify`), `/health` and
 `/health_generate` generating one token (at least 1 s; no answer while
 generation is paused), `/update_weights_from_disk` with `weight_version`,
-and the API key on every path but `/health*`, `/metrics*` (and `/ready*`).
+an update asked for while generation runs holding `model_update_lock`'s
+writer lock until the scheduler has answered, flush included (new requests
+wait on the reader lock in the tokenizer manager; 0.5.6+ take no writer lock when
+paused), and the API key on every path but `/health*`, `/metrics*` (and `/ready*`).
 
 Supported: 0.5.4 <= version < 0.6. Releases above 0.5.23 are accepted (the
 API held still across twenty 0.5.x releases) with a warning; anything

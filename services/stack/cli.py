@@ -108,7 +108,7 @@ def start_nats(s: StackSettings, run_dir: Path) -> tuple[Any, str]:
 
 @dataclass(frozen=True)
 class Goal:
-    """When `up` stops by itself: steps trained, held-out accuracy, or wall time."""
+    """When `up` stops by itself: steps trained, validation accuracy, or wall time."""
 
     steps: int | None = None
     accuracy: float | None = None
@@ -119,7 +119,7 @@ class Goal:
         if self.steps is not None and now.step is not None and now.step >= self.steps:
             return f"reached {self.steps} steps"
         if self.accuracy is not None and (now.accuracy or 0.0) >= self.accuracy:
-            return f"held-out accuracy {now.accuracy:.3f} reached"
+            return f"validation accuracy {now.accuracy:.3f} reached"
         if self.seconds and elapsed_s > self.seconds:
             return f"{self.seconds:.0f}s passed"
         return None

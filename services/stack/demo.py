@@ -4,11 +4,13 @@
 2. SFT warm start on 2-digit addition where most labels write the carry
    out of the tens as 0 (58+67=025), so the model starts plausible but often
    wrong;
-3. held-out greedy accuracy before RL;
+3. greedy accuracy before RL on the test split (problems no stage trains on
+   or chooses on: services/tasks/arithmetic.py partitions the problem space);
 4. async GRPO through the full local stack (`configs/demo.toml`: embedded
    NATS, two CPU engines with a rollout worker each, buffer, trainer, sync);
-5. held-out accuracy after RL, metrics as JSONL and a PNG plot of reward
-   and accuracy against step and time in the run directory.
+5. test accuracy after RL of the weights the trainer chose on the validation
+   split, metrics as JSONL and a PNG plot of reward and validation accuracy
+   against step and time in the run directory.
 
 `--task tools` runs the same stages on the tool-use task instead
 (services/stack/demo_tools.py, configs/demo-tools.toml): 3-digit
@@ -79,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-accuracy",
         type=float,
-        help=f"stop RL once the trainer's held-out accuracy reaches this (tools: {TOOLS_TARGET})",
+        help=f"stop RL once the trainer's validation accuracy reaches this (tools: {TOOLS_TARGET})",
     )
     p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
@@ -90,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
         type=role_cores,
         help="override [stack] cpus, e.g. trainer=0 engine=1,2 (bench/e2e.py --placement)",
     )
-    p.add_argument("--eval-size", type=int, default=500, help="held-out problems")
+    p.add_argument("--eval-size", type=int, default=500, help="test problems reported on")
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
     p.add_argument("--keep", action="store_true", help="reuse an existing SFT model in run_dir")
     return p
@@ -104,15 +106,18 @@ def role_cores(text: str) -> tuple[str, str]:
     return role, cores
 
 
-def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> float:
-    """Greedy pass@1 on the run file's held-out split (the trainer's evaluation)."""
+def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> tuple[float, str]:
+    """Greedy pass@1 on the run file's test split (never the validation split the
+    trainer chose the weights on), and the split's name (validation if no test)."""
     from services.tasks.evaluate import evaluate_dir
 
-    return evaluate_dir(model_dir, tasks, size=n).pass_at_1
+    report = evaluate_dir(model_dir, tasks, size=n)
+    return report.pass_at_1, report.split
 
 
 def sft_data(args: argparse.Namespace, run_dir: Path) -> Path:
-    """The warm start's JSONL; seed 7: not the RL prompts (seed 0) nor the held-out ones.
+    """The warm start's JSONL: problems of the train split only (seed 7 draws them
+    in another order than the RL prompts'), never a validation or test problem.
 
     The mistake keeps the sum's width (025, not 25) so the digits after the
     first sit where a right answer's do and SFT teaches them from every
@@ -218,7 +223,7 @@ def plot(metrics: Path, out: Path) -> Path | None:
             [row[x] for row in a],
             [row["eval_accuracy"] for row in a],
             "o-",
-            label="held-out accuracy",
+            label="validation accuracy",
         )
         ax.set_xlabel("optimizer step" if x == "step" else "seconds of RL")
         ax.set_ylim(0, 1.02)
@@ -238,7 +243,7 @@ def latest_weights(run_dir: Path, run: str) -> Path | None:
 
 def best_weights(run_dir: Path, final: Path, steps: int) -> tuple[Path, int]:
     """The weights the demo hands over, and their step: those of the trainer's best
-    held-out evaluation of a trained version (services/weights/best.py), else the
+    validation-split evaluation of a trained version (services/weights/best.py), else the
     last version. A run stopped on its target ends a step or two after
     the evaluation that met it; those newer weights were never evaluated."""
     from services.weights.best import best_record
@@ -276,8 +281,8 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     run_dir = Path(args.run_dir or base.run_dir).resolve()
     tasks = base.task_set()
     sft_model = sft_stage(args, run_dir, sft)
-    before = held_out_accuracy(tasks, sft_model, args.eval_size)
-    print(f"flywheel demo: held-out accuracy after SFT: {before:.3f}", flush=True)
+    before, split = held_out_accuracy(tasks, sft_model, args.eval_size)
+    print(f"flywheel demo: {split} accuracy after SFT: {before:.3f}", flush=True)
     rf = run_file(config, run_dir, sft_model, args.max_staleness, args.cpus)
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
@@ -291,9 +296,10 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
         return code or 1
     steps = parse_name(final.name) or 0
     weights, best_step = best_weights(run_dir, final, steps)
-    after = held_out_accuracy(tasks, weights, args.eval_size)
+    after, _ = held_out_accuracy(tasks, weights, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
-    summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after}
+    summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after,
+                               "accuracy_split": split}  # fmt: skip
     if tools:
         summary |= tool_summary(run_dir)
     summary |= {
@@ -301,8 +307,9 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     }  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(
-        f"\nflywheel demo: held-out greedy accuracy {before:.3f} → {after:.3f} "
-        f"(weights of step {best_step}) after {steps} RL steps ({rl_s:.0f}s)"
+        f"\nflywheel demo: {split} greedy accuracy {before:.3f} → {after:.3f} "
+        f"(weights of step {best_step}, chosen on validation) after {steps} RL steps "
+        f"({rl_s:.0f}s)"
     )
     print(
         f"flywheel demo: metrics {run_dir / 'metrics.jsonl'}, plot {png}, logs {run_dir / 'logs'}"

@@ -88,7 +88,10 @@ def plot_tools(rows: list[dict[str, Any]], out: Path) -> Path | None:
         alpha=0.6,
     )
     ax.plot(
-        [r["step"] for r in acc], [r["eval_accuracy"] for r in acc], "o-", label="held-out accuracy"
+        [r["step"] for r in acc],
+        [r["eval_accuracy"] for r in acc],
+        "o-",
+        label="validation accuracy",
     )
     ax.set_xlabel("optimizer step")
     ax.set_ylim(0, 1.5)

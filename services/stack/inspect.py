@@ -44,12 +44,15 @@ def eval_main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         doc = {"model": str(model_dir), **report.metrics(), "accuracy": report.pass_at_1}
-        print(json.dumps({**doc, "total": report.total}))
+        print(json.dumps({**doc, "total": report.total, "split": report.split}))
         return 0
+    if report.split != "test":
+        print("flywheel eval: no test split ([task] eval.test_source or eval.holdout): on the "
+              "validation split, which the trainer chooses its best checkpoint on")  # fmt: skip
     for name, t in report.tasks.items():
         k = f", pass@{t.k} {t.pass_at_k:.3f}" if t.pass_at_k is not None else ""
         print(
-            f"{model_dir}: {name}: held-out pass@1 {t.pass_at_1:.3f}{k} "
+            f"{model_dir}: {name}: {report.split} pass@1 {t.pass_at_1:.3f}{k} "
             f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})"
         )
         for prompt, completion, answer in t.examples:
@@ -67,10 +70,11 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
     from services.tasks.spec import EvalSpec, TaskSpec
     from services.tasks.taskset import TaskSet
 
-    if config is None:
+    if config is None:  # the arithmetic task's validation and test problems
         held_out = ArithmeticSource(type="arithmetic", seed=1_000_003)
         spec = TaskSpec(
-            source=ArithmeticSource(type="arithmetic"), eval=EvalSpec(source=held_out, size=500)
+            source=ArithmeticSource(type="arithmetic"),
+            eval=EvalSpec(source=held_out, test_source=held_out, size=500),
         )
         tasks, model_dir = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"}), None
     else:

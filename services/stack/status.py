@@ -51,6 +51,7 @@ class Status:
     groups: float = 0.0  # groups the buffer received (duplicates not counted)
     stale: float = 0.0  # of which dropped as stale: generated, then wasted
     stale_tokens: float = 0.0
+    unscored: float = 0.0  # samples whose reward could not be computed: not trained on
     at: float = field(default_factory=time.time)
 
 
@@ -78,6 +79,7 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             every = value(s, "flywheel_buffer_groups_total", 0.0) or 0.0
             dups = value(s, "flywheel_buffer_groups_total", 0.0, verdict="duplicate") or 0.0
             st.groups = every - dups
+            st.unscored = value(s, "flywheel_buffer_unscored_samples_total", 0.0) or 0.0
         for labels, v in s.get("flywheel_messages_dead_lettered_total", []):
             if labels.get("reason") in FILTERED:
                 st.filtered += v
@@ -100,7 +102,7 @@ def render_line(now: Status, before: Status | None) -> str:
         f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
         f"| staleness {f(now.staleness, '.0f')} | samples/s {f(rate, '.1f')} "
         f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
-        f"| filtered {now.filtered:.0f} | stale {stale} "
+        f"| filtered {now.filtered:.0f} | stale {stale} | unscored {now.unscored:.0f} "
         f"| dead letters {now.dead_letters:.0f} | engines {engines}"
     )
 

@@ -1,7 +1,9 @@
 """The held-out evaluation: greedy pass@1 and sampled pass@k, through the task's own reward.
 
-One function, `evaluate`, used by the trainer (`eval_every`), `flywheel
-eval -c run.toml`, the demo and bench/trl_grpo.py. Prompts are formatted
+One function, `evaluate`, used by the trainer (`eval_every`, on the
+validation split: it chooses the best checkpoint), `flywheel eval -c
+run.toml` and the demo (on the test split: what is reported, never what a
+checkpoint was chosen on; `report_split`) and bench/trl_grpo.py. Prompts are formatted
 and tokenized exactly as the rollout worker does (`prompts.format_row` +
 `prompts.encode`), and completions are scored by the task's reward in the
 verifier sandbox (`Scorer`). A completion is correct when the reward part
@@ -29,7 +31,7 @@ from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode, format_row
 from services.tasks.sandbox import VerifierPool
 from services.tasks.scoring import Scorer, correct, tool_pool, warmup
-from services.tasks.taskset import LoadedTask, TaskSet
+from services.tasks.taskset import LoadedTask, Split, TaskSet
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class TaskEval:
 @dataclass(frozen=True)
 class EvalReport:
     tasks: dict[str, TaskEval] = field(default_factory=dict)
+    split: Split = "validation"  # which held-out split the figures are of
 
     def _mean(self, attr: str) -> float | None:
         rows = [(t.total, getattr(t, attr)) for t in self.tasks.values()]
@@ -148,13 +151,13 @@ async def episode_completions(
 
 
 async def _score(
-    scorer: Scorer, name: str, rows: Any, completions: list[list[tuple[str, int]]]
+    scorer: Scorer, name: str, rows: Any, completions: list[list[tuple[str, int]]], split: Split
 ) -> list[list[Any]]:
     """Every completion of every held-out row, scored concurrently; per row, in order."""
     return await asyncio.gather(
         *(
             asyncio.gather(
-                *(scorer.score(name, idx, text, row.answer, n, held_out=True) for text, n in comps)
+                *(scorer.score(name, idx, text, row.answer, n, split=split) for text, n in comps)
             )
             for (idx, row), comps in zip(rows, completions, strict=True)
         )
@@ -169,10 +172,11 @@ async def evaluate_task(
     *,
     size: int | None = None,
     seed: int = 0,
+    split: Split = "validation",
 ) -> TaskEval:
-    """Greedy pass@1 (and pass@k when eval.k > 1) of one task's held-out rows."""
+    """Greedy pass@1 (and pass@k when eval.k > 1) of one task's rows of `split`."""
     spec, e = task.spec, task.spec.eval
-    rows = task.held_out[: size or e.size]
+    rows = task.held_out(split)[: size or e.size]
     formatted = [format_row(spec, r) for _, r in rows]
     ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
 
@@ -182,7 +186,7 @@ async def evaluate_task(
         greedy = await asyncio.to_thread(
             generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
         )
-    scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy)]
+    scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy, split)]
     n = max(len(rows), 1)
     result = TaskEval(
         total=len(rows),
@@ -205,7 +209,7 @@ async def evaluate_task(
         seed=seed,
         max_new_tokens=e.max_new_tokens,
     )
-    scored_k = await _score(scorer, task.name, rows, sampled)
+    scored_k = await _score(scorer, task.name, rows, sampled, split)
     solved = [any(correct(spec, r) for r in rs) for rs in scored_k]
     return TaskEval(
         result.total, result.pass_at_1, result.mean_reward, e.k, sum(solved) / n, result.examples
@@ -220,15 +224,25 @@ async def evaluate(
     *,
     size: int | None = None,
     seed: int = 0,
+    split: Split = "validation",
 ) -> EvalReport:
-    """Every task with a held-out split, evaluated (tasks without one are left out)."""
+    """Every task with rows of `split`, evaluated (tasks without them are left out)."""
     return EvalReport(
         {
-            name: await evaluate_task(model, tokenizer, t, scorer, size=size, seed=seed)
+            name: await evaluate_task(
+                model, tokenizer, t, scorer, size=size, seed=seed, split=split
+            )
             for name, t in loaded.items()
-            if t.held_out
-        }
+            if t.held_out(split)
+        },
+        split,
     )
+
+
+def report_split(loaded: dict[str, LoadedTask]) -> Split:
+    """The split a figure is reported on: test where every task has one, else validation
+    (the split checkpoints were chosen on: the caller says so)."""
+    return "test" if loaded and all(t.test for t in loaded.values()) else "validation"
 
 
 def load_model(model_dir: str | Path) -> tuple[Any, Any]:
@@ -253,9 +267,11 @@ class Evaluator:
         *,
         size: int | None = None,
         timeout_s: float = 5.0,
+        split: Split | None = None,
     ) -> None:
         self.tasks, self.size = tasks, size
         self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
+        self.split: Split = split or report_split(self.loaded)
         self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
         self.tools = tool_pool(tasks)
         self.loop = asyncio.new_event_loop()
@@ -275,14 +291,20 @@ class Evaluator:
     def __call__(self, model: Any, tokenizer: Any) -> EvalReport:
         scorer = Scorer(self.tasks, self.pool, self.tools)
         return self.loop.run_until_complete(
-            evaluate(model, tokenizer, self.loaded, scorer, size=self.size)
+            evaluate(model, tokenizer, self.loaded, scorer, size=self.size, split=self.split)
         )
 
 
 def evaluate_dir(
-    model_dir: str | Path, tasks: TaskSet, *, size: int | None = None, timeout_s: float = 5.0
+    model_dir: str | Path,
+    tasks: TaskSet,
+    *,
+    size: int | None = None,
+    timeout_s: float = 5.0,
+    split: Split | None = None,
 ) -> EvalReport:
-    """`evaluate` a model directory once (`flywheel eval`, the demo)."""
+    """`evaluate` a model directory once (`flywheel eval`, the demo), on `split`
+    (default: `report_split`: test where there is one)."""
     model, tokenizer = load_model(model_dir)
-    with Evaluator(tasks, size=size, timeout_s=timeout_s) as ev:
+    with Evaluator(tasks, size=size, timeout_s=timeout_s, split=split) as ev:
         return ev(model, tokenizer)

@@ -57,6 +57,7 @@ class SourceSpec(Strict):
     """Where a task's prompts come from. Subclasses declare `type: Literal["<tag>"]`."""
 
     default_reward: ClassVar[str | None] = None  # the reward when the task names none
+    splits_apart: ClassVar[bool] = False  # its splits are disjoint by construction (in_split)
 
     @property
     def kind(self) -> str:
@@ -78,6 +79,14 @@ class SourceSpec(Strict):
     def scorer_context(self) -> dict[str, Any] | None:
         """What a reward of its own needs in the sandbox (the source itself), or None."""
         return None
+
+    def in_split(self, split: str, key: str) -> SourceSpec:
+        """This source where it stands in a task: `split` is "train" (`source`), "validation"
+        (`eval.source`) or "test" (`eval.test_source`). A source that partitions its own
+        problem space (arithmetic) draws only that split's problems; the others are their
+        own split (their rows, not their position, keep the splits apart: taskset.py).
+        ValueError (a spec error at `key`) when it was told another split."""
+        return self
 
 
 class RewardPart(Strict):

@@ -13,7 +13,7 @@ from typing import Any
 
 from services.runtime.errors import PermanentError
 from services.tasks import rewards
-from services.tasks.registry import as_fields
+from services.tasks.registry import SourceSpec, as_fields
 from services.tasks.sandbox import Reward, ToolPool, VerifierPool
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
@@ -61,10 +61,10 @@ class Scorer:
         answer: str | None,
         response_tokens: int,
         *,
-        held_out: bool = False,
+        split: str = "train",
     ) -> Reward:
-        """Score one completion of row `row` (of the eval source if `held_out`)."""
-        (r,) = await self.score_group(name, row, answer, [(completion, response_tokens)], held_out)
+        """Score one completion of row `row` of `split`'s source (train: the task's)."""
+        (r,) = await self.score_group(name, row, answer, [(completion, response_tokens)], split)
         return r
 
     async def score_group(
@@ -73,12 +73,12 @@ class Scorer:
         row: int,
         answer: str | None,
         completions: Sequence[tuple[str, int]],
-        held_out: bool = False,
+        split: str = "train",
     ) -> list[Reward]:
         """Score (completion, response tokens) pairs of row `row` in one sandbox round trip
         (`VerifierPool.call_many`): the same rewards as one `score` each."""
         spec = self.spec(name)
-        source = spec.eval.source if held_out and spec.eval.source is not None else spec.source
+        source = source_of(spec, split)
         src = source.scorer_context()  # a source's own scorer needs the source
         calls = []
         for completion, response_tokens in completions:
@@ -89,11 +89,20 @@ class Scorer:
         return await self.pool.call_many(rewards.SCORE, calls)
 
 
+def source_of(spec: TaskSpec, split: str) -> SourceSpec:
+    """Where rows of `split` come from: the held-out split's own source, or the task's."""
+    if split == "validation" and spec.eval.source is not None:
+        return spec.eval.source
+    if split == "test" and spec.eval.test_source is not None:
+        return spec.eval.test_source
+    return spec.source
+
+
 def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
-    """The pool's warm-up calls for these tasks (both sources of each: training and eval)."""
+    """The pool's warm-up calls for these tasks (every source of each: training and eval)."""
     calls: list[tuple[str, tuple[Any, ...]]] = []
     for spec in tasks.specs.values():
-        for source in {id(s): s for s in (spec.source, spec.eval.source) if s}.values():
+        for source in {id(s): s for s in (spec.source, *spec.eval.sources)}.values():
             src = source.scorer_context()
             ctx = {"source": src} if src is not None else {}
             calls.append((rewards.WARM, (reward_payload(spec), ctx)))

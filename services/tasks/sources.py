@@ -12,8 +12,9 @@ so one bad row cannot stop a run; but when fewer than half the records are
 usable the field names are wrong, not the data, and loading fails with a
 ConfigError naming the key to set (`prompt_field = "question"`).
 
-The held-out split is a seeded choice of rows (`eval.holdout`) removed from
-training, or a separate `eval.source`. Nothing downloads: reasoning-gym is
+The held-out splits (validation and test) are a seeded choice of prompts
+(`eval.holdout`) removed from training, or separate sources
+(services/tasks/taskset.py). Nothing downloads: reasoning-gym is
 procedural and `datasets` runs with HF_DATASETS_OFFLINE=1.
 """
 

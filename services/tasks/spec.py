@@ -2,10 +2,11 @@
 
 One spec, validated the same way by every service at start-up: the buffer
 reads its `source` (what to prompt with), the rollout worker its `reward`
-(how to score), the trainer and `flywheel eval` its `eval` (what to hold out
-and how to measure). A PromptTask names its task (`task_name`, `env` on the wire) and
-the row of that task's source, so each service resolves the rest from its
-own copy of the same file and nothing but a name travels.
+(how to score), the trainer and `flywheel eval` its `eval` (what to hold out,
+the validation and test splits, and how to measure). A PromptTask names its
+task (`task_name`, `env` on the wire) and the row of that task's source, so
+each service resolves the rest from its own copy of the same file and
+nothing but a name travels.
 
 Everything here is pure validation: no file is opened and nothing heavy is
 imported. Checks that need the disk or an optional package (a file exists,
@@ -31,23 +32,45 @@ from services.tasks.registry import (
     REWARDS,
     AnyRewardPart,
     AnySource,
+    SourceSpec,
     Strict,
 )
 
 
 # ── evaluation ───────────────────────────────────────────────────────────────
 class EvalSpec(Strict):
-    """The held-out split and how it is measured (trainer eval_every, flywheel eval, demo)."""
+    """The held-out splits and how they are measured.
+
+    Two held-out splits, never trained on (in SFT or RL): `validation`, which
+    the trainer evaluates every `eval_every` steps and chooses its best
+    checkpoint on (best.json, `--target-accuracy`), and `test`, which only
+    reports (`flywheel eval`, the demo's before/after), so the reported
+    figure is not the one the checkpoint was picked for.
+    """
 
     source: AnySource | None = Field(
-        None, description="A separate held-out source (e.g. a test JSONL), same fields as source."
+        None,
+        description="A separate validation source (e.g. a dev JSONL), same fields as source. "
+        "Rows whose prompt also occurs in the training source are dropped from training.",
+    )
+    test_source: AnySource | None = Field(
+        None,
+        description="A separate test source, reported by `flywheel eval` and the demo; none: "
+        "they report on validation and say so. Its prompts are dropped from training too.",
     )
     holdout: float = Field(
         0.0,
         ge=0.0,
         le=0.9,
-        description="Instead: this fraction of the training source, chosen by a seeded hash, "
-        "is held back from training and evaluated on.",
+        description="Instead of sources: this fraction of the training source's prompts is "
+        "held back from training, chosen by a seeded hash of the prompt text (a prompt that "
+        "repeats is held out everywhere it occurs), and split into validation and test.",
+    )
+    test_share: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="holdout: the share of held-out prompts that are test (the rest validation).",
     )
     seed: int = Field(0, description="Seed of the holdout choice.")
     size: int = Field(200, ge=1, description="Evaluate at most this many held-out rows.")
@@ -61,13 +84,26 @@ class EvalSpec(Strict):
 
     @model_validator(mode="after")
     def _one_split(self) -> EvalSpec:
-        if self.source is not None and self.holdout > 0:
-            raise ValueError("eval: give source or holdout, not both")
+        if (self.source is not None or self.test_source is not None) and self.holdout > 0:
+            raise ValueError("eval: give source (and test_source) or holdout, not both")
+        if self.test_source is not None and self.source is None:
+            raise ValueError("eval.test_source: needs eval.source (the validation split)")
+        if self.source is not None:
+            object.__setattr__(self, "source", self.source.in_split("validation", "eval.source"))
+        if self.test_source is not None:
+            object.__setattr__(
+                self, "test_source", self.test_source.in_split("test", "eval.test_source")
+            )
         return self
 
     @property
     def enabled(self) -> bool:
         return self.source is not None or self.holdout > 0
+
+    @property
+    def sources(self) -> tuple[SourceSpec, ...]:
+        """The separate held-out sources given (validation, then test)."""
+        return tuple(s for s in (self.source, self.test_source) if s is not None)
 
 
 # ── the task ─────────────────────────────────────────────────────────────────
@@ -122,6 +158,11 @@ class TaskSpec(Strict):
         return v
 
     @model_validator(mode="after")
+    def _train_split(self) -> TaskSpec:
+        object.__setattr__(self, "source", self.source.in_split("train", "source"))
+        return self
+
+    @model_validator(mode="after")
     def _reward_fits(self) -> TaskSpec:
         kind = self.source.kind
         if not self.reward:
@@ -136,7 +177,7 @@ class TaskSpec(Strict):
             )
         for i, part in enumerate(self.reward):
             own = part.own_source
-            kinds = {kind, self.eval.source.kind if self.eval.source else kind}
+            kinds = {kind, *(src.kind for src in self.eval.sources)}
             if own is not None and kinds != {own}:
                 raise ValueError(f"reward[{i}]: {own!r} needs source type {own!r}")
         names = [p.part_name for p in self.reward]

@@ -1,4 +1,8 @@
-"""The trainer's `eval_every`: the task's held-out split, and the reward parts it logs.
+"""The trainer's `eval_every`: the task's validation split, and the reward parts it logs.
+
+Validation, never test: these evaluations choose the best checkpoint
+(best.py) and stop a run on its target, so the figures reported on test
+(`flywheel eval`, the demo) were not picked for.
 
 The rows are loaded once at start-up (a missing split is a ConfigError
 then, not at the first evaluation); each evaluation loads the published
@@ -28,7 +32,7 @@ class HeldOut:
         self.enabled = bool(s.eval_every)
         self.tasks = s.task_set()
         self.loaded = self.tasks.load() if self.enabled else {}
-        if self.enabled and not any(t.held_out for t in self.loaded.values()):
+        if self.enabled and not any(t.validation for t in self.loaded.values()):
             raise ConfigError(
                 f"[task] eval: [trainer] eval_every = {s.eval_every} needs a held-out split: "
                 "set eval.holdout = 0.1 (a fraction of the source) or eval.source (a test file)"
@@ -54,7 +58,8 @@ class HeldOut:
     async def run(self, path: Path) -> EvalReport:
         assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
         model, tok = await asyncio.to_thread(load_model, path)
-        return await evaluate(model, tok, self.loaded, Scorer(self.tasks, self.pool, self.tools))
+        scorer = Scorer(self.tasks, self.pool, self.tools)
+        return await evaluate(model, tok, self.loaded, scorer, split="validation")
 
 
 def reward_parts(batch: TrainBatch) -> dict[str, float]:

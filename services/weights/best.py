@@ -1,5 +1,6 @@
 """The best evaluated weights: `<checkpoint_dir>/best/`, the published version
-whose held-out accuracy is the highest so far, with `best.json` beside it.
+whose validation accuracy is the highest so far, with `best.json` beside it
+(chosen on validation only: the test split reports, services/tasks/).
 
 A run stopped on a target accuracy or a wall clock ends a step or more after
 the evaluation that met it, and sync keeps only the last few versions, so

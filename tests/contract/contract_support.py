@@ -18,8 +18,11 @@ same pairs:
 Paths: `a.b` for keys, `[*]` for every element of a list (`[*].meta_info.id`).
 `given` sets up the engine first: `api_key`, `health_generation`,
 `health_check_timeout_s`, an `in_flight` generation (slowed down so it stays
-in flight), then `paused` in a mode. `{weights_dir}` in a request stands
-for a valid weights directory.
+in flight), then `paused` in a mode. `given.during` lists `/generate` bodies
+sent once the case's request is pending in the engine (a weight update
+waiting on the in-flight generation); each must answer as
+`given.during_response` says (same rules as `response`, no `vary`).
+`{weights_dir}` in a request stands for a valid weights directory.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from aiohttp import web
 from services.engine_api.engine_client import EngineClient, EngineHTTPError
 from services.models.tiny_model import TinyModelSpec, write_tiny_model
 from services.weights import write_weights_dir
-from tests.contract.contract_support import Case, check_body, load_cases, substitute
+from tests.contract.contract_support import Case, check_body, compare, load_cases, substitute
 from tests.harness.engines import serving
 
 CASES = load_cases()
@@ -89,7 +89,16 @@ async def send(
         return r.status, text
 
 
-async def prepare(s: aiohttp.ClientSession, url: str, case: Case, auth: dict[str, str]) -> Any:
+async def until(cond: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def prepare(
+    s: aiohttp.ClientSession, url: str, case: Case, auth: dict[str, str], state: Any
+) -> Any:
     """`given`: a slowed in-flight generation, then a pause; returns the in-flight task."""
     task = None
     g = case.given
@@ -98,13 +107,9 @@ async def prepare(s: aiohttp.ClientSession, url: str, case: Case, auth: dict[str
                             "body": {"forward_sleep_time": 0.05}}, auth)  # fmt: skip
         task = asyncio.create_task(send(s, url, {"method": "POST", "path": "/generate",
                                                  "body": g["in_flight"]}, auth))  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
-            _, loads = await send(s, url, {"method": "GET", "path": "/v1/loads"}, auth)
-            if loads["loads"][0]["num_running_reqs"] >= 1:
-                break
-            assert time.monotonic() < deadline, "in-flight request never started"
-            await asyncio.sleep(0.02)
+        # Read in-process: /v1/loads is not served before 0.5.8.
+        await until(lambda: state.scheduler.load()["num_running_reqs"] >= 1,
+                    "in-flight request never started")  # fmt: skip
     if "paused" in g:
         status, _ = await send(s, url, {"method": "POST", "path": "/pause_generation",
                                         "body": {"mode": g["paused"]}}, auth)  # fmt: skip
@@ -121,6 +126,28 @@ async def cleanup(s: aiohttp.ClientSession, url: str, task: Any, auth: dict[str,
         await asyncio.wait_for(task, 20)
 
 
+async def send_during(
+    s: aiohttp.ClientSession,
+    url: str,
+    case: Case,
+    auth: dict[str, str],
+    state: Any,
+    asked: asyncio.Task[Any],
+) -> list[asyncio.Task[Any]]:
+    """`given.during`: generations sent once the case's request waits in the engine."""
+    bodies = case.given.get("during", [])
+    if not bodies:
+        return []
+    await until(lambda: state.scheduler.load()["update_pending"] or asked.done(),
+                "the update never reached the engine")  # fmt: skip
+    assert not asked.done(), f"{case.id}: answered before the in-flight request finished"
+    tasks = [asyncio.create_task(send(s, url, {"method": "POST", "path": "/generate", "body": b},
+                                      auth)) for b in bodies]  # fmt: skip
+    await until(lambda: state.scheduler.load()["num_held_reqs"] == len(bodies) or asked.done(),
+                "the generations sent during the update never arrived")  # fmt: skip
+    return tasks
+
+
 @pytest.mark.parametrize("case", ENGINE_CASES, ids=[c.id for c in ENGINE_CASES])
 def test_cpu_engine_answers_like_sglang(
     case: Case, engines: Engines, weights_dir: str, run_async: Any
@@ -133,11 +160,14 @@ def test_cpu_engine_answers_like_sglang(
 
     async def body() -> None:
         async with serving(build_app(state)) as url, aiohttp.ClientSession() as s:
-            task = await prepare(s, url, case, auth)
+            task = await prepare(s, url, case, auth, state)
             try:
                 t0 = time.monotonic()
-                status, answer = await send(s, url, substitute(case.request, weights_dir))
+                asked = asyncio.create_task(send(s, url, substitute(case.request, weights_dir)))
+                during = await send_during(s, url, case, auth, state, asked)
+                status, answer = await asked
                 took = time.monotonic() - t0
+                during_answers = await asyncio.gather(*during)
             finally:
                 await cleanup(s, url, task, auth)
         where = f"{case.id} ({case.source})"
@@ -148,6 +178,11 @@ def test_cpu_engine_answers_like_sglang(
             assert took >= case.min_seconds, f"{where}: answered in {took:.2f}s"
         if case.max_seconds is not None:
             assert took <= case.max_seconds, f"{where}: took {took:.2f}s"
+        for d_status, d_answer in during_answers:
+            want = case.given["during_response"]
+            assert d_status == want["status"], f"{where}: during: {d_status}: {d_answer!r}"
+            problems = compare(case, want.get("body", {}), d_answer)
+            assert not problems, f"{where}: during: " + "; ".join(problems) + f"\n{d_answer!r}"
 
     run_async(body(), timeout_s=60)
 

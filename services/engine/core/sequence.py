@@ -82,6 +82,12 @@ class Update:
     version: str | None
     flush: bool
     future: Future[tuple[bool, str, int]]
+    locked: bool = True
+    """Made while generation ran: SGLang's tokenizer manager then holds
+    `model_update_lock`'s writer lock from before the scheduler sees the update
+    until it has answered (flush included), so the update waits for every request
+    admitted before it and requests arriving meanwhile reach the scheduler only
+    after the answer. Made while paused: no lock; the scheduler loads at once."""
 
 
 class SchedulerCrashed(SchedulerStopped):

@@ -397,6 +397,48 @@ def test_update_weights_versions_and_refusals(
         assert torch.allclose(torch.tensor(res.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_wait_mode_update_holds_new_requests_until_it_has_flushed(
+    run_async: Any, engine: EngineProcess, tmp_path: Path
+) -> None:
+    """As SGLang's writer lock does: requests that arrive while an unpaused update
+    waits for the running one reach the scheduler only after the update has
+    answered, flush included. They used to be let in before the flush, which
+    then failed the update with SGLang's 400 (`make demo`: 52 of 130 updates)."""
+    new_dir = _published_copy(tmp_path / "v-held", seed=2)
+    short = {"max_new_tokens": 3, "ignore_eos": True}
+
+    async def internal(c: EngineClient) -> dict[str, Any]:
+        return dict((await c.server_info())["internal_states"][0])
+
+    async def body() -> None:
+        async with EngineClient(engine.url) as c:
+            async with slowed(c, 0.01):
+                running = asyncio.create_task(c.generate(text="7+", sampling_params=LONG))
+                await wait_running(c)
+                upd = asyncio.create_task(c.update_weights_from_disk(str(new_dir), 5))
+                deadline = asyncio.get_running_loop().time() + 20
+                while not (await internal(c))["update_pending"]:
+                    assert asyncio.get_running_loop().time() < deadline, "update never pending"
+                    await asyncio.sleep(0.01)
+                # Keep requests coming, as rollout workers do, until the update answers.
+                late: list[asyncio.Task[list[GenerateResult]]] = []
+                while not upd.done():
+                    late.append(asyncio.create_task(c.generate(text="1+2=", sampling_params=short)))
+                    await asyncio.sleep(0.02)
+                    assert not late[0].done() or upd.done(), "a late request ran before the update"
+                result = await upd
+                [before] = await running
+                answers = [r for t in late for r in await t]
+            assert result.success, result.message
+            assert before.finish_type == "length" and before.weight_version != 5
+            assert len(answers) >= 3
+            assert {(r.finish_type, r.weight_version) for r in answers} == {("length", 5)}
+            state = await internal(c)
+            assert (state["num_held_reqs"], state["update_pending"]) == (0, False)
+
+    run_async(body(), timeout_s=120)
+
+
 def test_update_with_abort_all_requests_aborts_running(
     run_async: Any, engine: EngineProcess
 ) -> None:

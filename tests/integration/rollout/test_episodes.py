@@ -231,12 +231,13 @@ def test_held_out_evaluation_runs_the_same_episodes(model_dir: Path, tmp_path: P
     """evaluate_dir (the trainer's eval_every, `flywheel eval`, the demo) on a task with
     episodes: the model's greedy turns, the calculator's observations, the task's reward."""
     data = tmp_path / "held_out.jsonl"
-    data.write_text('{"prompt": "7*8=", "answer": "57"}\n{"prompt": "7*8=", "answer": "58"}\n')
+    data.write_text('{"prompt": "7*8=", "answer": "57"}\n{"prompt": "B=", "answer": "1"}\n')
     source = {"type": "jsonl", "path": str(data)}
-    spec = {**TASK, "source": source, "eval": {"source": source, "max_new_tokens": 40}}
+    spec = {**TASK, "eval": {"source": source, "max_new_tokens": 40}}
     tasks = TaskSet.from_fields(TaskSpec.model_validate(spec), {})
     report = evaluate_dir(model_dir, tasks)
-    t = report.tasks["jsonl"]
-    assert (t.total, t.pass_at_1) == (2, 0.5)  # the second row's reference is wrong
+    t = report.tasks["arithmetic"]
+    assert report.split == "validation"  # no test source: `flywheel eval` says so
+    assert (t.total, t.pass_at_1) == (2, 0.5)  # "B=" answers 0
     transcript = t.examples[0][1]
     assert transcript.count("<result>") == 2 and transcript.endswith("<answer>57</answer>")

@@ -23,7 +23,9 @@ MIN_ACCURACY = 0.04
 
 @pytest.mark.slow  # a learning run (hundreds of steps), then `flywheel sft` again
 def test_sft_learns_arithmetic(tiny_model_dir, tmp_path):
-    held_out = [problem(1, i) for i in range(400)]
+    # The validation split's problems: those the evaluation below draws (eval.source
+    # is the validation split), none of them a train problem (arithmetic_records').
+    held_out = [problem(1, i, split="validation") for i in range(400)]
     banned = {p.prompt for p in held_out}
     with open(tmp_path / "train.jsonl", "w") as f:
         for rec in arithmetic_records(20_000, seed=0):

@@ -24,7 +24,15 @@ from services.buffer.core import (
 )
 
 
-def group(gid: str, version: int, rewards: tuple[float, ...] = (0.0, 1.0), tokens: int = 3):
+def group(
+    gid: str,
+    version: int,
+    rewards: tuple[float, ...] = (0.0, 1.0),
+    tokens: int = 3,
+    failed: tuple[int, ...] = (),
+):
+    """A group of one sample per reward; the samples at `failed` have no reward (a
+    verifier that timed out: reward 0 and its error, as the rollout worker sends them)."""
     samples = tuple(
         Sample(
             sample_id=f"{gid}:s{i}",
@@ -40,6 +48,7 @@ def group(gid: str, version: int, rewards: tuple[float, ...] = (0.0, 1.0), token
             weight_version=version,
             weight_version_last=version,
             engine_id="e",
+            verifier_error="verifier f timed out after 1.0s" if i in failed else None,
         )
         for i, r in enumerate(rewards)
     )
@@ -110,6 +119,29 @@ def test_zero_variance_and_length_filters() -> None:
     # Redelivered: the same drop reason again (to re-dead-letter), counted once.
     assert b.offer(group("same", 0, rewards=(1.0, 1.0))) == Verdict.ZERO_VARIANCE
     assert b.state.answered == 2
+
+
+def test_samples_without_a_reward_are_left_out_and_too_few_scored_drop_the_group() -> None:
+    a = Assembler(Policy(1, 0), BufferState())
+    # 8 samples, the right answers' (1.0) checks of samples 0 and 1 timed out (reward 0).
+    kept = group("g", 0, rewards=(0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0), failed=(0, 1))
+    assert a.offer(kept) == Verdict.ACCEPTED
+    _, [trained] = a.take_batch() or (-1, [])
+    assert [s.index for s in trained.samples] == [2, 3, 4, 5, 6, 7]
+    assert all(s.verifier_error is None for s in trained.samples)
+    # Default: half the group must be scored (4 of 8); 3 are not enough.
+    few = group("h", 0, rewards=(0.0,) * 5 + (1.0, 0.0, 0.0), failed=(0, 1, 2, 3, 4))
+    assert a.offer(few) == Verdict.UNSCORED
+    assert a.state.settled["h"] == (1, "unscored")
+    # The filters see the scored samples only: these are all 0, however many failed.
+    same = group("z", 0, rewards=(0.0, 0.0, 0.0, 0.0), failed=(0,))
+    assert a.offer(same) == Verdict.ZERO_VARIANCE
+    # The setting overrides the default; a group of 2 needs both (at least 2, at most n).
+    b = Assembler(Policy(1, 0), BufferState(), min_scored=3)
+    assert b.offer(group("few", 0, rewards=(0.0, 1.0, 1.0, 0.0), failed=(0, 3))) == "unscored"
+    assert b.offer(group("ok", 0, rewards=(0.0, 1.0, 1.0, 0.0), failed=(0,))) == "accepted"
+    c = Assembler(Policy(1, 0), BufferState())
+    assert c.offer(group("pair", 0, failed=(1,))) == Verdict.UNSCORED
 
 
 def test_custom_filter_reason_is_reported() -> None:

@@ -68,6 +68,8 @@ flywheel_buffer_groups_total{verdict="duplicate"} 7
 # TYPE flywheel_buffer_group_tokens counter
 flywheel_buffer_group_tokens_total{verdict="stale"} 96
 flywheel_buffer_group_tokens_total{verdict="accepted"} 4000
+# TYPE flywheel_buffer_unscored_samples counter
+flywheel_buffer_unscored_samples_total 5
 """
 
 
@@ -75,6 +77,7 @@ def test_status_line_shows_stale_drops_as_a_share_of_generated_groups() -> None:
     now = summarise({"buffer": parse(BUFFER)})
     assert (now.groups, now.stale, now.stale_tokens) == (200, 4, 96)  # duplicates not counted
     assert "stale 4 (2.0%)" in render_line(now, None)
+    assert "unscored 5 |" in render_line(now, None)  # rewards that could not be computed
     assert "stale 0 |" in render_line(Status(), None)  # nothing received yet: no share
 
 

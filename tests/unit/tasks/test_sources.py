@@ -128,19 +128,103 @@ def test_reasoning_gym_rows_are_its_generator() -> None:
 def test_holdout_is_seeded_disjoint_and_capped(tmp_path: Path) -> None:
     s = spec(source={"type": "arithmetic", "size": 1000}, eval={"holdout": 0.2, "size": 50})
     a, b = load_task("t", s, "[task]"), load_task("t", s, "[task]")
-    held = [i for i, _ in a.held_out]
-    assert held == [i for i, _ in b.held_out] and len(held) == 50
-    assert not set(held) & set(a.train) and 700 < len(a.train) < 900
+    val, test = [i for i, _ in a.validation], [i for i, _ in a.test]
+    assert val == [i for i, _ in b.validation] and test == [i for i, _ in b.test]
+    assert len(val) == len(test) == 50 and not set(val) & set(test)
+    assert not (set(val) | set(test)) & set(a.train) and 700 < len(a.train) < 900
     other = spec(source={"type": "arithmetic", "size": 1000}, eval={"holdout": 0.2, "seed": 1})
-    assert [i for i, _ in load_task("t", other, "[task]").held_out][:50] != held
+    assert [i for i, _ in load_task("t", other, "[task]").validation][:50] != val
     sep = spec(
-        source={"type": "arithmetic"}, eval={"source": {"type": "arithmetic", "seed": 9}, "size": 5}
-    )
+        source={"type": "arithmetic"},
+        eval={"source": {"type": "arithmetic", "seed": 9}, "test_source": {"type": "arithmetic"},
+              "size": 5},
+    )  # fmt: skip
     t = load_task("t", sep, "[task]")
-    assert len(t.train) == 100_000 and [r.prompt for _, r in t.held_out] == [
-        load_rows(sep.eval.source).row(i).prompt
-        for i in range(5)  # type: ignore[arg-type]
+    vsrc, tsrc = sep.eval.source, sep.eval.test_source
+    assert vsrc is not None and tsrc is not None
+    assert len(t.train) == 100_000 and [r.prompt for _, r in t.validation] == [
+        load_rows(vsrc).row(i).prompt for i in range(5)
     ]
+    assert [r.prompt for _, r in t.test] == [load_rows(tsrc).row(i).prompt for i in range(5)]
+
+
+def test_a_holdout_prompt_is_held_out_wherever_the_file_repeats_it(tmp_path: Path) -> None:
+    """JSONL files repeat rows: a held-out prompt must not train through its copies, and
+    validation and test share no prompt (each held-out prompt is evaluated once)."""
+    rows = gsm_rows(300)
+    data = write_jsonl(tmp_path / "d.jsonl", rows + rows[::3] + rows[::7])  # 443 rows, copies
+    s = spec(
+        source={"type": "jsonl", "path": str(data), "prompt_field": "question"},
+        reward="gsm8k",
+        eval={"holdout": 0.3, "size": 1000},
+    )
+    t = load_task("t", s, "[task]")
+    train = {t.rows.row(i).prompt for i in t.train}
+    val = [r.prompt for _, r in t.validation]
+    test = [r.prompt for _, r in t.test]
+    assert len(set(val)) == len(val) and len(set(test)) == len(test)  # once each
+    assert not set(val) & set(test)
+    assert not (set(val) | set(test)) & train
+    assert len(train) + len(val) + len(test) == 300  # every distinct prompt in one split
+    assert 30 < len(val) < 60 and 30 < len(test) < 60  # 0.3, half of it test
+    assert t.source_of("validation") == t.source_of("test") == s.source
+
+
+def test_separate_eval_files_are_dropped_from_training(tmp_path: Path) -> None:
+    """A dev or test file that shares prompts with the training file: those prompts
+    never train, and a prompt in both dev and test is evaluated as validation only."""
+    rows = gsm_rows(100)
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    dev = write_jsonl(tmp_path / "dev.jsonl", rows[:10] + rows[:10] + gsm_rows(130)[100:110])
+    test = write_jsonl(tmp_path / "test.jsonl", rows[5:20])
+    f = {"type": "jsonl", "prompt_field": "question"}
+    s = spec(
+        source={**f, "path": str(train)},
+        reward="gsm8k",
+        eval={"source": {**f, "path": str(dev)}, "test_source": {**f, "path": str(test)}},
+    )
+    t = load_task("t", s, "[task]")
+    trained = {t.rows.row(i).prompt for i in t.train}
+    val = [r.prompt for _, r in t.validation]
+    tst = [r.prompt for _, r in t.test]
+    assert len(val) == 20 and len(set(val)) == 20  # the dev file's repeats evaluate once
+    assert tst == [r["question"] for r in rows[10:20]]  # 5..9 are validation prompts
+    assert trained == {r["question"] for r in rows[20:]}
+
+
+def test_a_mixture_task_never_trains_on_another_tasks_held_out_prompts(tmp_path: Path) -> None:
+    rows = gsm_rows(200)
+    a = write_jsonl(tmp_path / "a.jsonl", rows)  # trains on every prompt of b's file
+    b = write_jsonl(tmp_path / "b.jsonl", rows[:100])
+    f = {"type": "jsonl", "prompt_field": "question"}
+    ts = TaskSet(
+        {
+            "a": spec(source={**f, "path": str(a)}, reward="gsm8k"),
+            "b": spec(source={**f, "path": str(b)}, reward="gsm8k", eval={"holdout": 0.3}),
+        },
+        {"a": "[tasks.a]", "b": "[tasks.b]"},
+    )
+    loaded = ts.load()
+    held_b = {r.prompt for _, r in loaded["b"].validation + loaded["b"].test}
+    trained_a = {loaded["a"].rows.row(i).prompt for i in loaded["a"].train}
+    assert held_b and not held_b & trained_a
+    assert len(trained_a) == 200 - len(loaded["b"].held_keys)
+
+
+def test_arithmetic_splits_partition_the_problem_space() -> None:
+    """Every problem is in one split by a hash of the problem (a+b and b+a together), and a
+    source of a split draws only its problems, whatever the seed."""
+    from services.tasks.arithmetic import SPLITS, problem, split_of
+
+    for digits, op in ((1, "+"), (2, "+"), (3, "*")):
+        drawn = {sp: {problem(seed, i, digits, op, sp).prompt for seed in (0, 7, 1000003)
+                      for i in range(300)} for sp in SPLITS}  # fmt: skip
+        for sp, prompts in drawn.items():
+            for p in prompts:
+                a, b = (int(x) for x in p.rstrip("=").split(op))
+                assert split_of(a, b, op) == split_of(b, a, op) == sp
+        assert not drawn["train"] & drawn["validation"]
+        assert not drawn["train"] & drawn["test"] and not drawn["validation"] & drawn["test"]
 
 
 def test_mixture_order_follows_weights_and_visits_every_row() -> None:

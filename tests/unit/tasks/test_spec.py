@@ -84,6 +84,16 @@ BAD_SPECS = [
     (ARITH + 'reward = ["exact_match", "exact_match"]\n', "part names must differ"),
     (ARITH + '[task.eval]\nholdout = 0.1\nsource = { type = "arithmetic" }\n', "not both"),
     (ARITH + '[task.eval]\npart = "nope"\n', "eval.part: 'nope' is not a reward part"),
+    (  # a held-out source that draws training problems is refused, naming the key
+        ARITH + '[task.eval]\nsource = { type = "arithmetic", split = "train" }\n',
+        "eval.source.split: 'train', but this source is the validation split",
+    ),
+    (
+        ARITH + '[task.eval]\nsource = { type = "arithmetic" }\n'
+        'test_source = { type = "arithmetic", split = "validation" }\n',
+        "eval.test_source.split: 'validation', but this source is the test split",
+    ),
+    (ARITH + '[task.eval]\ntest_source = { type = "arithmetic" }\n', "needs eval.source"),
     (
         '[tasks.a]\nsource = { type = "jsonl", path = "x", prompt_fild = "q" }\nreward = "math"\n',
         "[tasks.a] source.prompt_fild: Extra inputs",

@@ -75,7 +75,7 @@ def test_the_sandbox_child_scores_with_the_rubric(tmp_path: Path) -> None:
         async with VerifierPool(size=1, timeout_s=60.0) as pool:
             scorer = Scorer(tasks, pool)
             got = [await scorer.score(name, 3, c, "7", 1) for c in ("7", "8")]
-            held = await scorer.score(name, 1, "3", "3", 1, held_out=True)
+            held = await scorer.score(name, 1, "3", "3", 1, split="validation")
         assert all(r.error is None for r in [*got, held]), [*got, held]
         return [r.reward for r in [*got, held]]
 
