@@ -63,8 +63,8 @@ def resolve_model(ref: str | Path, *, key: str = "[stack] model") -> Path:
         if cached is not None:
             return cached
         raise ModelNotFoundError(
-            f"{key} = {text!r}: no such directory, and no {text} in the local Hugging Face "
-            f"cache ({hub_cache()}; nothing is downloaded); {HOW_TO_GET_ONE}",
+            f"{key} = {text!r}: no such directory, and not in the local Hugging Face cache "
+            f"({hub_cache()}; nothing is downloaded); {HOW_TO_GET_ONE}",
             key=key,
             ref=text,
         )

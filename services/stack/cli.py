@@ -179,9 +179,25 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
             s.task_set().check(data=data)
         except ConfigError as e:
             errors.append(str(e))
+    if data:
+        try:
+            with_model(s)
+        except ConfigError as e:
+            errors.append(str(e))
     for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
         print(f"flywheel up: {line}", file=sys.stderr)
     return EXIT_CONFIG if errors else 0
+
+
+def with_model(s: StackSettings) -> StackSettings:
+    """`s` with `[stack] model` resolved to a directory (a hub id: its snapshot in the local
+    Hugging Face cache), so every process is given the same directory; a ConfigError naming
+    `[stack] model` in one line when there is none (services/models/resolve.py)."""
+    from services.models.resolve import resolve_model
+
+    if not {"engine", "rollout", "trainer"} & set(s.services):
+        return s
+    return s.model_copy(update={"model": resolve_model(s.model, key="[stack] model")})
 
 
 def dry_run(s: StackSettings, config: Path) -> str:
@@ -202,4 +218,5 @@ def up_main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dry_run(settings, Path(args.config)))
         return 0
+    settings = with_model(settings)  # preflight has checked it resolves
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -26,7 +26,7 @@ from typing import Any
 from services.common.errors import ConfigError
 from services.common.tasks.episode_eval import run_episodes
 from services.common.tasks.episode_spec import EpisodeSpec
-from services.common.tasks.prompts import encode, format_row
+from services.common.tasks.prompts import encode, format_row, readable
 from services.common.tasks.sandbox import VerifierPool
 from services.common.tasks.scoring import Scorer, correct, tool_pool, warmup
 from services.common.tasks.taskset import LoadedTask, TaskSet
@@ -39,7 +39,8 @@ class TaskEval:
     mean_reward: float
     k: int = 1
     pass_at_k: float | None = None
-    examples: tuple[tuple[str, str, str | None], ...] = ()  # (prompt, completion, answer)
+    # (prompt as text: chat turns as `role: content` lines, completion, answer)
+    examples: tuple[tuple[str, str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ async def evaluate_task(
         pass_at_1=sum(correct(spec, r) for r in scored) / n,
         mean_reward=sum(r.reward for r in scored) / n,
         examples=tuple(
-            (p or str(m), g[0][0], r.answer)
+            (readable(p, m), g[0][0], r.answer)
             for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
         ),
     )
