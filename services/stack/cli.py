@@ -60,8 +60,12 @@ async def up(
     run_dir = s.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     nats, url = start_nats(s, run_dir)
+    # A trainer started here stops itself after `steps` (exactly that many: the status line
+    # sees a step seconds late, while batches in flight go on training) and its exit ends the
+    # run; only a trainer running elsewhere is watched for it through the status line.
+    local_trainer = steps is not None and "trainer" in s.services
     sup = Supervisor(
-        plan(s, config.resolve(), url, free_port),
+        plan(s, config.resolve(), url, free_port, max_steps=steps if local_trainer else None),
         run_dir / "logs",
         on_failure=s.on_failure,
         max_restarts=s.max_restarts,
@@ -73,13 +77,15 @@ async def up(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    goal = Goal(steps, target_accuracy, max_seconds)
+    goal = Goal(None if local_trainer else steps, target_accuracy, max_seconds)
     try:
         await sup.start_all()
         print(f"flywheel up: all services ready; logs in {run_dir / 'logs'}")
         watcher = asyncio.create_task(sup.watch(stop))
         await show_status(s, sup, run_dir / "status.log", stop, goal)
         await watcher
+        if sup.finished is not None:
+            print(f"flywheel up: {sup.finished} ({steps} steps); stopping", flush=True)
     except StackError as e:
         print(f"flywheel up: {e}", file=sys.stderr)
         sup.failed = str(e)

@@ -38,6 +38,15 @@ def test_plan_subset_and_torchrun(tmp_path: Path) -> None:
     assert "--nproc_per_node=2" in specs[1].argv
 
 
+def test_plan_steps_make_the_trainer_stop_itself(tmp_path: Path) -> None:
+    """`flywheel up --steps N`: the trainer is given max_steps and its exit ends the run."""
+    s = StackSettings(run_dir=tmp_path, services=("trainer", "sync"))
+    trainer = plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS), max_steps=3)[-1]
+    assert trainer.env["FLYWHEEL_TRAINER_MAX_STEPS"] == "3" and trainer.finishes
+    free = plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS))[-1]
+    assert "FLYWHEEL_TRAINER_MAX_STEPS" not in free.env and not free.finishes
+
+
 TRAINER = """
 # TYPE flywheel_trainer_step gauge
 flywheel_trainer_step 12
