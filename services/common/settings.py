@@ -183,7 +183,7 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides: Any
     try:
         return cls(**overrides)
     except ValidationError as e:
-        raise ConfigError.from_validation(e, cls.section or "run") from e
+        raise ConfigError.from_validation(e, cls.section or "run", cls) from e
     finally:
         _FILE_VALUES.reset(token)
 
