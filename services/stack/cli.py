@@ -136,16 +136,15 @@ async def show_status(
 ) -> None:
     """A status line every `status_interval_s` (console and status.log) until stop or goal."""
     from services.common.msgloop import pause
-    from services.stack.status import render_line, scrape, summarise
+    from services.stack.status import RateWindow, render_line, scrape, summarise
 
     urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
-    before = None
+    window = RateWindow()  # samples/s over a window spanning steps, not 0.0 between them
     started = time.monotonic()
     while not stop.is_set():
         await pause(stop, s.status_interval_s)
         now = summarise(await scrape(urls))
-        line = render_line(now, before)
-        before = now
+        line = render_line(now, window.start(now))
         print(f"flywheel up: {line}", flush=True)
         with status_file.open("a") as f:
             f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
