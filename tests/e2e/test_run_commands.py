@@ -10,12 +10,13 @@ tests/e2e/test_live_run.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness.up import UpRun
+from tests.harness.up import QUIET_ENV, UpRun
 
 
 def run_toml(tmp: Path, model: Path, reward: str, run: str) -> Path:
@@ -122,7 +123,9 @@ def test_up_steps_trains_exactly_that_many_steps(tiny_model: Path, tmp_path: Pat
     run_dir = tmp_path / "run"
     config = tmp_path / "run.toml"
     config.write_text(STEPS_RUN.format(run_dir=run_dir, model=tiny_model))
-    with UpRun(config, run_dir, "--steps", "3") as up:
+    # A user's shell: nothing set that quiets transformers (flywheel itself must)
+    env = {k: v for k, v in {**os.environ, **QUIET_ENV}.items() if "PROGRESS_BARS" not in k}
+    with UpRun(config, run_dir, "--steps", "3", env=env) as up:
         code = up.wait_exit(240)
     out = up.output()
     assert code == 0, out[-3000:]
@@ -131,3 +134,5 @@ def test_up_steps_trains_exactly_that_many_steps(tiny_model: Path, tmp_path: Pat
     published = sorted(p.name for p in (run_dir / "weights" / "steps").iterdir())
     assert published[-1] == "v000003", published
     assert "trainer finished (3 steps)" in out, out[-3000:]
+    # transformers' bars (a line per redraw in every engine's and the trainer's output) are off
+    assert "Loading weights" not in out and "Writing model shards" not in out
