@@ -162,10 +162,11 @@ def import_gguf(gguf: Path, dst: Path, *, force: bool = False) -> Imported:
     started = time.perf_counter()
     digest = file_sha256(gguf)
     source = {"file": gguf.name, "bytes": gguf.stat().st_size, "sha256": digest}
-    done = existing_import(dst, digest)
-    if done is not None:
-        return Imported(dst, False, time.perf_counter() - started, done)
-    if dst.exists() and not force:
+    earlier = import_record(dst)
+    ours = earlier.get("source", {}).get("sha256") == digest  # an import of this very file
+    if ours and verified(dst):
+        return Imported(dst, False, time.perf_counter() - started, earlier)
+    if dst.exists() and not (force or ours):  # an altered import of this file is redone
         raise ImportModelError(
             f"{dst} exists and is not an import of {gguf.name} (--force replaces it)"
         )
@@ -181,21 +182,26 @@ def import_gguf(gguf: Path, dst: Path, *, force: bool = False) -> Imported:
         record["tolerance"] = {"rounded_rtol": ROUNDED_RTOL, "bf16_rtol": BF16_RTOL}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
-    write_weights_dir(dst, write, overwrite=force)
+    write_weights_dir(dst, write, overwrite=force or ours)
     return Imported(dst, True, time.perf_counter() - started, record)
 
 
-def existing_import(dst: Path, source_sha256: str) -> dict[str, Any] | None:
-    """The record of `dst` if it verifies against its manifest and came from that GGUF."""
-    if not (dst / RECORD).is_file():
-        return None
+def import_record(dst: Path) -> dict[str, Any]:
+    """`dst`'s import record ({} if it has none, or not one that reads)."""
+    try:
+        record = json.loads((dst / RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return record if isinstance(record, dict) and isinstance(record.get("source"), dict) else {}
+
+
+def verified(dst: Path) -> bool:
+    """Every file of `dst` as its manifest says (sizes and sha256)."""
     try:
         verify_weights_dir(dst)
-        record = json.loads((dst / RECORD).read_text())
-    except (WeightsError, json.JSONDecodeError):
-        return None
-    same = isinstance(record, dict) and record.get("source", {}).get("sha256") == source_sha256
-    return record if same else None
+    except WeightsError:
+        return False
+    return True
 
 
 def load_gguf(gguf: Path) -> tuple[Any, Any, Any]:

@@ -143,6 +143,9 @@ def test_imported_directory_has_the_gguf_models_logits(tiny_gguf: Path, tmp_path
     assert record["check"]["rounded_max_diff"] == 0.0 and record["check"]["bf16_max_diff"] == 0.0
     again = import_gguf(tiny_gguf, out)  # the import is done: verified, not redone
     assert not again.written and again.record == record
+    (out / "config.json").write_text("{}")  # altered since: its manifest says so; redone
+    assert import_gguf(tiny_gguf, out).written
+    verify_weights_dir(out)
 
 
 def test_a_directory_holding_something_else_is_not_overwritten(
