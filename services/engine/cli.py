@@ -72,6 +72,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.model is None:
         print("error: no model directory (--model or [engine] model)", file=sys.stderr)
         return 2
+    from services.models.resolve import resolve_model
+
+    try:  # a hub id becomes its snapshot in the local cache
+        settings = settings.model_copy(
+            update={"model": resolve_model(settings.model, key="[engine] model")}
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from services.runtime.lifecycle import setup_logging
 
     setup_logging("engine", settings.log_level)

@@ -25,9 +25,14 @@ from services.tasks.taskset import TaskSet
 def load_tokenizer(model: Path | None) -> Any:
     from transformers import AutoTokenizer
 
-    if model is None or not (model / "tokenizer_config.json").is_file():
-        raise ConfigError(f"[rollout] model: no tokenizer in {model} (set the engine's model dir)")
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    from services.models.resolve import resolve_model
+
+    if model is None:
+        raise ConfigError("[rollout] model: not set (the engine's model)")
+    path = resolve_model(model, key="[rollout] model")
+    if not (path / "tokenizer_config.json").is_file():
+        raise ConfigError(f"[rollout] model: no tokenizer in {path} (set the engine's model)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class PromptTaskScorer:

@@ -164,7 +164,10 @@ def load_settings(cls: type[S], path: str | Path | None = None, **overrides: Any
     try:
         return cls(**overrides)
     except ValidationError as e:
-        raise ConfigError.from_validation(e, cls.section or "run", cls.own_tables) from e
+        given = {**values, **overrides}  # what was validated (the environment aside)
+        raise ConfigError.from_validation(
+            e, cls.section or "run", cls.own_tables, cls, given
+        ) from e
     finally:
         _FILE_VALUES.reset(token)
 

@@ -60,8 +60,12 @@ async def up(
     run_dir = s.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     nats, url = start_nats(s, run_dir)
+    # A trainer started here stops itself after `steps` (exactly that many: the status line
+    # sees a step seconds late, while batches in flight go on training) and its exit ends the
+    # run; only a trainer running elsewhere is watched for it through the status line.
+    local_trainer = steps is not None and "trainer" in s.services
     sup = Supervisor(
-        plan(s, config.resolve(), url, free_port),
+        plan(s, config.resolve(), url, free_port, max_steps=steps if local_trainer else None),
         run_dir / "logs",
         on_failure=s.on_failure,
         max_restarts=s.max_restarts,
@@ -73,13 +77,15 @@ async def up(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    goal = Goal(steps, target_accuracy, max_seconds)
+    goal = Goal(None if local_trainer else steps, target_accuracy, max_seconds)
     try:
         await sup.start_all()
         print(f"flywheel up: all services ready; logs in {run_dir / 'logs'}")
         watcher = asyncio.create_task(sup.watch(stop))
         await show_status(s, sup, run_dir / "status.log", stop, goal)
         await watcher
+        if sup.finished is not None:
+            print(f"flywheel up: {sup.finished} ({steps} steps); stopping", flush=True)
     except StackError as e:
         print(f"flywheel up: {e}", file=sys.stderr)
         sup.failed = str(e)
@@ -130,16 +136,15 @@ async def show_status(
 ) -> None:
     """A status line every `status_interval_s` (console and status.log) until stop or goal."""
     from services.runtime.msgloop import pause
-    from services.stack.status import render_line, scrape, summarise
+    from services.stack.status import RateWindow, render_line, scrape, summarise
 
     urls = {p.spec.name: p.spec.metrics_url for p in sup.procs if p.spec.metrics_url}
-    before = None
+    window = RateWindow()  # samples/s over a window spanning steps, not 0.0 between them
     started = time.monotonic()
     while not stop.is_set():
         await pause(stop, s.status_interval_s)
         now = summarise(await scrape(urls))
-        line = render_line(now, before)
-        before = now
+        line = render_line(now, window.start(now))
         print(f"flywheel up: {line}", flush=True)
         with status_file.open("a") as f:
             f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
@@ -179,9 +184,25 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
             s.task_set().check(data=data)
         except ConfigError as e:
             errors.append(str(e))
+    if data:
+        try:
+            with_model(s)
+        except ConfigError as e:
+            errors.append(str(e))
     for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
         print(f"flywheel up: {line}", file=sys.stderr)
     return EXIT_CONFIG if errors else 0
+
+
+def with_model(s: StackSettings) -> StackSettings:
+    """`s` with `[stack] model` resolved to a directory (a hub id: its snapshot in the local
+    Hugging Face cache), so every process is given the same directory; a ConfigError naming
+    `[stack] model` in one line when there is none (services/models/resolve.py)."""
+    from services.models.resolve import resolve_model
+
+    if not {"engine", "rollout", "trainer"} & set(s.services):
+        return s
+    return s.model_copy(update={"model": resolve_model(s.model, key="[stack] model")})
 
 
 def dry_run(s: StackSettings, config: Path) -> str:
@@ -202,4 +223,5 @@ def up_main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dry_run(settings, Path(args.config)))
         return 0
+    settings = with_model(settings)  # preflight has checked it resolves
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))

@@ -56,8 +56,15 @@ def eval_main(argv: list[str] | None = None) -> int:
             f"(greedy, {t.total} rows; mean reward {t.mean_reward:.3f})"
         )
         for prompt, completion, answer in t.examples:
-            print(f"  {prompt[-60:]!r} -> {completion[:80]!r}  (answer {answer!r})")
+            print(example_line(prompt, completion, answer))
     return 0
+
+
+def example_line(prompt: str, completion: str, answer: str | None) -> str:
+    """One held-out example as `flywheel eval` prints it: the prompt's last line (a chat's
+    user turn, `user: …`), then the completion quoted (its whitespace matters), and the answer."""
+    lines = prompt.rstrip().splitlines() or [""]
+    return f"  {lines[-1][-70:]}  ->  {completion[:80]!r}  (answer {answer})"
 
 
 def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
@@ -81,12 +88,13 @@ def eval_target(config: str | None, weights: str | None) -> tuple[Any, Path]:
         s = load_settings(StackSettings, config)
         tasks = s.task_set()
         model_dir = latest_weights(s.run_dir, s.run) or s.model
-    model_dir = Path(weights) if weights else model_dir
+    from services.models.resolve import resolve_model
+
+    if weights:
+        return tasks, resolve_model(weights, key="--weights")
     if model_dir is None:
         raise ConfigError("no model: give a weights directory (or -c run.toml)")
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"{model_dir} is not a model directory (no config.json)")
-    return tasks, model_dir
+    return tasks, resolve_model(model_dir, key="[stack] model")
 
 
 BufferStatus = Callable[[Any, str], Awaitable["dict[str, Any] | None"]]

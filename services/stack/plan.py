@@ -41,6 +41,9 @@ class ProcSpec:
     gpus: tuple[int, ...] = ()  # its CUDA_VISIBLE_DEVICES (display; env carries it)
     cpus: tuple[int, ...] = ()  # cores it is pinned to (the supervisor sets the affinity)
     beside: str | None = None  # a rollout worker's engine
+    # It exits 0 once its work is done (the trainer given max_steps): the run is over then,
+    # not a death to restart.
+    finishes: bool = False
 
 
 def _py(*module_args: str) -> tuple[str, ...]:
@@ -78,8 +81,16 @@ def engine_spec(
 
 
 def plan(
-    s: StackSettings, config: Path, nats_url: str, free_port: Callable[[], int]
+    s: StackSettings,
+    config: Path,
+    nats_url: str,
+    free_port: Callable[[], int],
+    *,
+    max_steps: int | None = None,
 ) -> list[ProcSpec]:
+    """Every process, in readiness order. `max_steps` (`flywheel up --steps`): the trainer
+    stops itself after that many steps and its exit ends the run, so it trains exactly that
+    many whatever is in flight when it gets there."""
     specs: list[ProcSpec] = []
     run_dir = s.run_dir.resolve()
     weights = run_dir / "weights"
@@ -127,7 +138,7 @@ def plan(
         env = {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(weights)}
         specs.append(service("sync", "sync", _py("services.sync", "-c", str(config)), env))
     if "trainer" in s.services:
-        specs.append(trainer_spec(s, config, run_dir, service))
+        specs.append(trainer_spec(s, config, run_dir, service, max_steps))
     if "buffer" in s.services:
         specs.append(service("buffer", "buffer", _py("services.buffer", "-c", str(config)), {}))
     return sorted((pinned(s, p) for p in specs), key=lambda p: ORDER.index(p.kind))
@@ -148,7 +159,11 @@ def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
 
 
 def trainer_spec(
-    s: StackSettings, config: Path, run_dir: Path, service: Callable[..., ProcSpec]
+    s: StackSettings,
+    config: Path,
+    run_dir: Path,
+    service: Callable[..., ProcSpec],
+    max_steps: int | None = None,
 ) -> ProcSpec:
     trainer_argv: tuple[str, ...]
     if s.trainer_nproc > 1:
@@ -162,9 +177,18 @@ def trainer_spec(
         "FLYWHEEL_TRAINER_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
         "FLYWHEEL_TRAINER_METRICS_FILE": str(run_dir / "metrics.jsonl"),
     }
+    if max_steps is not None:
+        env["FLYWHEEL_TRAINER_MAX_STEPS"] = str(max_steps)
     if s.trainer_gpus:
         env.update(_visible(s.trainer_gpus))
-    return service("trainer", "trainer", trainer_argv, env, gpus=tuple(s.trainer_gpus))
+    return service(
+        "trainer",
+        "trainer",
+        trainer_argv,
+        env,
+        gpus=tuple(s.trainer_gpus),
+        finishes=max_steps is not None,
+    )
 
 
 def _redact(name: str, value: str) -> str:

@@ -14,7 +14,12 @@ class StackSettings(TaskServiceSettings):
     section: ClassVar[str] = "stack"
 
     run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
-    model: Path = Field(Path("runs/demo/model"), description="Initial model directory.")
+    model: Path = Field(
+        Path("runs/demo/model"),
+        description="The model to start from: a Hugging Face directory, or a hub id "
+        "('org/name') found in the local Hugging Face cache (never downloaded). "
+        "`flywheel import-model` and `make smollm2` make one from a GGUF.",
+    )
     embedded_nats: bool = Field(
         True, description="Start a nats-server here; false: use [nats] url as given."
     )

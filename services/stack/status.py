@@ -7,7 +7,7 @@ stack; `scrape` is one HTTP GET per service.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -88,7 +88,47 @@ def summarise(by_service: dict[str, Samples]) -> Status:
     return st
 
 
+@dataclass
+class RateWindow:
+    """Where the status line's samples/s is measured from: a window that spans trainer steps.
+
+    Generation comes in bursts: admission lets a step's tasks out when a weight
+    version is ready, and with a trainer slower than generation the workers then
+    wait for the next one. A rate between two status lines (2 s apart) read 0.0
+    for most of a 15 s step. So the rate is over a window reaching back to the
+    newest status seen at least `min_s` ago whose step is two or more steps behind
+    (one step's burst and one step's wait inside it), at most `max_s` back; until
+    the run is that old, over all of it. A fast trainer gets a plain `min_s`
+    moving average.
+    """
+
+    min_s: float = 30.0
+    max_s: float = 600.0
+    steps: int = 2
+    seen: deque[Status] = field(default_factory=deque)
+
+    def start(self, now: Status) -> Status | None:
+        """Record `now`; the status the rate runs from (None: nothing before `now`)."""
+        if self.seen and now.samples_total < self.seen[-1].samples_total:
+            self.seen.clear()  # a worker restarted: its counter began again
+        while self.seen and now.at - self.seen[0].at > self.max_s:
+            self.seen.popleft()
+        start = next((s for s in reversed(self.seen) if self._spans(s, now)), None)
+        if start is None and self.seen:
+            start = self.seen[0]
+        while self.seen and self.seen[0] is not start:
+            self.seen.popleft()
+        self.seen.append(now)
+        return start
+
+    def _spans(self, then: Status, now: Status) -> bool:
+        if now.at - then.at < self.min_s:
+            return False
+        return now.step is None or then.step is None or then.step <= now.step - self.steps
+
+
 def render_line(now: Status, before: Status | None) -> str:
+    """The status line; samples/s is measured since `before` (a RateWindow's start)."""
     rate = None
     if before is not None and now.at > before.at:
         rate = (now.samples_total - before.samples_total) / (now.at - before.at)

@@ -6,7 +6,9 @@ counts as started once its ready URL answers 200 (`/readyz` of a service,
 `/health_generate` of an engine: a real one-token generation, which takes
 a second or more on SGLang and on the CPU engine alike). A process that
 exits on its own is reported by name with the tail of its log, then
-restarted (up to `max_restarts`) or the whole stack stops, as configured.
+restarted (up to `max_restarts`) or the whole stack stops, as configured;
+one whose spec `finishes` (the trainer given max_steps) and exits 0 has
+done its work, and the stack stops without a failure.
 Stopping sends SIGTERM in reverse start order, then SIGKILL after a grace
 period.
 
@@ -127,6 +129,7 @@ class Supervisor:
         self.console = console
         self.pids_file = pids_file
         self.failed: str | None = None  # why the stack stopped on its own
+        self.finished: str | None = None  # a process that finished its work ended the run
 
     def get(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
@@ -180,6 +183,8 @@ class Supervisor:
             return
         deadline = time.monotonic() + self.ready_timeout_s
         while not await http_ok(p.spec.ready_url):
+            if not p.alive and p.spec.finishes and p.proc is not None and p.proc.returncode == 0:
+                return  # done before we saw it ready (resumed at max_steps): watch ends the run
             if not p.alive:
                 raise StackError(self._death_report(p, "exited before it was ready"))
             if time.monotonic() > deadline:
@@ -213,6 +218,10 @@ class Supervisor:
                 if p.pump is not None:
                     await p.pump
                 code = p.proc.returncode
+                if code == 0 and p.spec.finishes:
+                    self.finished = f"{p.name} finished"
+                    stop.set()
+                    return
                 if code in FINAL:
                     # The service says restarting cannot help (a bad setting, a systematic
                     # error): stop the run with its own words, not a restart loop.

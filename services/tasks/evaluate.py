@@ -28,7 +28,7 @@ from typing import Any
 from services.runtime.errors import ConfigError
 from services.tasks.episode_eval import run_episodes
 from services.tasks.episode_spec import EpisodeSpec
-from services.tasks.prompts import encode, format_row
+from services.tasks.prompts import encode, format_row, readable
 from services.tasks.sandbox import VerifierPool
 from services.tasks.scoring import Scorer, correct, tool_pool, warmup
 from services.tasks.taskset import LoadedTask, Split, TaskSet
@@ -41,7 +41,8 @@ class TaskEval:
     mean_reward: float
     k: int = 1
     pass_at_k: float | None = None
-    examples: tuple[tuple[str, str, str | None], ...] = ()  # (prompt, completion, answer)
+    # (prompt as text: chat turns as `role: content` lines, completion, answer)
+    examples: tuple[tuple[str, str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ async def evaluate_task(
         pass_at_1=sum(correct(spec, r) for r in scored) / n,
         mean_reward=sum(r.reward for r in scored) / n,
         examples=tuple(
-            (p or str(m), g[0][0], r.answer)
+            (readable(p, m), g[0][0], r.answer)
             for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
         ),
     )

@@ -32,6 +32,13 @@ def format_row(spec: TaskSpec, row: Row) -> tuple[str | None, Messages | None]:
     return text, None
 
 
+def readable(prompt: str | None, messages: Messages | None) -> str:
+    """A prompt as a person reads it: its text, or its chat turns as `role: content` lines."""
+    if messages is None:
+        return prompt or ""
+    return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in messages)
+
+
 def encode(
     tokenizer: Any, prompt: str | None, messages: Messages | None, chat_template: bool = True
 ) -> list[int]:

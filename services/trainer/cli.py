@@ -29,6 +29,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args("trainer", argv)
     settings = settings_or_exit("trainer", TrainerSettings, args.config, args.print_config)
+    from services.models.resolve import resolve_model
+    from services.runtime.errors import EXIT_CONFIG, ConfigError
+
+    try:  # a hub id becomes its cached snapshot; none: one line, not a traceback per rank
+        model = resolve_model(settings.model, key="[trainer] model")
+    except ConfigError as e:
+        print(f"flywheel trainer: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    settings = settings.model_copy(update={"model": model})
     from services.runtime.lifecycle import run_service, setup_logging
     from services.trainer.app import body, load_trainer
     from services.trainer.distributed import init_distributed, shutdown

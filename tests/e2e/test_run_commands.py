@@ -9,12 +9,14 @@ tests/e2e/test_live_run.py.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness.up import UpRun
+from tests.harness.up import QUIET_ENV, UpRun
 
 
 def run_toml(tmp: Path, model: Path, reward: str, run: str) -> Path:
@@ -75,3 +77,62 @@ def test_every_task_failing_the_same_way_stops_the_run(tiny_model: Path, tmp_pat
     assert "16 tasks in a row failed the same way" in out
     assert stopped - ready < 120, f"{stopped - ready:.1f}s after ready"
     assert not (tmp_path / "run" / "run.json").exists()  # the record goes with the run
+
+
+STEPS_RUN = """
+run = "steps"
+
+[stack]
+run_dir = "{run_dir}"
+model = "{model}"
+engines = 1
+engine_threads = 1
+on_failure = "stop"
+# The status line (what `--steps` was checked against) looks every 5 s; the tiny model's steps
+# take well under a second, so a stop decided there would train several steps too many.
+status_interval_s = 5
+
+[task]
+source = {{ type = "arithmetic", digits = 1 }}
+
+[buffer]
+samples_per_prompt = 4
+groups_per_step = 2
+max_new_tokens = 4
+max_staleness = 2
+filter_zero_variance = false  # a random model scores 0 everywhere: let batches form
+dispatch_interval_s = 0.1
+
+[rollout]
+concurrency = 4
+heartbeat_s = 0.3
+
+[trainer.runtime]
+cpu_threads = 1
+
+[sync]
+tick_s = 0.1
+"""
+
+
+@pytest.mark.slow
+def test_up_steps_trains_exactly_that_many_steps(tiny_model: Path, tmp_path: Path) -> None:
+    """`flywheel up --steps 3` trained 7: the stop was decided on the status line, seconds
+    after the step, while the batches in flight went on training. Now the trainer stops
+    itself after step 3 and its exit ends the run."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(STEPS_RUN.format(run_dir=run_dir, model=tiny_model))
+    # A user's shell: nothing set that quiets transformers (flywheel itself must)
+    env = {k: v for k, v in {**os.environ, **QUIET_ENV}.items() if "PROGRESS_BARS" not in k}
+    with UpRun(config, run_dir, "--steps", "3", env=env) as up:
+        code = up.wait_exit(240)
+    out = up.output()
+    assert code == 0, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3]
+    published = sorted(p.name for p in (run_dir / "weights" / "steps").iterdir())
+    assert published[-1] == "v000003", published
+    assert "trainer finished (3 steps)" in out, out[-3000:]
+    # transformers' bars (a line per redraw in every engine's and the trainer's output) are off
+    assert "Loading weights" not in out and "Writing model shards" not in out

@@ -43,7 +43,10 @@ def sft_main(argv: list[str]) -> int:
         if args.print_config:
             print(render(settings))
             return 0
-        run_sft(settings)
+        from services.models.resolve import resolve_model
+
+        model = resolve_model(settings.model_dir, key="[sft] model_dir")  # a hub id: its snapshot
+        run_sft(settings.model_copy(update={"model_dir": model}))
     except FlywheelError as e:
         print(f"flywheel sft: {e}", file=sys.stderr)
         return 2

@@ -78,4 +78,4 @@ def test_eval_scores_a_model_directory(tmp_path: Path) -> None:
         [sys.executable, "-m", "services", "eval", str(tmp_path / "nope")],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert bad.returncode == 2 and "not a model directory" in bad.stderr
+    assert bad.returncode == 2 and "no such model directory" in bad.stderr

@@ -95,6 +95,30 @@ def test_a_service_that_halts_the_run_is_not_restarted(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_service_that_finishes_ends_the_run_and_is_not_restarted(tmp_path: Path) -> None:
+    """The trainer given max_steps (`flywheel up --steps`) exits 0 when done: the run is over,
+    not a death; any other service that exits 0 is restarted as before."""
+
+    async def scenario() -> None:
+        done = (sys.executable, "-c", "print('trained', flush=True)")
+        specs = [ProcSpec("trainer", "trainer", done, finishes=True), ProcSpec("s", "x", SLEEPER)]
+        sup = Supervisor(specs, tmp_path / "logs", max_restarts=5, console=None)
+        await sup.start_all()
+        await asyncio.wait_for(sup.watch(asyncio.Event()), 30)
+        assert sup.finished == "trainer finished" and sup.failed is None
+        assert sup.get("trainer").restarts == 0
+        await sup.stop_all()
+
+        again = [ProcSpec("other", "x", done)]
+        sup = Supervisor(again, tmp_path / "logs2", max_restarts=1, console=None)
+        await sup.start_all()
+        await asyncio.wait_for(sup.watch(asyncio.Event()), 30)
+        assert sup.finished is None and sup.get("other").restarts == 1
+        await sup.stop_all()
+
+    asyncio.run(scenario())
+
+
 def test_a_pinned_service_runs_on_its_cores_only(tmp_path: Path) -> None:
     """`[stack] cpus`: the affinity is set in the child before exec, so the service and
     every thread it starts stay on its cores; an unpinned one keeps the whole machine."""

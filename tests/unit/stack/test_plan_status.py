@@ -7,7 +7,7 @@ from pathlib import Path
 
 from services.stack.plan import plan
 from services.stack.settings import StackSettings
-from services.stack.status import Status, parse, render_line, summarise
+from services.stack.status import RateWindow, Status, parse, render_line, summarise
 
 PORTS = itertools.count(20000)
 
@@ -36,6 +36,15 @@ def test_plan_subset_and_torchrun(tmp_path: Path) -> None:
     assert [p.kind for p in specs] == ["sync", "trainer"]
     assert "torch.distributed.run" in specs[1].argv
     assert "--nproc_per_node=2" in specs[1].argv
+
+
+def test_plan_steps_make_the_trainer_stop_itself(tmp_path: Path) -> None:
+    """`flywheel up --steps N`: the trainer is given max_steps and its exit ends the run."""
+    s = StackSettings(run_dir=tmp_path, services=("trainer", "sync"))
+    trainer = plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS), max_steps=3)[-1]
+    assert trainer.env["FLYWHEEL_TRAINER_MAX_STEPS"] == "3" and trainer.finishes
+    free = plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS))[-1]
+    assert "FLYWHEEL_TRAINER_MAX_STEPS" not in free.env and not free.finishes
 
 
 TRAINER = """
@@ -104,3 +113,37 @@ def test_flywheel_status_shows_stale_drops_against_groups_generated() -> None:
     assert "stale drops: 6 of 400 groups generated (1.5%)" in render_status(s)
     s["streams"] = {}  # nothing generated yet: no line rather than a division by zero
     assert "stale drops" not in render_status(s)
+
+
+def samples_per_s(line: str) -> float | None:
+    shown = line.split("samples/s ")[1].split(" ")[0]
+    return None if shown == "-" else float(shown)
+
+
+def test_samples_per_second_spans_steps_of_a_slow_trainer() -> None:
+    """A trainer step every 15 s; the workers generate its 32 samples in the 2 s after each
+    weight version, then wait. Status every 2 s: line to line, the rate read 0.0 most of the
+    time; over a window spanning two steps it reads the run's rate, about 32/15 per second."""
+    window = RateWindow()
+    last = None
+    shown, line_to_line = [], []
+    for tick in range(1, 60):
+        t = 2.0 * tick
+        step = int(t // 15)
+        done = step * 32 + min(32, int((t - 15 * step) / 2 * 32))
+        now = Status(step=step, samples_total=done, at=1000.0 + t)
+        if last is not None:
+            line_to_line.append(samples_per_s(render_line(now, last)))
+        shown.append((t, samples_per_s(render_line(now, window.start(now)))))
+        last = now
+    assert sum(r == 0.0 for r in line_to_line) > len(line_to_line) / 2  # what it showed
+    assert shown[0][1] is None  # nothing before the first line
+    steady = [r for t, r in shown if t > 45]
+    assert steady and all(r is not None and 1.4 <= r <= 3.2 for r in steady), steady
+    assert len(window.seen) < 30  # only the window is kept
+
+
+def test_samples_per_second_after_a_worker_restart_is_not_negative() -> None:
+    window = RateWindow(min_s=0.0)
+    window.start(Status(step=1, samples_total=500, at=0.0))
+    assert window.start(Status(step=1, samples_total=20, at=2.0)) is None  # counter began again

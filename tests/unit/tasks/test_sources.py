@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.runtime.errors import ConfigError
-from services.tasks.prompts import encode, format_row, sft_messages
+from services.tasks.prompts import encode, format_row, readable, sft_messages
 from services.tasks.sources import Row, load_rows
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet, TrainOrder, load_task
@@ -266,3 +266,14 @@ def test_format_and_encode_prompts() -> None:
     assert encode(Tok(), "ab", None, chat_template=False) == [97, 98]
     assert encode(Tok(), "ab", None, chat_template=True) == [1, 97, 98]
     assert encode(Tok(), None, msgs, chat_template=False) == [2, 104, 105]
+
+
+def test_flywheel_eval_shows_a_chat_prompt_as_its_turns_not_a_tuple_of_dicts() -> None:
+    from services.stack.inspect import example_line
+
+    s = spec(source={"type": "arithmetic"}, system_prompt="Reply with only the number.")
+    text = readable(*format_row(s, Row(prompt="What is 3 + 4?")))
+    assert text == "system: Reply with only the number.\nuser: What is 3 + 4?"
+    line = example_line(text, "The answer is 7.", "7")
+    assert line == "  user: What is 3 + 4?  ->  'The answer is 7.'  (answer 7)"
+    assert example_line(readable("12+34=", None), "46", "46") == "  12+34=  ->  '46'  (answer 46)"

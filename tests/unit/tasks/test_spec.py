@@ -73,7 +73,15 @@ BAD_SPECS = [
     (JSONL, "[task] reward: required for source type 'jsonl'"),
     ('[task]\nsource = { type = "csv", path = "x" }\n', "[task] source"),
     (JSONL + 'reward = "mathh"\n', "[task] reward[0]: fn must be one of"),
-    (ARITH + 'reward = [{ fn = "math", fallbak = true }]\n', "[task] reward[0].fallbak: Extra"),
+    (
+        ARITH + 'reward = [{ fn = "math", fallbak = true }]\n',
+        "[task] reward[0].fallbak: unknown key; did you mean 'fallback'? (this table's keys: ",
+    ),
+    (  # the newcomer's: `name` for reasoning-gym's `dataset`
+        '[task]\nsource = { type = "reasoning_gym", name = "basic_arithmetic" }\n',
+        "[task] source.name: unknown key; did you mean 'dataset' (required, not given)? "
+        "(this table's keys: type, dataset, config, size, seed)",
+    ),
     (ARITH + 'reward = "reasoning_gym"\n', "'reasoning_gym' needs source type 'reasoning_gym'"),
     (ARITH + 'reward = [{ fn = "format", pattern = "(" }]\n', "reward[0].pattern: not a regular"),
     (
@@ -96,7 +104,7 @@ BAD_SPECS = [
     (ARITH + '[task.eval]\ntest_source = { type = "arithmetic" }\n', "needs eval.source"),
     (
         '[tasks.a]\nsource = { type = "jsonl", path = "x", prompt_fild = "q" }\nreward = "math"\n',
-        "[tasks.a] source.prompt_fild: Extra inputs",
+        "[tasks.a] source.prompt_fild: unknown key; did you mean 'prompt_field'?",
     ),
 ]
 
@@ -128,3 +136,12 @@ def test_environment_overrides_reach_the_task(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setenv("FLYWHEEL_BUFFER_TASK__SOURCE__DIGITS", "3")
     s = settings(tmp_path, '[task]\nsource = { type = "arithmetic" }\n', BufferSettings)
     assert s.task is not None and s.task.source.digits == 3  # type: ignore[union-attr]
+
+
+def test_an_unknown_key_of_a_section_names_the_nearest_of_its_own_keys(tmp_path: Path) -> None:
+    msg = error(tmp_path, ARITH + "[buffer]\nmax_new_tokenz = 16\n", BufferSettings)
+    assert "[buffer] max_new_tokenz: unknown key; did you mean 'max_new_tokens'? " in msg
+    keys = msg.split("(this table's keys: ")[1]
+    assert "groups_per_step" in keys and "nats" not in keys  # its own keys, not the shared
+    far = error(tmp_path, ARITH + "[buffer]\nzzz = 1\n", BufferSettings)
+    assert "[buffer] zzz: unknown key; (this table's keys: seed, " in far  # no guess: none near
