@@ -176,8 +176,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     from services.common.engine_client import EngineClient
     from services.common.lifecycle import ServiceContext, run_service
     from services.common.settings import NatsSettings
-    from services.common.tasks.sandbox import VerifierPool
-    from services.common.tasks.scoring import Scorer, warmup
+    from services.common.tasks.scoring import Scorer, verifier_pool
     from services.rollout.app import TaskScorer, load_tokenizer
     from services.rollout.settings import RolloutSettings
     from services.rollout.worker import RolloutWorker
@@ -189,7 +188,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     async def body(ctx: ServiceContext) -> None:
         tasks = base.task_set()
         tokenizer = await asyncio.to_thread(load_tokenizer, base.model)
-        async with VerifierPool(size=2, timeout_s=30.0, warmup=warmup(tasks)) as pool:
+        async with verifier_pool(tasks, timeout_s=30.0) as pool:
             scorer = TaskScorer(Scorer(tasks, pool))
             loops = []
             shard, shards = args.shard

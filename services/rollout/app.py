@@ -14,8 +14,8 @@ from services.common.engine_client import EngineClient
 from services.common.errors import ConfigError
 from services.common.lifecycle import ServiceContext
 from services.common.tasks.episode_spec import EpisodeSpec
-from services.common.tasks.sandbox import Reward, ToolPool, VerifierPool
-from services.common.tasks.scoring import Scorer, tool_pool, warmup
+from services.common.tasks.sandbox import Reward, ToolPool
+from services.common.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.common.tasks.taskset import TaskSet
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
@@ -76,7 +76,7 @@ async def body(ctx: ServiceContext) -> None:
             api_key=s.engine_api_key.get_secret_value() if s.engine_api_key else None,
         ) as c,
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
-        VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
+        verifier_pool(tasks, timeout_s=s.verifier_timeout_s) as pool,
         tools_for(tasks) as tools,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))

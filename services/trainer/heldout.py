@@ -17,7 +17,7 @@ from proto.messages import TrainBatch
 from services.common.errors import ConfigError
 from services.common.tasks.evaluate import EvalReport, evaluate, load_model
 from services.common.tasks.sandbox import ToolPool, VerifierPool
-from services.common.tasks.scoring import Scorer, tool_pool, warmup
+from services.common.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.trainer.settings import TrainerSettings
 
 
@@ -38,7 +38,7 @@ class HeldOut:
 
     async def __aenter__(self) -> HeldOut:
         if self.enabled:
-            self.pool = VerifierPool(size=2, warmup=warmup(self.tasks))
+            self.pool = verifier_pool(self.tasks)
             await self.pool.start()
             self.tools = tool_pool(self.tasks)
             if self.tools is not None:

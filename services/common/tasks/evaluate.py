@@ -27,8 +27,7 @@ from services.common.errors import ConfigError
 from services.common.tasks.episode_eval import run_episodes
 from services.common.tasks.episode_spec import EpisodeSpec
 from services.common.tasks.prompts import encode, format_row
-from services.common.tasks.sandbox import VerifierPool
-from services.common.tasks.scoring import Scorer, correct, tool_pool, warmup
+from services.common.tasks.scoring import Scorer, correct, tool_pool, verifier_pool
 from services.common.tasks.taskset import LoadedTask, TaskSet
 
 
@@ -256,7 +255,7 @@ class Evaluator:
     ) -> None:
         self.tasks, self.size = tasks, size
         self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
-        self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
+        self.pool = verifier_pool(tasks, timeout_s=timeout_s)
         self.tools = tool_pool(tasks)
         self.loop = asyncio.new_event_loop()
 

@@ -258,9 +258,10 @@ def part_value(
         from services.common.tasks.verifiers_env import rubric_score
 
         return rubric_score(completion, source=ctx["source"], row=int(ctx["row"]))
-    from services.common.tasks.sandbox import resolve, to_reward
+    from services.common.tasks.sandbox import environment, resolve, to_reward
 
-    r = to_reward(resolve(fn)(completion, answer, **part.get("kwargs", {})))
+    with environment(part.get("env") or {}):
+        r = to_reward(resolve(fn)(completion, answer, **part.get("kwargs", {})))
     return r.reward, r.parts
 
 

@@ -1,30 +1,43 @@
-"""Run verifiers in worker processes that can be killed: one bad sample never stalls a worker.
+"""Run verifiers and tools in sandboxed processes that can be killed: one bad sample
+never stalls a worker, and nothing it runs reaches past its sandbox.
 
 A verifier is named by import path, "pkg.module:function", and called as
 `function(*args)` in a child process. The parent waits on the child's pipe
 with an asyncio deadline. On timeout the child is killed (SIGKILL: a
 verifier stuck in C code ignores everything else) and replaced; a raising
-verifier is reported by the child; a child that dies mid-call is replaced.
-Each of these gives reward 0 and a counted, named error, and the caller
-carries on — a thread-based `wait_for` could not stop a hung pure-Python or
-C loop, which is why this is a process.
+verifier is reported by the child; a call that dies mid-way is reported as
+crashed. Each of these gives reward 0 and a counted, named error, and the
+caller carries on — a thread-based `wait_for` could not stop a hung
+pure-Python or C loop, which is why this is a process.
 
-Children are plain subprocesses (`python -m services.common.tasks.sandbox`)
-speaking length-prefixed MessagePack on stdin/stdout — no pickle, and no
-fork of a parent that runs an event loop, NATS and torch threads. Request
-`[path, args]`; answer `["ok", reward, parts]` or `["error", message]`.
-Request `[path, args, "value"]` (a tool call) answers `["value", text]`.
-Request `[path, [args, ...], "many"]` (a group's completions) answers
-`["many", [answer, ...]]`, one `["ok", ...]` or `["error", ...]` per call: one
-pipe round trip (two syscalls and a wake-up of each process) per group
-instead of per completion, which at k = 1 was the rollout worker's largest
-cost outside the engine's HTTP (bench/results_cpu.md).
+Children are started by jail.py: inside bubblewrap (their own PID and
+network namespaces, a read-only root with only the interpreter and the
+code they run, a private /tmp, an empty environment, a uid of their own,
+rlimits, seccomp), or where the host has no sandbox and the run file allows
+it, as plain processes with the same limits. Killing a child on a time-out
+kills everything it started: the whole PID namespace (or process group).
 
-Tool children (`ToolPool`) also start confined: an address-space limit
-(RLIMIT_AS) and an audit hook that refuses sockets, subprocesses and
-exec. The hook cannot be removed from Python code; it is a guard against
-a policy's code reaching out, not a jail against a determined attacker
-(ctypes could step around it): run untrusted tools in a container too.
+Each child is a warm *zygote*: it imports the rewards and tools once
+(`warmup`), and then forks a fresh process for every request, which runs the
+call and exits; the zygote itself never runs a request's code. So a call
+that monkeypatches a reward, leaves a background process or a file in /tmp,
+or crashes, affects nothing after it: the zygote kills what the call left
+(everything else in its PID namespace) and empties /tmp before answering.
+A fork costs about a millisecond or a few (bench/sandbox.py); a group's
+completions share one (`call_many`: one request).
+
+The protocol is length-prefixed MessagePack on the child's stdin/stdout — no
+pickle, and no fork of a parent that runs an event loop, NATS and torch
+threads. Request `[path, args]`; answer `["ok", reward, parts]` or
+`["error", message]`. Request `[path, args, "value"]` (a tool call) answers
+`["value", text]`. Request `[path, [args, ...], "many"]` (a group's
+completions) answers `["many", [answer, ...]]`, one `["ok", ...]` or
+`["error", ...]` per call: one pipe round trip per group instead of per
+completion, which at k = 1 was the rollout worker's largest cost outside the
+engine's HTTP (bench/results_cpu.md). Request `[path, args, "warm"]` runs in
+the zygote itself (warm-up: imports, caches). A call whose process died
+without answering answers `["crashed", why]`. What a call's process sends
+back is checked before it is passed on: a call cannot answer for another.
 """
 
 from __future__ import annotations
@@ -34,21 +47,26 @@ import contextlib
 import importlib
 import logging
 import math
+import os
+import signal
 import struct
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Self
 
 import msgpack
 
 from services.common.errors import ConfigError
+from services.common.tasks import jail
+from services.common.tasks.jail import Limits, Sandbox, Spawn
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
+MAX_FRAME = 64 << 20  # a call's answer larger than this is refused
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,21 @@ def to_reward(value: Any) -> Reward:
     return Reward(reward, parts)
 
 
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in os.environ for the block (a tool's or reward's declared variables)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _read_frame(stream: BinaryIO) -> Any:
     header = stream.read(_LEN.size)
     if len(header) < _LEN.size:
@@ -102,10 +135,12 @@ def _frame(obj: Any) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
+# ── the child (the zygote and the process it forks per request) ──────────────
 _DENIED_EVENTS = (
     "socket.connect",
     "socket.bind",
     "socket.sendto",
+    "socket.sendmsg",
     "socket.getaddrinfo",
     "subprocess.Popen",
     "os.system",
@@ -113,21 +148,95 @@ _DENIED_EVENTS = (
     "os.posix_spawn",
     "os.fork",
     "os.forkpty",
+    "ctypes.dlopen",
+    "ctypes.cdata",
 )
 
 
-def confine(memory_mb: int) -> None:
-    """A tool child's limits: address space, and no network or new processes."""
-    import resource
-
-    limit = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def audit_hook() -> None:
+    """Plain processes only (no sandbox on this host, `insecure-allow`): refuse sockets,
+    processes and ctypes from Python. A guard, not a wall: C code steps around it."""
 
     def hook(event: str, _args: tuple[Any, ...]) -> None:
         if event in _DENIED_EVENTS:
             raise PermissionError(f"{event} is not allowed in the tool sandbox")
 
     sys.addaudithook(hook)
+
+
+@dataclass(frozen=True)
+class _Options:
+    memory_mb: int = 0
+    nproc: int = 0
+    fsize_mb: int = 0
+    nofile: int = 0
+    cpu_s: int = 0
+    pidns: bool = False  # alone in a PID namespace: every other process there is a call's
+    audit: bool = False
+    uid: int = -1  # plain processes of a root service: the uid calls run as
+
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> _Options:
+        kw: dict[str, Any] = {}
+        names = {"memory": "memory_mb", "nproc": "nproc", "fsize": "fsize_mb"}
+        names |= {"nofile": "nofile", "cpu": "cpu_s", "uid": "uid"}
+        for a in argv:
+            key, _, value = a.removeprefix("--").partition("=")
+            if key in names:
+                kw[names[key]] = int(value)
+            elif key in ("pidns", "audit"):
+                kw[key] = True
+            else:
+                raise SystemExit(f"sandbox child: unknown option {a!r}")
+        return cls(**kw)
+
+
+def _limit(which: int, value: int) -> None:
+    import resource
+
+    if value > 0:
+        resource.setrlimit(which, (value, value))
+
+
+def _harden(opts: _Options) -> None:
+    """The zygote's own limits, before it imports anything it is asked to: no fd of the
+    parent's but its pipes, rlimits its calls inherit, and not dumpable (a call's
+    process, same uid, cannot ptrace it or open its /proc files)."""
+    import ctypes
+    import resource
+
+    os.closerange(3, 1 << 16)
+    _limit(resource.RLIMIT_AS, opts.memory_mb << 20)
+    _limit(resource.RLIMIT_NPROC, opts.nproc)
+    _limit(resource.RLIMIT_FSIZE, opts.fsize_mb << 20)
+    _limit(resource.RLIMIT_NOFILE, opts.nofile)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    pr_set_dumpable = 4
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_dumpable, 0, 0, 0, 0)
+
+
+def _drop_root(uid: int) -> None:
+    """Plain processes of a root service: become `uid`, no groups, no capabilities, for
+    good (after the warm-up, before the first call)."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+
+
+def _enter_call(opts: _Options) -> None:
+    """In the forked process, before the call: no pipe of the zygote's (it could forge
+    another call's answer), a CPU limit, the audit hook where there are no walls."""
+    import resource
+
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    if opts.cpu_s > 0:
+        resource.setrlimit(resource.RLIMIT_CPU, (opts.cpu_s, opts.cpu_s + 1))
+    if opts.audit:
+        audit_hook()
 
 
 def _verdict(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
@@ -139,48 +248,213 @@ def _verdict(fn: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
     return ["ok", r.reward, r.parts]
 
 
+def _answer(fn: Callable[..., Any], args: Sequence[Any], mode: str | None) -> list[Any]:
+    try:
+        if mode == "value":
+            return ["value", str(fn(*args))]
+        if mode == "many":
+            return ["many", [_verdict(fn, a) for a in args]]
+        return _verdict(fn, args)
+    except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
+        return ["error", f"{type(e).__name__}: {e}"]
+
+
+def _is_verdict(v: Any) -> bool:
+    if not isinstance(v, list) or not v:
+        return False
+    if v[0] == "error":
+        return len(v) == 2 and isinstance(v[1], str)
+    return (
+        v[0] == "ok"
+        and len(v) == 3
+        and isinstance(v[1], float)
+        and math.isfinite(v[1])
+        and isinstance(v[2], dict)
+        and all(isinstance(k, str) and isinstance(x, float) for k, x in v[2].items())
+    )
+
+
+def checked(answer: Any, mode: str | None, n: int) -> list[Any]:
+    """A call's answer if it has the shape its request asks for, else an error: what a
+    call's process sends is not trusted (its code may be the policy's)."""
+    ok = False
+    if isinstance(answer, list) and answer and answer[0] == "error":
+        ok = _is_verdict(answer)
+    elif mode == "value":
+        ok = isinstance(answer, list) and len(answer) == 2 and answer[0] == "value"
+        ok = ok and isinstance(answer[1], str)
+    elif mode == "many":
+        ok = isinstance(answer, list) and len(answer) == 2 and answer[0] == "many"
+        ok = ok and isinstance(answer[1], list) and len(answer[1]) == n
+        ok = ok and all(_is_verdict(v) for v in answer[1])
+    else:
+        ok = _is_verdict(answer)
+    return answer if ok else ["error", "sandbox: the call sent back a malformed answer"]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n > 0:
+        b = os.read(fd, min(n, 1 << 20))
+        if not b:
+            return None
+        chunks.append(b)
+        n -= len(b)
+    return b"".join(chunks)
+
+
+def _read_answer(fd: int) -> Any:
+    header = _read_exact(fd, _LEN.size)
+    if header is None:
+        return None
+    (n,) = _LEN.unpack(header)
+    body = _read_exact(fd, n) if n <= MAX_FRAME else None
+    if body is None:
+        return None
+    try:
+        return msgpack.unpackb(body, raw=False)
+    except (ValueError, msgpack.ExtraData) as e:
+        return ["error", f"sandbox: the call sent back bytes that do not decode: {e}"]
+
+
+def _fork() -> int:
+    """os.fork, waiting out a moment of EAGAIN (the last call's processes still being reaped
+    count against RLIMIT_NPROC)."""
+    for _ in range(100):
+        try:
+            return os.fork()
+        except BlockingIOError:
+            time.sleep(0.01)
+    return os.fork()
+
+
+def _died(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"was killed by {signal.strsignal(sig) or sig}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _clean_up(pid: int, opts: _Options) -> str:
+    """After a call: kill its process and all it started, reap it, empty the temp dir.
+    How it ended, for a call that did not answer."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if opts.pidns:  # everything here but this process (and bubblewrap's init) is the call's
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+    _empty(os.getcwd())
+    return _died(status)
+
+
+def _empty(path: str) -> None:
+    """Remove what a call left in `path`, directories it made unreadable included: the
+    next call must not see it."""
+    import shutil
+
+    def unlock(_fn: Any, p: str, _exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+        with contextlib.suppress(OSError):
+            (shutil.rmtree if os.path.isdir(p) and not os.path.islink(p) else os.unlink)(p)
+
+    with os.scandir(path) as entries:
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.chmod(e.path, 0o700)
+                shutil.rmtree(e.path, onerror=unlock)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+
+
+def _isolated(fn: Callable[..., Any], args: Sequence[Any], mode: str | None, o: _Options) -> Any:
+    """Run one request in a forked process; its checked answer (or why it gave none)."""
+    r, w = os.pipe()
+    try:
+        pid = _fork()
+    except OSError as e:
+        os.close(r)
+        os.close(w)
+        return ["crashed", f"no process for the call: {e}"]
+    if pid == 0:  # the call's process: answer once, exit whatever happens
+        try:
+            os.close(r)
+            _enter_call(o)
+            data = memoryview(_frame(_answer(fn, args, mode)))
+            while data:
+                data = data[os.write(w, data) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        answer = _read_answer(r)
+    finally:
+        os.close(r)
+        how = _clean_up(pid, o)
+    if answer is None:
+        return ["crashed", f"its process {how} without answering"]
+    return checked(answer, mode, len(args))
+
+
 def _child_main(argv: Sequence[str]) -> None:
-    """Child loop: read [path, args(, "value" | "many")], answer ["ok", reward, parts],
-    ["value", text], ["many", [verdict, ...]] or ["error", message]."""
-    if argv[:1] == ["--confine"]:
-        confine(int(argv[1]))
+    """The zygote: read [path, args(, mode)], answer each in a process of its own
+    (in itself: warm-up); see the module docstring for the frames."""
+    opts = _Options.parse(argv)
+    _harden(opts)
+    # Loaded once here, so each call's fork starts with them warm.
+    importlib.import_module("services.common.tasks.rewards")
+    importlib.import_module("services.common.tasks.tools")
     cache: dict[str, Callable[..., Any]] = {}
     out = sys.stdout.buffer
     while True:
         try:
-            path, args, *mode = _read_frame(sys.stdin.buffer)
+            path, args, *rest = _read_frame(sys.stdin.buffer)
         except EOFError:
             return
-        try:
+        mode = rest[0] if rest else None
+        try:  # importing here (the service names the path, not the policy): warm for forks
             fn = cache.get(path) or cache.setdefault(path, resolve(path))
-            if mode == ["value"]:
-                out.write(_frame(["value", str(fn(*args))]))
-            elif mode == ["many"]:
-                out.write(_frame(["many", [_verdict(fn, a) for a in args]]))
+        except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
+            answer: Any = ["error", f"{type(e).__name__}: {e}"]
+        else:
+            if mode == "warm":
+                answer = _answer(fn, args, None)
             else:
-                out.write(_frame(_verdict(fn, args)))
-        except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
-            out.write(_frame(["error", f"{type(e).__name__}: {e}"]))
+                if opts.uid >= 0:
+                    _drop_root(opts.uid)
+                answer = _isolated(fn, args, mode, opts)
+        out.write(_frame(answer))
         out.flush()
 
 
+# ── the pools (in the service) ───────────────────────────────────────────────
 class _Child:
-    """One verifier subprocess and its pipes."""
+    """One sandboxed zygote and its pipes."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, spawn: Spawn) -> None:
         self.proc = proc
+        self.spawn = spawn
 
     @classmethod
-    async def start(cls, argv: Sequence[str] = ()) -> _Child:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.common.tasks.sandbox",
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        return cls(proc)
+    async def start(cls, spawn: Spawn) -> _Child:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spawn.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=spawn.env,
+                cwd=spawn.cwd,
+                pass_fds=spawn.pass_fds,
+                # plain processes: a group of their own, killed whole on a time-out
+                start_new_session=not spawn.confined,
+            )
+        finally:
+            spawn.close_fds()
+        return cls(proc, spawn)
 
     async def roundtrip(self, path: str, args: tuple[Any, ...], mode: str | None = None) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -194,9 +468,15 @@ class _Child:
         return msgpack.unpackb(body, raw=False)
 
     async def kill(self) -> None:
+        """Kill the child and everything it started: bubblewrap's death ends its PID
+        namespace; plain processes die as a process group."""
         with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+            if self.spawn.confined:
+                self.proc.kill()
+            else:
+                os.killpg(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
+        self.spawn.cleanup()
 
 
 class VerifierPool:
@@ -209,6 +489,9 @@ class VerifierPool:
     build a reasoning-gym dataset: seconds, which must not count against the
     first real call's limit, or a slow import times out on every child it
     replaces). A warm-up that fails at start is a ConfigError.
+
+    `sandbox`: what the children may see and use (jail.py); by default only
+    Flywheel's own code, and the sandbox is required.
     """
 
     WARMUP_TIMEOUT_S = 120.0
@@ -218,12 +501,15 @@ class VerifierPool:
         size: int = 2,
         timeout_s: float = 5.0,
         warmup: Sequence[tuple[str, tuple[Any, ...]]] = (),
+        sandbox: Sandbox | None = None,
     ) -> None:
         if size < 1 or timeout_s <= 0:
             raise ConfigError("verifier pool needs size >= 1 and timeout_s > 0")
         self.size = size
         self.timeout_s = timeout_s
         self.warmup = tuple(warmup)
+        self.sandbox = sandbox or Sandbox()
+        self.confined: bool | None = None  # known at start: in the sandbox, or plain processes
         self.errors: Counter[str] = Counter()
         self.calls = 0
         self._idle: asyncio.Queue[_Child] | None = None
@@ -237,19 +523,28 @@ class VerifierPool:
         await self.close()
 
     async def start(self) -> None:
+        why = await asyncio.to_thread(self.sandbox.check)  # a ConfigError if it must not run
+        self.confined = why is None
+        if why is not None:
+            log.warning(
+                "%s runs as plain processes (limits, no walls): the sandbox is unavailable (%s)",
+                type(self).__name__,
+                why,
+            )
         self._idle = asyncio.Queue()
         children = await asyncio.gather(*(self._spawn(strict=True) for _ in range(self.size)))
         for child in children:
             self._idle.put_nowait(child)
 
-    argv: tuple[str, ...] = ()  # the children's command-line options
-
     async def _spawn(self, strict: bool = False) -> _Child:
-        child = await _Child.start(self.argv)
+        spawn = jail.plan(self.sandbox, math.ceil(self.timeout_s) + 1)
+        child = await _Child.start(spawn)
         self._all.append(child)
         for path, args in self.warmup:
             try:
-                answer = await asyncio.wait_for(child.roundtrip(path, args), self.WARMUP_TIMEOUT_S)
+                answer = await asyncio.wait_for(
+                    child.roundtrip(path, args, "warm"), self.WARMUP_TIMEOUT_S
+                )
             except (TimeoutError, EOFError, OSError) as e:
                 answer = ["error", f"{type(e).__name__}: {e}"]
             if answer[0] == "error":
@@ -297,6 +592,9 @@ class VerifierPool:
             return ["error", f"{path} process died: {e!r}", "crashed"]
         finally:
             self._idle.put_nowait(child)
+        if answer[0] == "crashed":
+            self.errors["crashed"] += count
+            return ["error", f"{path} process died: {answer[1]}", "crashed"]
         if answer[0] == "error":
             self.errors["raised"] += count
             return ["error", f"{path} raised {answer[1]}", "raised"]
@@ -347,8 +645,13 @@ class ToolOutcome:
     seconds: float
 
 
+def tool_modules(tools: Sequence[dict[str, Any]]) -> tuple[str, ...]:
+    """The user modules function tools are imported from (visible in the sandbox)."""
+    return tuple(str(t["fn"]).partition(":")[0] for t in tools if t.get("type") == "function")
+
+
 class ToolPool(VerifierPool):
-    """Confined children (memory limit, no network or subprocesses) that run tool calls.
+    """Sandboxed children that run tool calls (a process per call, `memory_mb` each).
 
     Apart from the verifiers: a tool's limits must not apply to a reward, and
     a hung tool must not hold a verifier's process.
@@ -360,11 +663,13 @@ class ToolPool(VerifierPool):
         timeout_s: float = 5.0,
         memory_mb: int = 1024,
         tools: Sequence[dict[str, Any]] = (),
+        sandbox: Sandbox | None = None,
     ) -> None:
         # warm-up: import the tools module (and the user's tools) before the first call
         warm = ("services.common.tasks.tools:warm", (list(tools),))
-        super().__init__(size, timeout_s, warmup=[warm])
-        self.argv = ("--confine", str(memory_mb))
+        base = sandbox or Sandbox(modules=tool_modules(tools))
+        box = replace(base, limits=replace(base.limits, memory_mb=memory_mb), audit=True)
+        super().__init__(size, timeout_s, warmup=[warm], sandbox=box)
 
     async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:
         """`path(*args)` as text; a hang, raise or crash is an outcome with its error."""
@@ -376,5 +681,4 @@ class ToolPool(VerifierPool):
         return ToolOutcome(str(answer[1]), None, seconds)
 
 
-if __name__ == "__main__":
-    _child_main(sys.argv[1:])
+__all__ = ["Limits", "Reward", "Sandbox", "ToolOutcome", "ToolPool", "VerifierPool", "resolve"]

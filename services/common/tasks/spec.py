@@ -240,6 +240,11 @@ class CustomReward(_Part):
 
     fn: str = Field(pattern=_FN_PATH, description="'pkg.module:function'.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables fn sees; the sandbox's environment is otherwise "
+        "empty (never the service's: it holds credentials).",
+    )
 
 
 BUILTIN_REWARDS = (
@@ -341,6 +346,13 @@ class TaskSpec(_Strict):
         None,
         description="Roll out as a multi-turn episode with tools ([task.episode]); "
         "none: one completion per sample.",
+    )
+    sandbox: Literal["required", "insecure-allow"] = Field(
+        "required",
+        description="Custom rewards, verifiers rubrics and python/function tools run in the "
+        "sandbox (bubblewrap: no network, no writes, no environment; docs/security/sandbox.md). "
+        "'required': a service on a host that cannot give one refuses to start. "
+        "'insecure-allow': there, run them as plain processes (limits, no walls).",
     )
 
     @field_validator("reward", mode="before")

@@ -1,9 +1,9 @@
 """Tools of multi-turn episodes: parse a turn's call, run it in the sandbox, format the result.
 
 Parsing and formatting are pure and run in the rollout worker (and the
-evaluation); `call` runs in a tool sandbox child (`ToolPool` in
-sandbox.py: its own processes, with a memory limit and no network), so a
-tool that hangs, raises, eats memory or exits costs only its turn.
+evaluation); `call` runs in the tool sandbox (`ToolPool` in sandbox.py: a
+process forked per call inside bubblewrap's walls, jail.py), so a tool that
+hangs, raises, eats memory, exits or tries to reach out costs only its turn.
 
 `call` takes the tool's spec as a plain dict (what crosses the pipe is
 MessagePack, never pickle) and returns the observation text.
@@ -154,7 +154,7 @@ def check_arguments(tool: FunctionTool, body: str) -> dict[str, Any]:
 
 def call(tool: dict[str, Any], body: str) -> str:
     """Run one call of `tool` (its spec as a dict) in this sandbox child."""
-    from services.common.tasks.sandbox import resolve
+    from services.common.tasks.sandbox import environment, resolve
 
     kind = tool["type"]
     if kind == "calculator":
@@ -162,7 +162,8 @@ def call(tool: dict[str, Any], body: str) -> str:
     if kind == "python":
         return run_python(body)
     spec = FunctionTool.model_validate(tool)
-    result = resolve(spec.fn)(**check_arguments(spec, body))
+    with environment(spec.env):
+        result = resolve(spec.fn)(**check_arguments(spec, body))
     return result if isinstance(result, str) else json.dumps(result)
 
 

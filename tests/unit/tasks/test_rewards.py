@@ -13,6 +13,7 @@ from services.common.tasks import rewards as R
 from services.common.tasks.sandbox import VerifierPool, resolve, to_reward
 from services.common.tasks.scoring import reward_payload
 from services.common.tasks.spec import TaskSpec
+from tests.harness.sandbox import TESTS
 
 HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 
@@ -132,7 +133,7 @@ def test_pool_scores_parts_and_survives_hangs_raises_and_deaths(run_async: Any) 
     fx = "tests.unit.tasks.fixtures"
 
     async def body() -> None:
-        async with VerifierPool(size=2, timeout_s=1.0) as pool:
+        async with VerifierPool(size=2, timeout_s=1.0, sandbox=TESTS) as pool:
             parts = payload(["exact_match"])
             t0 = time.monotonic()
             hung, *goods = await asyncio.gather(
@@ -167,7 +168,7 @@ def test_call_many_answers_as_one_call_each(run_async: Any) -> None:
     hangs = [(parts, "7", "7", {}), (payload(f"{fx}:hangs"), "a", "b", {})]
 
     async def body() -> None:
-        async with VerifierPool(size=1, timeout_s=1.0) as pool:
+        async with VerifierPool(size=1, timeout_s=1.0, sandbox=TESTS) as pool:
             one_by_one = [await pool.call(R.SCORE, *c) for c in calls + odd]
             errors_before = dict(pool.errors)
             many = await pool.call_many(R.SCORE, calls) + await pool.call_many(R.SCORE, odd)
