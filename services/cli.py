@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),
     "trainer": ("services.trainer.cli:main", "run the RL trainer service"),
     "sync": ("services.sync.cli:main", "run the weight-sync service"),
+    "sandbox": (
+        "services.sandbox.cli:main",
+        "serve sandboxed reward/tool processes over a unix socket (a sidecar)",
+    ),
 }
 
 

@@ -53,9 +53,9 @@ class TaskScorer:
 
 
 @contextlib.asynccontextmanager
-async def tools_for(tasks: TaskSet) -> AsyncIterator[ToolPool | None]:
+async def tools_for(tasks: TaskSet, remote: Path | None) -> AsyncIterator[ToolPool | None]:
     """The tool sandbox, if a task has episodes."""
-    pool = tool_pool(tasks)
+    pool = tool_pool(tasks, remote)
     if pool is None:
         yield None
         return
@@ -76,8 +76,8 @@ async def body(ctx: ServiceContext) -> None:
             api_key=s.engine_api_key.get_secret_value() if s.engine_api_key else None,
         ) as c,
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
-        verifier_pool(tasks, timeout_s=s.verifier_timeout_s) as pool,
-        tools_for(tasks) as tools,
+        verifier_pool(tasks, timeout_s=s.verifier_timeout_s, remote=s.sandbox_socket) as pool,
+        tools_for(tasks, s.sandbox_socket) as tools,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, TaskScorer(Scorer(tasks, pool)))
         if tools is not None:

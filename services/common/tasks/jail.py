@@ -56,8 +56,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.errors import ConfigError
 from services.common.tasks import seccomp
@@ -109,6 +110,28 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     required_by: tuple[str, ...] = ("this pool",)
     audit: bool = False  # plain processes only: the audit hook that refuses sockets/exec
+
+    def to_wire(self) -> dict[str, Any]:
+        """As plain data, for a `flywheel sandbox` server (services/sandbox)."""
+        return {
+            "modules": list(self.modules),
+            "limits": asdict(self.limits),
+            "required_by": list(self.required_by),
+            "audit": self.audit,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Sandbox:
+        """`to_wire`'s data back; ValueError/TypeError/KeyError if it is not."""
+        limits = {k: int(v) for k, v in d["limits"].items()}
+        if any(v < 0 for v in limits.values()):
+            raise ValueError(f"negative limit in {limits}")
+        return cls(
+            modules=tuple(str(m) for m in d["modules"]),
+            limits=Limits(**limits),
+            required_by=tuple(str(r) for r in d["required_by"]),
+            audit=bool(d["audit"]),
+        )
 
     def check(self) -> str | None:
         """None when the children will be confined; the reason they will not, when the

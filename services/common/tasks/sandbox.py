@@ -53,7 +53,7 @@ import struct
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Self
 
@@ -433,14 +433,24 @@ def _child_main(argv: Sequence[str]) -> None:
 
 # ── the pools (in the service) ───────────────────────────────────────────────
 class _Child:
-    """One sandboxed zygote and its pipes."""
+    """One sandboxed zygote and the two ends of its pipe (its stdin/stdout here, or a
+    connection to the `flywheel sandbox` server that started it there)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, spawn: Spawn) -> None:
-        self.proc = proc
-        self.spawn = spawn
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        confined: bool,
+        stop: Callable[[], Awaitable[None]],
+        pid: int | None = None,
+    ) -> None:
+        self.reader, self.writer, self.confined = reader, writer, confined
+        self._stop = stop
+        self.pid = pid  # the process this service started (None: the server's)
 
     @classmethod
     async def start(cls, spawn: Spawn) -> _Child:
+        """A child of this process."""
         try:
             proc = await asyncio.create_subprocess_exec(
                 *spawn.argv,
@@ -454,29 +464,60 @@ class _Child:
             )
         finally:
             spawn.close_fds()
-        return cls(proc, spawn)
+        assert proc.stdin is not None and proc.stdout is not None
+
+        async def stop() -> None:
+            """Kill the child and everything it started: bubblewrap's death ends its PID
+            namespace; plain processes die as a process group."""
+            with contextlib.suppress(ProcessLookupError):
+                if spawn.confined:
+                    proc.kill()
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            spawn.cleanup()
+
+        return cls(proc.stdout, proc.stdin, spawn.confined, stop, proc.pid)
+
+    @classmethod
+    async def connect(cls, socket_path: str, sandbox: Sandbox, cpu_s: int) -> _Child:
+        """A child of the `flywheel sandbox` server on `socket_path` (services/sandbox):
+        it starts one for this connection and kills it when the connection closes."""
+        try:
+            reader, writer = await asyncio.open_unix_connection(socket_path)
+        except OSError as e:
+            raise ConfigError(f"sandbox server {socket_path}: cannot connect: {e}") from e
+        writer.write(_frame(["spawn", {**sandbox.to_wire(), "cpu_s": cpu_s}]))
+        await writer.drain()
+        try:
+            header = await reader.readexactly(_LEN.size)
+            answer = msgpack.unpackb(await reader.readexactly(_LEN.unpack(header)[0]))
+        except asyncio.IncompleteReadError as e:
+            writer.close()
+            raise ConfigError(f"sandbox server {socket_path} closed the connection") from e
+        if answer[0] != "ready":
+            writer.close()
+            raise ConfigError(f"sandbox server {socket_path}: {answer[1]}")
+
+        async def stop() -> None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+        return cls(reader, writer, bool(answer[1]), stop)
 
     async def roundtrip(self, path: str, args: tuple[Any, ...], mode: str | None = None) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(_frame([path, list(args), *([mode] if mode else [])]))
-        await self.proc.stdin.drain()
+        self.writer.write(_frame([path, list(args), *([mode] if mode else [])]))
+        await self.writer.drain()
         try:
-            header = await self.proc.stdout.readexactly(_LEN.size)
-            body = await self.proc.stdout.readexactly(_LEN.unpack(header)[0])
+            header = await self.reader.readexactly(_LEN.size)
+            body = await self.reader.readexactly(_LEN.unpack(header)[0])
         except asyncio.IncompleteReadError as e:
             raise EOFError("verifier process closed its pipe") from e
         return msgpack.unpackb(body, raw=False)
 
     async def kill(self) -> None:
-        """Kill the child and everything it started: bubblewrap's death ends its PID
-        namespace; plain processes die as a process group."""
-        with contextlib.suppress(ProcessLookupError):
-            if self.spawn.confined:
-                self.proc.kill()
-            else:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        await self.proc.wait()
-        self.spawn.cleanup()
+        await self._stop()
 
 
 class VerifierPool:
@@ -491,7 +532,9 @@ class VerifierPool:
     replaces). A warm-up that fails at start is a ConfigError.
 
     `sandbox`: what the children may see and use (jail.py); by default only
-    Flywheel's own code, and the sandbox is required.
+    Flywheel's own code, and the sandbox is required. `remote`: the unix socket
+    of a `flywheel sandbox` server that starts the children instead (a sidecar
+    container without the service's credentials or volumes).
     """
 
     WARMUP_TIMEOUT_S = 120.0
@@ -502,6 +545,7 @@ class VerifierPool:
         timeout_s: float = 5.0,
         warmup: Sequence[tuple[str, tuple[Any, ...]]] = (),
         sandbox: Sandbox | None = None,
+        remote: str | os.PathLike[str] | None = None,
     ) -> None:
         if size < 1 or timeout_s <= 0:
             raise ConfigError("verifier pool needs size >= 1 and timeout_s > 0")
@@ -509,10 +553,11 @@ class VerifierPool:
         self.timeout_s = timeout_s
         self.warmup = tuple(warmup)
         self.sandbox = sandbox or Sandbox()
+        self.remote = os.fspath(remote) if remote is not None else None
         self.confined: bool | None = None  # known at start: in the sandbox, or plain processes
         self.errors: Counter[str] = Counter()
         self.calls = 0
-        self._idle: asyncio.Queue[_Child] | None = None
+        self._idle: asyncio.Queue[_Child | None] | None = None
         self._all: list[_Child] = []
 
     async def __aenter__(self) -> Self:
@@ -523,22 +568,27 @@ class VerifierPool:
         await self.close()
 
     async def start(self) -> None:
-        why = await asyncio.to_thread(self.sandbox.check)  # a ConfigError if it must not run
-        self.confined = why is None
-        if why is not None:
-            log.warning(
-                "%s runs as plain processes (limits, no walls): the sandbox is unavailable (%s)",
-                type(self).__name__,
-                why,
-            )
+        why = None
+        if self.remote is None:  # (a server checks its own host, per child)
+            why = await asyncio.to_thread(self.sandbox.check)  # ConfigError: must not run
         self._idle = asyncio.Queue()
         children = await asyncio.gather(*(self._spawn(strict=True) for _ in range(self.size)))
         for child in children:
             self._idle.put_nowait(child)
+        self.confined = all(c.confined for c in children)
+        if not self.confined:
+            log.warning(
+                "%s runs as plain processes (limits, no walls): the sandbox is unavailable%s",
+                type(self).__name__,
+                f" ({why})" if why else f" on the server at {self.remote}",
+            )
 
     async def _spawn(self, strict: bool = False) -> _Child:
-        spawn = jail.plan(self.sandbox, math.ceil(self.timeout_s) + 1)
-        child = await _Child.start(spawn)
+        cpu_s = math.ceil(self.timeout_s) + 1
+        if self.remote is not None:
+            child = await _Child.connect(self.remote, self.sandbox, cpu_s)
+        else:
+            child = await _Child.start(jail.plan(self.sandbox, cpu_s))
         self._all.append(child)
         for path, args in self.warmup:
             try:
@@ -554,10 +604,19 @@ class VerifierPool:
                 log.warning("verifier warm-up %s failed: %s", path, answer[1])
         return child
 
-    async def _retire(self, child: _Child) -> _Child:
+    async def _retire(self, child: _Child) -> _Child | None:
         await child.kill()
         self._all.remove(child)
-        return await self._spawn()
+        return await self._respawn()
+
+    async def _respawn(self) -> _Child | None:
+        """A new child, or None while none can start (a sandbox server restarting): the
+        slot stays in the pool and the next call tries again."""
+        try:
+            return await self._spawn()
+        except (ConfigError, OSError) as e:
+            log.warning("sandbox: cannot start a process: %s", e)
+            return None
 
     async def close(self) -> None:
         for child in list(self._all):
@@ -577,21 +636,28 @@ class VerifierPool:
         if self._idle is None:
             raise RuntimeError(f"{type(self).__name__} used before start()")
         self.calls += count
-        child = await self._idle.get()
+        slot = await self._idle.get()
+        child = slot if slot is not None else await self._respawn()
+        if child is None:
+            self._idle.put_nowait(None)
+            self.errors["crashed"] += count
+            return ["error", f"{path}: no sandbox process could start", "crashed"]
         try:
             answer: list[Any] = await asyncio.wait_for(child.roundtrip(path, args, mode), limit)
         except TimeoutError:
             if count:
                 log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
             self.errors["timeout"] += count
-            child = await self._retire(child)
+            self._idle.put_nowait(await self._retire(child))
             return ["error", f"{path} timed out after {limit}s", "timeout"]
         except (EOFError, OSError, ConnectionError) as e:
             self.errors["crashed"] += count
-            child = await self._retire(child)
+            self._idle.put_nowait(await self._retire(child))
             return ["error", f"{path} process died: {e!r}", "crashed"]
-        finally:
-            self._idle.put_nowait(child)
+        except BaseException:
+            self._idle.put_nowait(child)  # cancelled mid-call: the child stays the pool's
+            raise
+        self._idle.put_nowait(child)
         if answer[0] == "crashed":
             self.errors["crashed"] += count
             return ["error", f"{path} process died: {answer[1]}", "crashed"]
@@ -664,12 +730,13 @@ class ToolPool(VerifierPool):
         memory_mb: int = 1024,
         tools: Sequence[dict[str, Any]] = (),
         sandbox: Sandbox | None = None,
+        remote: str | os.PathLike[str] | None = None,
     ) -> None:
         # warm-up: import the tools module (and the user's tools) before the first call
         warm = ("services.common.tasks.tools:warm", (list(tools),))
         base = sandbox or Sandbox(modules=tool_modules(tools))
         box = replace(base, limits=replace(base.limits, memory_mb=memory_mb), audit=True)
-        super().__init__(size, timeout_s, warmup=[warm], sandbox=box)
+        super().__init__(size, timeout_s, warmup=[warm], sandbox=box, remote=remote)
 
     async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:
         """`path(*args)` as text; a hang, raise or crash is an outcome with its error."""

@@ -10,6 +10,7 @@ build the pools a run's tasks need, with what their sandboxes must show
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,9 +114,10 @@ def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
     return calls
 
 
-def tool_pool(tasks: TaskSet) -> ToolPool | None:
+def tool_pool(tasks: TaskSet, remote: str | os.PathLike[str] | None = None) -> ToolPool | None:
     """The tool sandbox the run's episodes need (None: no task has one), not yet started:
-    sized and limited by the largest ask among its tasks."""
+    sized and limited by the largest ask among its tasks; `remote`: a sandbox server's
+    socket (VerifierPool)."""
     episodes = [s.episode for s in tasks.specs.values() if s.episode is not None]
     if not episodes:
         return None
@@ -126,6 +128,7 @@ def tool_pool(tasks: TaskSet) -> ToolPool | None:
         memory_mb=max(e.tool_memory_mb for e in episodes),
         tools=tools,
         sandbox=Sandbox(modules=tool_modules(tools), required_by=_required(tasks, _runs_tool_code)),
+        remote=remote,
     )
 
 
@@ -172,9 +175,17 @@ def verifier_sandbox(tasks: TaskSet, limits: Limits | None = None) -> Sandbox:
     )
 
 
-def verifier_pool(tasks: TaskSet, size: int = 2, timeout_s: float = 5.0) -> VerifierPool:
-    """The pool that scores these tasks (warm-up, sandbox), not yet started."""
-    return VerifierPool(size, timeout_s, warmup=warmup(tasks), sandbox=verifier_sandbox(tasks))
+def verifier_pool(
+    tasks: TaskSet,
+    size: int = 2,
+    timeout_s: float = 5.0,
+    remote: str | os.PathLike[str] | None = None,
+) -> VerifierPool:
+    """The pool that scores these tasks (warm-up, sandbox), not yet started; `remote`: a
+    sandbox server's socket (VerifierPool)."""
+    return VerifierPool(
+        size, timeout_s, warmup=warmup(tasks), sandbox=verifier_sandbox(tasks), remote=remote
+    )
 
 
 def correct(spec: TaskSpec, r: Reward) -> bool:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[3]
 REWARD = "tests.integration.sandbox.escape_fixtures:run_code"
 SCORE = "services.common.tasks.rewards:score"
 PY = {"type": "python", "tag": "python", "description": ""}
-TIMEOUT_S = 3.0
+TIMEOUT_S = 5.0
 SECRET_VAR = "FLYWHEEL_NATS__PASSWORD"
 SECRET = f"secret-{token_hex(12)}"
 LIMITS = Limits()
@@ -107,7 +107,7 @@ class Pools:
         """The host pid of the pool's (only) child process: bubblewrap's grandchild."""
         pool = self.tool if kind == "tool" else self.verifier
         exe = sys.executable.encode()
-        python = [p for p in descendants(pool._all[0].proc.pid) if cmdline(p).startswith(exe)]
+        python = [p for p in descendants(pool._all[0].pid or 0) if cmdline(p).startswith(exe)]
         assert len(python) == 1, python
         return python[0]
 
