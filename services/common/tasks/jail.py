@@ -246,7 +246,7 @@ def mounts(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
             args += ["--ro-bind", top, top]
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
         args += ["--ro-bind-try", f, f]
-    made: set[Path] = {Path("/usr"), Path("/etc")}
+    made: set[Path] = {Path("/usr"), Path("/etc"), Path("/tmp")}
     roots = interpreter_roots()
     for root in roots:
         args += [*_mkdirs(root, made), "--ro-bind", str(root), str(root)]
@@ -296,9 +296,11 @@ def bwrap_argv(
         argv += [a for c in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP") for a in ("--cap-add", c)]
     else:
         argv += ["--unshare-user", "--disable-userns"]
+    # /tmp first: what is bound below it (a virtualenv or the user's module in /tmp)
+    # lands inside the tmpfs instead of under it, hidden.
+    argv += ["--perms", "1777", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
     argv += binds
     argv += ["--dev", "/dev", "--remount-ro", "/dev"]
-    argv += ["--perms", "1777", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
     argv += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
     for k, v in BASE_ENV.items():
         argv += ["--setenv", k, v]

@@ -335,7 +335,7 @@ def _died(status: int) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
-def _clean_up(pid: int, opts: _Options) -> str:
+def _clean_up(pid: int, opts: _Options, keep: set[str]) -> str:
     """After a call: kill its process and all it started, reap it, empty the temp dir.
     How it ended, for a call that did not answer."""
     with contextlib.suppress(ProcessLookupError):
@@ -344,13 +344,26 @@ def _clean_up(pid: int, opts: _Options) -> str:
     if opts.pidns:  # everything here but this process (and bubblewrap's init) is the call's
         with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)
-    _empty(os.getcwd())
+    _empty(os.getcwd(), keep)
     return _died(status)
 
 
-def _empty(path: str) -> None:
-    """Remove what a call left in `path`, directories it made unreadable included: the
-    next call must not see it."""
+def _keep(root: str) -> set[str]:
+    """What is in `root` before any call: the mount points of what is bound below /tmp and
+    the directories that lead to them (not entered: another filesystem)."""
+    keep: set[str] = set()
+    dev = os.stat(root).st_dev
+    with os.scandir(root) as entries:
+        for e in entries:
+            keep.add(e.path)
+            if e.is_dir(follow_symlinks=False) and e.stat(follow_symlinks=False).st_dev == dev:
+                keep |= _keep(e.path)
+    return keep
+
+
+def _empty(path: str, keep: set[str]) -> None:
+    """Remove what a call left in `path` (all but `keep`), directories it made unreadable
+    included: the next call must not see it."""
     import shutil
 
     def unlock(_fn: Any, p: str, _exc: Any) -> None:
@@ -362,7 +375,12 @@ def _empty(path: str) -> None:
 
     with os.scandir(path) as entries:
         for e in entries:
-            if e.is_dir(follow_symlinks=False):
+            if e.path in keep:
+                if e.is_dir(follow_symlinks=False) and any(
+                    k.startswith(e.path + "/") for k in keep
+                ):
+                    _empty(e.path, keep)
+            elif e.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.chmod(e.path, 0o700)
                 shutil.rmtree(e.path, onerror=unlock)
@@ -371,7 +389,9 @@ def _empty(path: str) -> None:
                     os.unlink(e.path)
 
 
-def _isolated(fn: Callable[..., Any], args: Sequence[Any], mode: str | None, o: _Options) -> Any:
+def _isolated(
+    fn: Callable[..., Any], args: Sequence[Any], mode: str | None, o: _Options, keep: set[str]
+) -> Any:
     """Run one request in a forked process; its checked answer (or why it gave none)."""
     r, w = os.pipe()
     try:
@@ -394,7 +414,7 @@ def _isolated(fn: Callable[..., Any], args: Sequence[Any], mode: str | None, o: 
         answer = _read_answer(r)
     finally:
         os.close(r)
-        how = _clean_up(pid, o)
+        how = _clean_up(pid, o, keep)
     if answer is None:
         return ["crashed", f"its process {how} without answering"]
     return checked(answer, mode, len(args))
@@ -409,6 +429,7 @@ def _child_main(argv: Sequence[str]) -> None:
     importlib.import_module("services.common.tasks.rewards")
     importlib.import_module("services.common.tasks.tools")
     cache: dict[str, Callable[..., Any]] = {}
+    keep = _keep(os.getcwd())  # the temp dir as it is before any call
     out = sys.stdout.buffer
     while True:
         try:
@@ -426,7 +447,7 @@ def _child_main(argv: Sequence[str]) -> None:
             else:
                 if opts.uid >= 0:
                     _drop_root(opts.uid)
-                answer = _isolated(fn, args, mode, opts)
+                answer = _isolated(fn, args, mode, opts, keep)
         out.write(_frame(answer))
         out.flush()
 

@@ -152,3 +152,26 @@ def test_the_trainers_held_out_evaluation_runs_tools_and_rewards_in_the_sandbox(
     out = asyncio.run(body())
     assert out.error == "raised", out
     assert best.read_text() == "{}"
+
+
+def test_a_reward_module_under_tmp_is_visible_and_survives_the_cleaning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's module in /tmp (a run directory there): bound inside the sandbox's own
+    /tmp, not hidden under it, and kept when a call's leftovers are removed."""
+    require_sandbox()
+    name = f"flywheel_tmp_reward_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(
+        "def score(c, a):\n    return float(c == a and 'score' in open(__file__).read())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"source": {"type": "arithmetic"}, "reward": f"{name}:score"}
+    tasks = task_set(t=spec)
+    parts = reward_payload(tasks.specs["t"])
+
+    async def body() -> list[float]:
+        async with verifier_pool(tasks, size=1) as pool:
+            assert pool.confined and str(tmp_path).startswith("/tmp/")
+            return [(await pool.call(R.SCORE, parts, c, "7", {})).reward for c in "777"]
+
+    assert asyncio.run(body()) == [1.0, 1.0, 1.0]
