@@ -311,3 +311,14 @@ def warm(parts: list[dict[str, Any]], ctx: dict[str, Any]) -> float:
 
 SCORE = "services.common.tasks.rewards:score"
 WARM = "services.common.tasks.rewards:warm"
+
+# Built-ins that read the completion as text (regular expressions, Fraction) and
+# never parse or run it as code: the sandbox answers a group scored only by these
+# in its warm process, without a fork per request (sandbox.py). math (sympy
+# parsing), reasoning_gym and verifiers (other packages' scorers) and custom
+# functions are not on the list.
+PURE = frozenset({"exact_match", "numeric", "gsm8k", "format", "soft_overlong"})
+
+
+def pure(parts: list[dict[str, Any]]) -> bool:
+    return all(isinstance(p, dict) and p.get("fn") in PURE for p in parts)

@@ -23,8 +23,12 @@ call and exits; the zygote itself never runs a request's code. So a call
 that monkeypatches a reward, leaves a background process or a file in /tmp,
 or crashes, affects nothing after it: the zygote kills what the call left
 (everything else in its PID namespace) and empties /tmp before answering.
-A fork costs about a millisecond or a few (bench/sandbox.py); a group's
-completions share one (`call_many`: one request).
+A fork, and the copy-on-write faults of the call in it, cost milliseconds
+of CPU (bench/results_sandbox.md); a group's completions share one
+(`call_many`: one request). Requests that run only Flywheel's own code
+reading the completion as text — the built-in rewards but math, the
+calculator — are answered by the zygote itself (`_pure`), as before the
+sandbox: they cannot run the completion as code.
 
 The protocol is length-prefixed MessagePack on the child's stdin/stdout — no
 pickle, and no fork of a parent that runs an event loop, NATS and torch
@@ -420,6 +424,24 @@ def _isolated(
     return checked(answer, mode, len(args))
 
 
+def _pure(path: str, args: Sequence[Any], mode: str | None) -> bool:
+    """A request that runs only Flywheel's code reading the completion as text (built-in
+    rewards but math, the calculator): answered in the zygote, at the cost of the design
+    before the sandbox. Anything that may run the completion as code, or the user's
+    code, gets its own process."""
+    from services.common.tasks import rewards, tools
+
+    try:
+        if path == rewards.SCORE and mode in (None, "many"):
+            calls = args if mode == "many" else [args]
+            return all(rewards.pure(c[0]) for c in calls)
+        if path == tools.CALL and mode == "value":
+            return tools.pure(args[0])
+    except (IndexError, TypeError, KeyError):
+        return False  # not the shape these take: not pure
+    return False
+
+
 def _child_main(argv: Sequence[str]) -> None:
     """The zygote: read [path, args(, mode)], answer each in a process of its own
     (in itself: warm-up); see the module docstring for the frames."""
@@ -444,6 +466,8 @@ def _child_main(argv: Sequence[str]) -> None:
         else:
             if mode == "warm":
                 answer = _answer(fn, args, None)
+            elif _pure(path, args, mode):
+                answer = _answer(fn, args, mode)
             else:
                 if opts.uid >= 0:
                     _drop_root(opts.uid)

@@ -167,6 +167,11 @@ def call(tool: dict[str, Any], body: str) -> str:
     return result if isinstance(result, str) else json.dumps(result)
 
 
+def pure(tool: Any) -> bool:
+    """The calculator: an AST walk of integers, never eval; answered without a fork."""
+    return isinstance(tool, dict) and tool.get("type") == "calculator"
+
+
 def warm(tools: list[dict[str, Any]]) -> float:
     """Run by every new tool child before it serves: import this module's dependencies
     and the user's tool functions, so a call's time limit is spent calling."""
