@@ -244,7 +244,10 @@ def mounts(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
+    # The dynamic linker's cache, the time zone and fontconfig (matplotlib, imported by
+    # reasoning-gym, complains without it): public files, no credentials.
+    etc = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "fonts")
+    for f in (f"/etc/{name}" for name in etc):
         args += ["--ro-bind-try", f, f]
     made: set[Path] = {Path("/usr"), Path("/etc"), Path("/tmp")}
     roots = interpreter_roots()
