@@ -34,6 +34,10 @@ ARG CUDA_INDEX=cu128
 RUN pip install "${TORCH}" --index-url "https://download.pytorch.org/whl/${CUDA_INDEX}"
 
 FROM torch-${VARIANT} AS final
+# bubblewrap: the sandbox of rewards and tools (`flywheel sandbox`, the sidecar).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto

@@ -16,7 +16,10 @@ TORCH ?= torch==2.13.0
 
 .PHONY: setup tools test test-fast test-slow test-long demo demo-tools lint format smollm2
 
+# bubblewrap, the sandbox of rewards and tools (a Debian package; a warning, not a
+# failure, where it cannot be installed: make test installs it for good).
 setup: $(STAMP)
+	@deploy/ci-tools.sh --soft sandbox
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +28,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf]'
 	touch $(STAMP)
 
-# promtool/prometheus for tests/deploy (Debian packages; a no-op once present).
+# bubblewrap for the sandbox, promtool/prometheus for tests/deploy (Debian
+# packages; a no-op once present).
 tools:
 	deploy/ci-tools.sh
 
@@ -34,10 +38,12 @@ tools:
 # loadscope keeps a module's tests on one worker, so a module's stack starts once.
 PARALLEL ?= -n 4 --dist loadscope
 
+# The sandbox's tests fail here rather than skip if the host cannot give one:
+# `tools` has just installed bubblewrap (tests/harness/sandbox.py).
 test: setup tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL)
+	FLYWHEEL_SANDBOX_TESTS=required $(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL)
 
 # The edit-test loop: everything not marked slow (no whole-stack start-ups, no
 # e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines

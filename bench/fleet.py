@@ -179,8 +179,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     from services.rollout.worker import RolloutWorker
     from services.runtime.lifecycle import ServiceContext, run_service
     from services.runtime.settings import NatsSettings
-    from services.tasks.sandbox import VerifierPool
-    from services.tasks.scoring import Scorer, warmup
+    from services.tasks.scoring import Scorer, verifier_pool
 
     base = RolloutSettings(run=RUN, nats=NatsSettings(url=args.nats), task=TASK,
                            model=Path(args.model), concurrency=args.concurrency,
@@ -189,7 +188,7 @@ async def run_workers(args: argparse.Namespace) -> None:
     async def body(ctx: ServiceContext) -> None:
         tasks = base.task_set()
         tokenizer = await asyncio.to_thread(load_tokenizer, base.model)
-        async with VerifierPool(size=2, timeout_s=30.0, warmup=warmup(tasks)) as pool:
+        async with verifier_pool(tasks, timeout_s=30.0) as pool:
             scorer = PromptTaskScorer(Scorer(tasks, pool))
             loops = []
             shard, shards = args.shard

@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("services.cli:demo_main", "SFT warm start, then async GRPO: watch it learn"),
     "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
     "status": ("services.cli:status_main", "a run's state, read from NATS"),
-    "eval": ("services.stack.inspect:eval_main", "held-out pass@1 / pass@k of a run's weights"),
+    "eval": (
+        "services.stack.inspect:eval_main",
+        "test-split pass@1 / pass@k of a run's weights (validation if none)",
+    ),
     "init-model": (
         "services.trainer.cli:init_model_main",
         "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
@@ -37,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),
     "trainer": ("services.trainer.cli:main", "run the RL trainer service"),
     "sync": ("services.sync.cli:main", "run the weight-sync service"),
+    "sandbox": (
+        "services.sandbox.cli:main",
+        "serve sandboxed reward/tool processes over a unix socket (a sidecar)",
+    ),
 }
 
 

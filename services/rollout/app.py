@@ -17,8 +17,8 @@ from services.rollout.worker import RolloutWorker
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
 from services.tasks.episode_spec import EpisodeSpec
-from services.tasks.sandbox import Reward, ToolPool, VerifierPool
-from services.tasks.scoring import Scorer, tool_pool, warmup
+from services.tasks.sandbox import Reward, ToolPool
+from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.tasks.taskset import TaskSet
 
 
@@ -59,9 +59,9 @@ class PromptTaskScorer:
 
 
 @contextlib.asynccontextmanager
-async def tools_for(tasks: TaskSet) -> AsyncIterator[ToolPool | None]:
+async def tools_for(tasks: TaskSet, remote: Path | None) -> AsyncIterator[ToolPool | None]:
     """The tool sandbox, if a task has episodes."""
-    pool = tool_pool(tasks)
+    pool = tool_pool(tasks, remote)
     if pool is None:
         yield None
         return
@@ -82,8 +82,8 @@ async def body(ctx: ServiceContext) -> None:
             api_key=s.engine_api_key.get_secret_value() if s.engine_api_key else None,
         ) as c,
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
-        VerifierPool(size=2, timeout_s=s.verifier_timeout_s, warmup=warmup(tasks)) as pool,
-        tools_for(tasks) as tools,
+        verifier_pool(tasks, timeout_s=s.verifier_timeout_s, remote=s.sandbox_socket) as pool,
+        tools_for(tasks, s.sandbox_socket) as tools,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, PromptTaskScorer(Scorer(tasks, pool)))
         if tools is not None:

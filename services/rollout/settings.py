@@ -39,6 +39,12 @@ class RolloutSettings(TaskServiceSettings):
     verifier_timeout_s: float = Field(
         5.0, gt=0, description="Limit of one verifier call; a hang scores 0 and is counted."
     )
+    sandbox_socket: Path | None = Field(
+        None,
+        description="Unix socket of a `flywheel sandbox` server: rewards and tools run in "
+        "its children (a sidecar without this service's credentials or volumes) instead of "
+        "this service's. None: this service starts the sandboxed children itself.",
+    )
     max_abort_retries: int = Field(
         20, ge=0, description="Re-generations of a sample aborted by a weight update."
     )

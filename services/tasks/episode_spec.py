@@ -47,8 +47,9 @@ class CalculatorTool(_Tool):
 
 class PythonTool(_Tool):
     """Python code run in the tool sandbox; the observation is what it printed
-    (or the value of a last expression). No network, the sandbox's memory and
-    time limits; each call gets a fresh namespace."""
+    (or the value of a last expression). No network, nothing writable but a
+    private /tmp, the sandbox's memory, process and time limits; each call runs
+    in a fresh process forked from a warm one, so no call sees another's state."""
 
     type: Literal["python"]
     tag: str = Field("python", pattern=_TAG, description="The call is <tag>code</tag>.")
@@ -74,6 +75,11 @@ class FunctionTool(_Tool):
     )
     required: tuple[str, ...] = Field(
         (), description="Arguments a call must give (default: every parameter)."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables the function sees; the sandbox's environment is "
+        "otherwise empty (never the service's: it holds credentials).",
     )
 
     @field_validator("parameters")
@@ -128,7 +134,7 @@ class EpisodeSpec(_Strict):
         5.0, gt=0, description="Limit of one tool call; a hang costs the turn an error."
     )
     tool_memory_mb: int = Field(
-        1024, ge=64, description="Address-space limit of each tool process (RLIMIT_AS)."
+        1024, ge=64, description="Address-space limit of each tool sandbox process (RLIMIT_AS)."
     )
     tool_processes: int = Field(
         2, ge=1, le=64, description="Tool sandbox processes per rollout worker."

@@ -29,8 +29,7 @@ from services.runtime.errors import ConfigError
 from services.tasks.episode_eval import run_episodes
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode, format_row, readable
-from services.tasks.sandbox import VerifierPool
-from services.tasks.scoring import Scorer, correct, tool_pool, warmup
+from services.tasks.scoring import Scorer, correct, tool_pool, verifier_pool
 from services.tasks.taskset import LoadedTask, Split, TaskSet
 
 
@@ -273,7 +272,7 @@ class Evaluator:
         self.tasks, self.size = tasks, size
         self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
         self.split: Split = split or report_split(self.loaded)
-        self.pool = VerifierPool(size=2, timeout_s=timeout_s, warmup=warmup(tasks))
+        self.pool = verifier_pool(tasks, timeout_s=timeout_s)
         self.tools = tool_pool(tasks)
         self.loop = asyncio.new_event_loop()
 

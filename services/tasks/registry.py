@@ -80,6 +80,10 @@ class SourceSpec(Strict):
         """What a reward of its own needs in the sandbox (the source itself), or None."""
         return None
 
+    def sandbox_modules(self) -> tuple[str, ...]:
+        """User modules a reward of its own imports in the sandbox (verifiers: the env's)."""
+        return ()
+
     def in_split(self, split: str, key: str) -> SourceSpec:
         """This source where it stands in a task: `split` is "train" (`source`), "validation"
         (`eval.source`) or "test" (`eval.test_source`). A source that partitions its own
@@ -97,6 +101,11 @@ class RewardPart(Strict):
     """
 
     own_source: ClassVar[str | None] = None  # the source type this reward only works with
+    # Calls code Flywheel does not know (a user's function, another package's rubric).
+    calls_code: ClassVar[bool] = False
+    # Reads the completion only as text (regular expressions, numbers), never parses or
+    # runs it as code: the sandbox may answer it without a fork (rewards.pure).
+    text_only: ClassVar[bool] = False
 
     weight: float = Field(1.0, description="Weight of this part in the reward (a weighted sum).")
     name: str | None = Field(
@@ -121,6 +130,18 @@ class RewardPart(Strict):
 
     def check(self, key: str) -> None:
         """Start-up checks that need the disk or optional packages (ConfigError naming `key`)."""
+
+    @property
+    def runs_code(self) -> bool:
+        """Runs code Flywheel does not know: a part defined outside Flywheel, or one that
+        calls such code. Where the host has no sandbox, it runs only if its task says
+        sandbox = "insecure-allow" (scoring.py)."""
+        return self.calls_code or not type(self).__module__.startswith("services.")
+
+    def sandbox_modules(self) -> tuple[str, ...]:
+        """The modules the sandbox must show for `value` to run (their top-level packages
+        are bound into it, jail.py): its class's, and any user code it calls."""
+        return (type(self).__module__,)
 
 
 # ── the registries ───────────────────────────────────────────────────────────

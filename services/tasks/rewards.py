@@ -216,6 +216,7 @@ Extract = Literal["first_line", "last_line", "full", "answer_tag", "boxed", "mar
 class ExactMatch(RewardPart):
     """1 if the extracted answer equals the reference (after normalisation)."""
 
+    text_only: ClassVar[bool] = True
     fn: Literal["exact_match"]
     extract: Extract = Field("first_line", description="Which part of the completion to compare.")
     marker: str = Field("####", description="extract = 'marker': text after its last occurrence.")
@@ -241,6 +242,7 @@ class ExactMatch(RewardPart):
 class NumericMatch(RewardPart):
     """1 if the extracted number equals the reference number (exact for integers/fractions)."""
 
+    text_only: ClassVar[bool] = True
     fn: Literal["numeric"]
     extract: Extract = Field("last_number", description="Which part of the completion to parse.")
     marker: str = Field("####", description="extract = 'marker': text after its last occurrence.")
@@ -284,6 +286,7 @@ class MathAnswer(RewardPart):
 class Gsm8kAnswer(RewardPart):
     """GSM8K: the number after the completion's last '####' equals the reference's."""
 
+    text_only: ClassVar[bool] = True
     fn: Literal["gsm8k"]
     strict: bool = Field(
         True, description="Require '#### n' in the completion; false: fall back to its last number."
@@ -299,6 +302,7 @@ class Gsm8kAnswer(RewardPart):
 class FormatReward(RewardPart):
     """1 if the completion matches a regular expression (an answer tag present, well-formed)."""
 
+    text_only: ClassVar[bool] = True
     fn: Literal["format"]
     pattern: str = Field(
         r"<answer>.+?</answer>", description="Python regular expression searched for."
@@ -324,6 +328,7 @@ class FormatReward(RewardPart):
 class SoftOverlong(RewardPart):
     """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then down to -1 at max."""
 
+    text_only: ClassVar[bool] = True
     fn: Literal["soft_overlong"]
     max_tokens: int = Field(ge=1, description="L_max: responses this long or longer score -1.")
     buffer_tokens: int = Field(ge=1, description="L_cache: the length of the linear ramp.")
@@ -346,20 +351,30 @@ class CustomReward(RewardPart):
     """A user function `fn(completion, answer, **kwargs)` -> float | (float, parts) | dict."""
 
     tag: ClassVar[str] = "custom"  # any 'pkg.module:function' (registry._reward_tag)
+    calls_code: ClassVar[bool] = True
 
     fn: str = Field(pattern=FN_PATH, description="'pkg.module:function'.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of fn.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables fn sees; the sandbox's environment is otherwise "
+        "empty (never the service's: it holds credentials).",
+    )
 
     def value(
         self, completion: str, answer: str | None, ctx: dict[str, Any]
     ) -> tuple[float, dict[str, float]]:
-        from services.tasks.sandbox import resolve, to_reward
+        from services.tasks.calls import environment, resolve, to_reward
 
-        r = to_reward(resolve(self.fn)(completion, answer, **self.kwargs))
+        with environment(self.env):
+            r = to_reward(resolve(self.fn)(completion, answer, **self.kwargs))
         return r.reward, r.parts
 
+    def sandbox_modules(self) -> tuple[str, ...]:
+        return (*super().sandbox_modules(), self.fn.partition(":")[0])
+
     def warm(self, ctx: dict[str, Any]) -> None:
-        from services.tasks.sandbox import resolve
+        from services.tasks.calls import resolve
 
         resolve(self.fn)
 
@@ -397,3 +412,15 @@ def warm(parts: list[dict[str, Any]], ctx: dict[str, Any]) -> float:
 
 SCORE = "services.tasks.rewards:score"
 WARM = "services.tasks.rewards:warm"
+
+
+def pure(parts: list[dict[str, Any]]) -> bool:
+    """Every part is one of this module's built-ins that read the completion only as text
+    (`RewardPart.text_only`): the sandbox answers such a group in its warm process,
+    without a fork per request (sandbox.py `_pure`). A class defined elsewhere, a user's
+    included, never is: only Flywheel's own code is trusted not to leave state behind."""
+    for p in parts:
+        cls = REWARDS.kinds.get(str(p.get("fn"))) if isinstance(p, dict) else None
+        if cls is None or not cls.text_only or cls.__module__ != __name__:
+            return False
+    return True

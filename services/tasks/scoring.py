@@ -3,18 +3,23 @@
 `Scorer` turns (task name, row, completion) into one `pool.call` of
 `rewards.score` with that task's reward parts, so a reward runs in the
 killable sandbox under the pool's time limit whether a rollout worker or
-the evaluation asks, and answers the same.
+the evaluation asks, and answers the same. `verifier_pool` and `tool_pool`
+build the pools a run's tasks need, with what their sandboxes must show
+(the user's modules) and whether a host without one may run them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from services.runtime.errors import PermanentError
 from services.tasks import rewards
+from services.tasks.episode_spec import FunctionTool, PythonTool
+from services.tasks.jail import Limits, Sandbox
 from services.tasks.registry import SourceSpec, as_fields
-from services.tasks.sandbox import Reward, ToolPool, VerifierPool
+from services.tasks.sandbox import Reward, ToolPool, VerifierPool, tool_modules
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
 
@@ -109,17 +114,77 @@ def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
     return calls
 
 
-def tool_pool(tasks: TaskSet) -> ToolPool | None:
+def tool_pool(tasks: TaskSet, remote: str | os.PathLike[str] | None = None) -> ToolPool | None:
     """The tool sandbox the run's episodes need (None: no task has one), not yet started:
-    sized and limited by the largest ask among its tasks."""
+    sized and limited by the largest ask among its tasks; `remote`: a sandbox server's
+    socket (VerifierPool)."""
     episodes = [s.episode for s in tasks.specs.values() if s.episode is not None]
     if not episodes:
         return None
+    tools = [t.model_dump(mode="json") for e in episodes for t in e.tools]
     return ToolPool(
         size=max(e.tool_processes for e in episodes),
         timeout_s=max(e.tool_timeout_s for e in episodes),
         memory_mb=max(e.tool_memory_mb for e in episodes),
-        tools=[t.model_dump(mode="json") for e in episodes for t in e.tools],
+        tools=tools,
+        sandbox=Sandbox(modules=tool_modules(tools), required_by=_required(tasks, _runs_tool_code)),
+        remote=remote,
+    )
+
+
+# ── which code needs the sandbox ─────────────────────────────────────────────
+# Built-in rewards and the calculator are Flywheel's code reading the policy's
+# text; a custom reward, a verifiers rubric, a function tool or the python tool
+# is code Flywheel does not know, or runs the policy's text as code. Where the
+# host has no sandbox, only the former run (as plain processes) unless the task
+# says sandbox = "insecure-allow".
+def _runs_reward_code(spec: TaskSpec) -> bool:
+    return any(p.runs_code for p in spec.reward)
+
+
+def _runs_tool_code(spec: TaskSpec) -> bool:
+    tools = spec.episode.tools if spec.episode is not None else ()
+    return any(isinstance(t, PythonTool | FunctionTool) for t in tools)
+
+
+def _required(tasks: TaskSet, runs_code: Any) -> tuple[str, ...]:
+    """The tables whose code may not run without the sandbox."""
+    return tuple(
+        tasks.keys[n] for n, s in tasks.specs.items() if runs_code(s) and s.sandbox == "required"
+    )
+
+
+def reward_modules(tasks: TaskSet) -> tuple[str, ...]:
+    """The modules the tasks' rewards import (their top-level packages are visible in the
+    verifier sandbox; Flywheel's own always are)."""
+    mods: list[str] = []
+    for spec in tasks.specs.values():
+        mods += [m for p in spec.reward for m in p.sandbox_modules()]
+        for src in (spec.source, *spec.eval.sources):
+            mods += src.sandbox_modules()
+    return tuple(dict.fromkeys(mods))
+
+
+def verifier_sandbox(tasks: TaskSet, limits: Limits | None = None) -> Sandbox:
+    """The verifier pool's sandbox for these tasks: their reward modules visible, required
+    unless every task with reward code allows running it without."""
+    return Sandbox(
+        modules=reward_modules(tasks),
+        limits=limits or Limits(),
+        required_by=_required(tasks, _runs_reward_code),
+    )
+
+
+def verifier_pool(
+    tasks: TaskSet,
+    size: int = 2,
+    timeout_s: float = 5.0,
+    remote: str | os.PathLike[str] | None = None,
+) -> VerifierPool:
+    """The pool that scores these tasks (warm-up, sandbox), not yet started; `remote`: a
+    sandbox server's socket (VerifierPool)."""
+    return VerifierPool(
+        size, timeout_s, warmup=warmup(tasks), sandbox=verifier_sandbox(tasks), remote=remote
     )
 
 

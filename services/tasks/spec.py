@@ -21,7 +21,7 @@ built-in ones are imported here, so a spec that validates knows them all.
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -134,6 +134,13 @@ class TaskSpec(Strict):
         None,
         description="Roll out as a multi-turn episode with tools ([task.episode]); "
         "none: one completion per sample.",
+    )
+    sandbox: Literal["required", "insecure-allow"] = Field(
+        "required",
+        description="Custom rewards, verifiers rubrics and python/function tools run in the "
+        "sandbox (bubblewrap: no network, no writes, no environment; docs/security/sandbox.md). "
+        "'required': a service on a host that cannot give one refuses to start. "
+        "'insecure-allow': there, run them as plain processes (limits, no walls).",
     )
 
     @field_validator("reward", mode="before")

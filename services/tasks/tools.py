@@ -1,9 +1,9 @@
 """Tools of multi-turn episodes: parse a turn's call, run it in the sandbox, format the result.
 
 Parsing and formatting are pure and run in the rollout worker (and the
-evaluation); `call` runs in a tool sandbox child (`ToolPool` in
-sandbox.py: its own processes, with a memory limit and no network), so a
-tool that hangs, raises, eats memory or exits costs only its turn.
+evaluation); `call` runs in the tool sandbox (`ToolPool` in sandbox.py: a
+process forked per call inside bubblewrap's walls, jail.py), so a tool that
+hangs, raises, eats memory, exits or tries to reach out costs only its turn.
 
 `call` takes the tool's spec as a plain dict (what crosses the pipe is
 MessagePack, never pickle) and returns the observation text.
@@ -154,7 +154,7 @@ def check_arguments(tool: FunctionTool, body: str) -> dict[str, Any]:
 
 def call(tool: dict[str, Any], body: str) -> str:
     """Run one call of `tool` (its spec as a dict) in this sandbox child."""
-    from services.tasks.sandbox import resolve
+    from services.tasks.calls import environment, resolve
 
     kind = tool["type"]
     if kind == "calculator":
@@ -162,14 +162,20 @@ def call(tool: dict[str, Any], body: str) -> str:
     if kind == "python":
         return run_python(body)
     spec = FunctionTool.model_validate(tool)
-    result = resolve(spec.fn)(**check_arguments(spec, body))
+    with environment(spec.env):
+        result = resolve(spec.fn)(**check_arguments(spec, body))
     return result if isinstance(result, str) else json.dumps(result)
+
+
+def pure(tool: Any) -> bool:
+    """The calculator: an AST walk of integers, never eval; answered without a fork."""
+    return isinstance(tool, dict) and tool.get("type") == "calculator"
 
 
 def warm(tools: list[dict[str, Any]]) -> float:
     """Run by every new tool child before it serves: import this module's dependencies
     and the user's tool functions, so a call's time limit is spent calling."""
-    from services.tasks.sandbox import resolve
+    from services.tasks.calls import resolve
 
     for tool in tools:
         if tool["type"] == "function":

@@ -64,12 +64,16 @@ class VerifiersSource(SourceSpec):
     def scorer_context(self) -> dict[str, Any] | None:
         return self.model_dump(mode="json")
 
+    def sandbox_modules(self) -> tuple[str, ...]:
+        return (self.env.rpartition("/")[2].replace("-", "_"),)  # 'owner/my-env': my_env
+
 
 @REWARDS.register
 class VerifiersRubric(RewardPart):
     """The `verifiers` environment's own rubric (source type 'verifiers')."""
 
     own_source: ClassVar[str | None] = "verifiers"
+    calls_code: ClassVar[bool] = True  # another package's rubric, on the policy's text
 
     fn: Literal["verifiers"]
 

@@ -21,7 +21,7 @@ from proto.messages import TrainBatch
 from services.runtime.errors import ConfigError
 from services.tasks.evaluate import EvalReport, evaluate, load_model
 from services.tasks.sandbox import ToolPool, VerifierPool
-from services.tasks.scoring import Scorer, tool_pool, warmup
+from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.trainer.settings import TrainerSettings
 
 
@@ -37,14 +37,15 @@ class HeldOut:
                 f"[task] eval: [trainer] eval_every = {s.eval_every} needs a held-out split: "
                 "set eval.holdout = 0.1 (a fraction of the source) or eval.source (a test file)"
             )
+        self.remote = s.sandbox_socket
         self.pool: VerifierPool | None = None
         self.tools: ToolPool | None = None  # tasks with episodes: their tools' sandbox
 
     async def __aenter__(self) -> HeldOut:
         if self.enabled:
-            self.pool = VerifierPool(size=2, warmup=warmup(self.tasks))
+            self.pool = verifier_pool(self.tasks, remote=self.remote)
             await self.pool.start()
-            self.tools = tool_pool(self.tasks)
+            self.tools = tool_pool(self.tasks, self.remote)
             if self.tools is not None:
                 await self.tools.start()
         return self

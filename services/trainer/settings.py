@@ -237,6 +237,12 @@ class TrainerSettings(TaskServiceSettings):
         description="Evaluate the task's held-out split ([task] eval: pass@1, pass@k) every "
         "this many steps, and at step 0 (0: never).",
     )
+    sandbox_socket: Path | None = Field(
+        None,
+        description="Unix socket of a `flywheel sandbox` server: rewards and tools run in "
+        "its children (a sidecar without this service's credentials or volumes) instead of "
+        "this service's. None: this service starts the sandboxed children itself.",
+    )
     metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
     loggers: list[LoggerName] = Field(
         ["jsonl"],

@@ -130,6 +130,8 @@ def test_every_service_container_loads_its_settings(
         assert s.nats.user == "secret-user" and s.nats.password is not None
         assert s.nats.password.get_secret_value() == "secret-password"
         assert s.nats.url == "nats://nats:4222"
+        if section in ("rollout", "trainer"):  # rewards and tools run in the sidecar
+            assert s.sandbox_socket == Path("/run/flywheel-sandbox/pool.sock")
         if section == "rollout":
             # sync reaches the engine at the URL the worker heartbeats: the pod IP.
             assert s.engine_url == "http://10.1.2.3:30000"
@@ -339,3 +341,43 @@ def test_dockerfile_is_non_root_with_flywheel_entrypoint() -> None:
             assert o["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "flywheel" in pyproject["project"]["scripts"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_policy_code_runs_in_a_sidecar_without_secrets_data_or_network(overlay: str) -> None:
+    """Rewards and tools (the policy's code) never run in a container that holds a secret
+    or mounts /data: the rollout worker and the trainer hand them to their pod's
+    `flywheel sandbox` sidecar over a unix socket, and those pods' egress is closed."""
+    objs = objects(overlay)
+    for kind, name, service, section in (
+        ("Deployment", "rollout", "worker", "ROLLOUT"),
+        ("StatefulSet", "trainer", "trainer", "TRAINER"),
+    ):  # fmt: skip
+        spec = find(objs, kind, name)["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        sandbox = next(c for c in spec["containers"] if c["name"] == "sandbox")
+        assert sandbox["args"][0] == "sandbox", sandbox["args"]
+        sock = next(a for a in sandbox["args"] if a.startswith("--socket=")).partition("=")[2]
+        assert "envFrom" not in sandbox
+        assert not [e for e in sandbox.get("env", []) if "valueFrom" in e], sandbox["env"]
+        pvcs = {v["name"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+        assert not [m for m in sandbox["volumeMounts"] if m["name"] in pvcs], name
+        assert sandbox["securityContext"]["readOnlyRootFilesystem"] is True
+        shared = {m["name"]: m["mountPath"] for m in sandbox["volumeMounts"]}
+        c = next(c for c in spec["containers"] if c["name"] == service)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env[f"FLYWHEEL_{section}_SANDBOX_SOCKET"] == sock
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert any(
+            mounts.get(v) == path and Path(sock).is_relative_to(path) for v, path in shared.items()
+        ), (name, shared, mounts)
+        egress = find(objs, "NetworkPolicy", f"{name}-egress")["spec"]
+        assert egress["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+        assert egress["policyTypes"] == ["Egress"]
+        assert all(rule.get("to") for rule in egress["egress"]), egress
+
+
+def test_dockerfile_installs_bubblewrap() -> None:
+    from tests.deploy.deploy_support import ROOT
+
+    assert re.search(r"apt-get install .*\bbubblewrap\b", (ROOT / "Dockerfile").read_text())

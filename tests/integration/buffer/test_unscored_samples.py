@@ -39,6 +39,7 @@ from services.tasks.taskset import TaskSet
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.wire import to_tensor_batch
 from tests.harness.ports import free_port
+from tests.harness.sandbox import TESTS
 from tests.integration.buffer.test_buffer_service import read_all, start_buffer
 
 RUN = "unscored"
@@ -81,7 +82,7 @@ async def answer_tasks(js: object, max_payload: int, stop: asyncio.Event) -> lis
     tasks = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
     sent: list[SampleGroup] = []
     sub = await js.pull_subscribe_bind("rollout", stream_name(RUN, "TASKS"))  # type: ignore[attr-defined]
-    async with VerifierPool(size=2, timeout_s=LIMIT_S) as pool:
+    async with VerifierPool(size=2, timeout_s=LIMIT_S, sandbox=TESTS) as pool:
         worker = RolloutWorker.__new__(RolloutWorker)  # only its scoring step
         worker.metrics = RolloutMetrics(CollectorRegistry())
         worker.warned_errors = set()

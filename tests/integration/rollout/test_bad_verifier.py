@@ -25,6 +25,7 @@ from services.tasks.sandbox import Reward, VerifierPool
 from services.tasks.scoring import Scorer
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
+from tests.harness.sandbox import TESTS
 
 MODULE = "tests.integration.rollout.bad_verifiers"
 
@@ -54,7 +55,7 @@ def test_hanging_and_raising_verifiers_score_zero_and_are_counted() -> None:
         return TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
 
     async def body() -> tuple[list[Reward], float, float]:
-        async with VerifierPool(size=1, timeout_s=1.0) as pool:
+        async with VerifierPool(size=1, timeout_s=1.0, sandbox=TESTS) as pool:
             ctx: Any = Ctx()
             metrics = RolloutMetrics(ctx.registry)
             results = []

@@ -54,6 +54,7 @@ from services.tasks.sandbox import ToolPool
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
 from tests.harness.engines import EngineStates, serving_engine
+from tests.harness.sandbox import TESTS
 from tests.harness.scripted import write_scripted_model
 
 TOK = build_tokenizer()
@@ -102,7 +103,7 @@ def test_two_tool_calls_make_one_sample_of_exactly_what_the_engine_saw(
 
     async def body() -> Any:
         async with serving_engine(engines.get()) as url, EngineClient(url) as c, \
-                ToolPool(size=1, timeout_s=1.0) as tools:  # fmt: skip
+                ToolPool(size=1, timeout_s=1.0, sandbox=TESTS) as tools:  # fmt: skip
             runner = EpisodeRunner(c, tools, TOK.encode, 30.0, 0, lambda: None)
             engine_turn = runner.turn
 

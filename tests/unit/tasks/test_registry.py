@@ -5,6 +5,7 @@ and scored in the verifier sandbox's child process, which imports its module its
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ from services.runtime.errors import EXIT_CONFIG
 from services.runtime.service_main import settings_or_exit
 from services.tasks import rewards
 from services.tasks.registry import REWARDS, builtin_rewards
-from services.tasks.sandbox import VerifierPool
-from services.tasks.scoring import reward_payload
+from services.tasks.scoring import reward_payload, verifier_pool
 from services.tasks.spec import TaskSpec
+from services.tasks.taskset import TaskSet
 from tests.unit.tasks import shout_reward
 
 TASK = '[task]\nsource = {{ type = "arithmetic" }}\nreward = [{{ fn = "{fn}", min_len = {n} }}]\n'
@@ -63,8 +64,16 @@ def test_the_sandbox_child_scores_it(tmp_path: Path, run_async: Any) -> None:
     parts = reward_payload(spec)
     assert parts[0]["_module"] == "tests.unit.tasks.shout_reward"
 
+    tasks = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
+    pool = verifier_pool(tasks, size=1, timeout_s=30.0)
+    # The sandbox shows the module that defines it, and it is user code: walls required.
+    assert "tests.unit.tasks.shout_reward" in pool.sandbox.modules
+    assert pool.sandbox.required_by == ("[task]",)
+    # The scoring itself holds with walls or without (tests/harness/sandbox.py).
+    pool.sandbox = replace(pool.sandbox, required_by=())
+
     async def body() -> None:
-        async with VerifierPool(size=1, timeout_s=30.0) as pool:
+        async with pool:
             loud = await pool.call(rewards.SCORE, parts, "HEY", None, {})
             quiet = await pool.call(rewards.SCORE, parts, "hey", None, {})
         assert (loud.reward, loud.parts, loud.error) == (1.0, {"shout": 1.0}, None)

@@ -14,6 +14,7 @@ from services.tasks.reasoning_gym import reasoning_gym_score
 from services.tasks.sandbox import VerifierPool, resolve, to_reward
 from services.tasks.scoring import reward_payload
 from services.tasks.spec import TaskSpec
+from tests.harness.sandbox import TESTS
 
 HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 
@@ -133,7 +134,7 @@ def test_pool_scores_parts_and_survives_hangs_raises_and_deaths(run_async: Any) 
     fx = "tests.unit.tasks.fixtures"
 
     async def body() -> None:
-        async with VerifierPool(size=2, timeout_s=1.0) as pool:
+        async with VerifierPool(size=2, timeout_s=1.0, sandbox=TESTS) as pool:
             parts = payload(["exact_match"])
             t0 = time.monotonic()
             hung, *goods = await asyncio.gather(
@@ -168,7 +169,7 @@ def test_call_many_answers_as_one_call_each(run_async: Any) -> None:
     hangs = [(parts, "7", "7", {}), (payload(f"{fx}:hangs"), "a", "b", {})]
 
     async def body() -> None:
-        async with VerifierPool(size=1, timeout_s=1.0) as pool:
+        async with VerifierPool(size=1, timeout_s=1.0, sandbox=TESTS) as pool:
             one_by_one = [await pool.call(R.SCORE, *c) for c in calls + odd]
             errors_before = dict(pool.errors)
             many = await pool.call_many(R.SCORE, calls) + await pool.call_many(R.SCORE, odd)

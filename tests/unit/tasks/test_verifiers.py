@@ -17,8 +17,7 @@ import pytest
 
 from services.runtime.errors import ConfigError
 from services.tasks import rewards as R
-from services.tasks.sandbox import VerifierPool
-from services.tasks.scoring import Scorer, reward_payload
+from services.tasks.scoring import Scorer, reward_payload, verifier_pool
 from services.tasks.settings import TaskServiceSettings
 from services.tasks.spec import TaskSpec
 from services.tasks.verifiers_env import VerifiersSource
@@ -72,7 +71,7 @@ def test_the_sandbox_child_scores_with_the_rubric(tmp_path: Path) -> None:
     name = tasks.names[0]
 
     async def body() -> list[float]:
-        async with VerifierPool(size=1, timeout_s=60.0) as pool:
+        async with verifier_pool(tasks, size=1, timeout_s=60.0) as pool:
             scorer = Scorer(tasks, pool)
             got = [await scorer.score(name, 3, c, "7", 1) for c in ("7", "8")]
             held = await scorer.score(name, 1, "3", "3", 1, split="validation")

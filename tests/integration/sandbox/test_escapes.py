@@ -1,0 +1,672 @@
+"""The escape battery: code a policy could write, run as the python tool and as a custom
+reward, trying every way out we know of. Every case must be refused, and each is
+checked on its effect on this host — the file is not there, the listener got
+nothing, the signal never came, no process is left — not on a log line.
+
+The pools are the ones the services use (sandbox.py, in jail.py's bubblewrap),
+sized one child each and started once for the module, after a secret was put
+into this process's environment (as the NATS password is in a service's).
+Where the host has no sandbox these tests skip saying why; in CI they fail
+(tests/harness/sandbox.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import random
+import select
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from secrets import token_hex
+from typing import Any
+
+import pytest
+
+from services.tasks.jail import UID_BASE, Limits
+from services.tasks.registry import as_fields
+from services.tasks.rewards import CustomReward
+from services.tasks.sandbox import ToolPool, VerifierPool
+from services.tasks.tools import CALL
+from tests.harness.poll import wait_for
+from tests.harness.sandbox import CONFINED, require_sandbox
+
+REPO = Path(__file__).resolve().parents[3]
+REWARD = "tests.integration.sandbox.escape_fixtures:run_code"
+SCORE = "services.tasks.rewards:score"
+PY = {"type": "python", "tag": "python", "description": ""}
+TIMEOUT_S = 5.0
+SECRET_VAR = "FLYWHEEL_NATS__PASSWORD"
+SECRET = f"secret-{token_hex(12)}"
+LIMITS = Limits()
+# Before every case's code: should a regression ever run it outside the walls (root,
+# the host's /proc), it stops instead of trying a fork bomb or kill(-1) on this host.
+# The case then fails for want of its output; `unprivileged` says why.
+SEATBELT = """
+import os as _os
+if _os.getuid() == 0 or _os.path.isdir("/proc/self"):
+    raise SystemExit("not in the sandbox: refusing to try")
+"""
+
+
+@dataclass
+class Outcome:
+    """What a run of code came back as: the tool's text (or the reward's parts)."""
+
+    text: str
+    error: str | None
+    reward: float = 0.0
+    numbers: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def leaked(self) -> bool:
+        return SECRET in self.text or self.numbers.get("leaked", 0.0) > 0
+
+    def number(self, name: str) -> float:
+        if name in self.numbers:
+            return self.numbers[name]
+        for word in self.text.split():
+            key, _, value = word.partition("=")
+            if key == name:
+                return float(value)
+        raise AssertionError(f"{name}= not in the output: {self.text!r} {self.numbers}")
+
+
+class Pools:
+    """A tool pool and a verifier pool on an event loop of their own, for sync tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.tool = ToolPool(1, TIMEOUT_S, memory_mb=512, tools=[PY], sandbox=CONFINED)
+        self.verifier = VerifierPool(1, TIMEOUT_S, sandbox=CONFINED)
+        for pool in (self.tool, self.verifier):
+            self.loop.run_until_complete(pool.start())
+            assert pool.confined, "the pool fell back to plain processes"
+
+    def close(self) -> None:
+        for pool in (self.tool, self.verifier):
+            self.loop.run_until_complete(pool.close())
+        self.loop.close()
+
+    def run(self, kind: str, code: str) -> Outcome:
+        code = SEATBELT + code
+        if kind == "tool":
+            out = self.loop.run_until_complete(self.tool.run(CALL, PY, code))
+            return Outcome(out.text, out.error)
+        parts = [as_fields(CustomReward(fn=REWARD, name="run"))]
+        r = self.loop.run_until_complete(self.verifier.call(SCORE, parts, code, SECRET, {}))
+        numbers = {k.removeprefix("run."): v for k, v in r.parts.items()}
+        return Outcome(r.error or "", r.error, r.reward, numbers)
+
+    def zygote(self, kind: str) -> int:
+        """The host pid of the pool's (only) child process: bubblewrap's grandchild."""
+        pool = self.tool if kind == "tool" else self.verifier
+        exe = sys.executable.encode()
+        python = [p for p in descendants(pool._all[0].pid or 0) if cmdline(p).startswith(exe)]
+        assert len(python) == 1, python
+        return python[0]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def ppid_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def live_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid in live_pids():
+        parent = ppid_of(pid)
+        if parent is not None:
+            children.setdefault(parent, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def uid_of(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def with_uid(uid: int) -> list[int]:
+    return [p for p in live_pids() if uid_of(p) == uid]
+
+
+def with_marker(marker: str) -> list[int]:
+    return [p for p in live_pids() if marker.encode() in cmdline(p)]
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Pools]:
+    require_sandbox()
+    saved = os.environ.get(SECRET_VAR)
+    os.environ[SECRET_VAR] = SECRET  # as the NATS password is in a service's environment
+    p = Pools()
+    try:
+        yield p
+    finally:
+        p.close()
+        if saved is None:
+            os.environ.pop(SECRET_VAR, None)
+        else:
+            os.environ[SECRET_VAR] = saved
+
+
+@dataclass
+class Host:
+    """This host's side of a case: files the sandbox must not touch, listeners that must
+    hear nothing, a signal that must not arrive."""
+
+    tmp: Path
+    token: str = field(default_factory=lambda: token_hex(6))
+    sockets: list[socket.socket] = field(default_factory=list)
+    signals: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.weights = self.tmp / "data" / "weights"
+        (self.weights / "v000001").mkdir(parents=True)
+        self.best = self.weights / "best.json"
+        self.best.write_text('{"version": 1}')
+        self.secret_file = self.tmp / "nats-credentials.env"
+        self.secret_file.write_text(f"password={SECRET}\n")
+        self.repo_new = REPO / f".escaped-{self.token}"
+        self.repo_sentinel = REPO / f".escape-sentinel-{self.token}"
+        self.repo_sentinel.write_text("keep me")
+        self.tmp_new = self.tmp / "escaped"
+        self.reward_module = REPO / "services" / "tasks" / "rewards.py"
+        self.reward_text = self.reward_module.read_bytes()
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+        for p in (self.repo_new, self.repo_sentinel):
+            p.unlink(missing_ok=True)
+        if self.reward_module.read_bytes() != self.reward_text:  # put it back, then fail
+            self.reward_module.write_bytes(self.reward_text)
+            raise AssertionError("the sandbox changed services/tasks/rewards.py")
+
+    def listener(self, kind: int, address: Any, family: int = socket.AF_INET) -> socket.socket:
+        s = socket.socket(family, kind)
+        s.bind(address)
+        if kind == socket.SOCK_STREAM:
+            s.listen(8)
+        s.setblocking(False)
+        self.sockets.append(s)
+        return s
+
+    def heard_nothing(self, s: socket.socket, wait_s: float = 0.5) -> None:
+        ready, _, _ = select.select([s], [], [], wait_s)
+        assert not ready, f"the listener on {s.getsockname()!r} heard from the sandbox"
+
+    def unchanged(self) -> None:
+        """Nothing the service could write was written by the case."""
+        assert not self.repo_new.exists() and not self.tmp_new.exists()
+        assert self.repo_sentinel.read_text() == "keep me"
+        assert self.best.read_text() == '{"version": 1}'
+        assert sorted(p.name for p in self.weights.iterdir()) == ["best.json", "v000001"]
+        assert (
+            hashlib.sha256(self.reward_module.read_bytes()).digest()
+            == hashlib.sha256(self.reward_text).digest()
+        )
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path)
+    received: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda s, _f: received.append(s))
+    h.signals = received
+    try:
+        yield h
+        h.unchanged()  # every case, whatever it tried
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        h.close()
+
+
+Run = Callable[[str], Outcome]
+
+
+# ── the cases: each tries one way out, and checks this host's side ──────────
+def fork_exec_shell(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """The hole of the audit-hook sandbox: _posixsubprocess.fork_exec ran an unconfined
+    /bin/sh that wrote a file. Now the shell runs inside the walls."""
+    targets = " ".join(str(t) for t in (h.tmp_new, h.repo_new, h.weights / "x"))
+    run(f"""
+import _posixsubprocess, os
+r, w = os.pipe()
+for t in {targets.split()!r}:
+    pid = _posixsubprocess.fork_exec(
+        [b"/bin/sh", b"-c", b"echo pwned > " + t.encode()], [b"/bin/sh"], True, (w,), None,
+        None, -1, -1, -1, -1, -1, -1, r, w, False, False, -1, None, None, None, -1, None, False)
+    print(os.waitpid(pid, 0))
+""")
+
+
+def subprocess_shell(run: Run, h: Host, p: Pools, kind: str) -> None:
+    run(f"""
+import subprocess
+subprocess.run(["/bin/sh", "-c", "echo pwned > {h.repo_new}; rm -f {h.repo_sentinel}"])
+os_system = __import__("os").system("echo pwned > {h.tmp_new}")
+""")
+
+
+def write_anywhere(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """open(..., 'w') where the service can write: the repository, its code, the weights
+    directory; os.remove of a file there."""
+    out = run(f"""
+import os
+done = []
+for path, mode in [({str(h.repo_new)!r}, "w"), ({str(h.reward_module)!r}, "a"),
+                   ({str(h.best)!r}, "w"), ({str(h.weights / "v000002")!r}, "w"),
+                   ({str(h.tmp_new)!r}, "w"), ("/usr/escaped", "w")]:
+    try:
+        with open(path, mode) as f:
+            f.write("# escaped")
+        done.append(path)
+    except OSError as e:
+        print("refused", e.errno)
+for path in [{str(h.repo_sentinel)!r}, {str(h.best)!r}]:
+    try:
+        os.remove(path)
+        done.append(path)
+    except OSError as e:
+        print("refused", e.errno)
+print(f"written={{len(done)}}")
+""")
+    assert out.number("written") == 0, out
+
+
+def read_host_files(run: Run, h: Host, p: Pools, kind: str) -> None:
+    paths = [str(h.secret_file), "/etc/shadow", "/root/.bashrc", str(REPO / "pyproject.toml")]
+    out = run(f"""
+for path in {paths!r}:
+    try:
+        print(open(path).read())
+    except OSError as e:
+        print("refused", e.errno)
+""")
+    assert not out.leaked, out
+
+
+def environment(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """The service's environment (here: a secret, on Kubernetes: the NATS password) is
+    not the sandbox's."""
+    out = run(f"""
+import os
+print(dict(os.environ))
+print(os.environ.get({SECRET_VAR!r}))
+""")
+    assert not out.leaked, out
+    if kind == "tool":
+        assert SECRET_VAR not in out.text, out
+
+
+def proc_tricks(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """/proc/<parent>/environ, /proc/1, /proc/self/root/.. to the host."""
+    out = run(f"""
+import os
+for path in ["/proc/{os.getpid()}/environ", "/proc/1/environ", f"/proc/{{os.getppid()}}/environ",
+             "/proc/self/environ", "/proc/self/root/../../proc/1/environ",
+             "/proc/1/root{h.secret_file}", "/proc/self/root/..{h.secret_file}"]:
+    try:
+        print(open(path, "rb").read().decode(errors="replace"))
+    except OSError as e:
+        print("refused", path, e.errno)
+for path in ["/proc/self/root/..", "/proc/1/root", "/proc/1/cwd", "/proc"]:
+    try:
+        print(path, os.listdir(path))
+    except OSError as e:
+        print("refused", path, e.errno)
+""")
+    assert not out.leaked, out
+
+
+def tcp_connect(run: Run, h: Host, p: Pools, kind: str) -> None:
+    s = h.listener(socket.SOCK_STREAM, ("0.0.0.0", 0))
+    port = s.getsockname()[1]
+    run(f"""
+import socket
+for host in ["127.0.0.1", {_host_ip()!r}]:
+    try:
+        c = socket.create_connection((host, {port}), timeout=1)
+        c.sendall(b"escaped")
+        print("connected", host)
+    except OSError as e:
+        print("refused", host, e)
+""")
+    h.heard_nothing(s)
+
+
+def udp_sendmsg(run: Run, h: Host, p: Pools, kind: str) -> None:
+    s = h.listener(socket.SOCK_DGRAM, ("0.0.0.0", 0))
+    port = s.getsockname()[1]
+    run(f"""
+import socket
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for host in ["127.0.0.1", {_host_ip()!r}]:
+    for send in (lambda a: u.sendmsg([b"escaped"], [], 0, a), lambda a: u.sendto(b"escaped", a)):
+        try:
+            send((host, {port}))
+            print("sent", host)
+        except OSError as e:
+            print("refused", host, e)
+""")
+    h.heard_nothing(s)
+
+
+def dns(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """A name lookup, and a DNS query to a resolver this host runs."""
+    s = h.listener(socket.SOCK_DGRAM, ("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    out = run(f"""
+import socket
+try:
+    print(socket.getaddrinfo("example.com", 80))
+    print("resolved=1")
+except OSError as e:
+    print("resolved=0", e)
+q = bytes.fromhex("123401000001000000000000076578616d706c6503636f6d0000010001")
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for server in [("127.0.0.1", {port}), ("8.8.8.8", 53), ("1.1.1.1", 53)]:
+    try:
+        u.sendto(q, server)
+        u.settimeout(0.5)
+        print(u.recv(512))
+        print("answered=1")
+    except OSError as e:
+        print("refused", server, e)
+""")
+    h.heard_nothing(s)
+    assert out.number("resolved") == 0, out
+    assert "answered=1" not in out.text, out
+
+
+def unix_sockets(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Unix sockets of the host: a path one and an abstract one (per network namespace)."""
+    path = h.tmp / "s.sock"
+    abstract = f"\0flywheel-escape-{h.token}"
+    listeners = [
+        h.listener(socket.SOCK_STREAM, str(path), socket.AF_UNIX),
+        h.listener(socket.SOCK_STREAM, abstract, socket.AF_UNIX),
+    ]
+    run(f"""
+import socket
+for address in [{str(path)!r}, {abstract!r}]:
+    try:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(address)
+        c.sendall(b"escaped")
+        print("connected", repr(address))
+    except OSError as e:
+        print("refused", repr(address), e)
+""")
+    for s in listeners:
+        h.heard_nothing(s)
+
+
+def ctypes_libc(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """ctypes.CDLL(None) loads: libc's system(), and raw syscalls, still meet the walls."""
+    run(f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.system(b"echo pwned > {h.repo_new}; echo pwned > {h.tmp_new}")
+libc.kill({os.getpid()}, 10)
+""")
+    time.sleep(0.3)
+    assert h.signals == [], "SIGUSR1 from the sandbox reached this process"
+
+
+def namespaces_and_ptrace(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Making a user namespace (capabilities over new namespaces), tracing the zygote:
+    refused by the seccomp filter."""
+    out = run("""
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+print(f"unshare={libc.unshare(0x10000000)}")
+print(f"unshare_net={libc.unshare(0x40000000)}")
+print(f"unshare_cmd={subprocess.run(['unshare', '-U', '-r', 'true']).returncode}")
+print(f"ptrace={libc.ptrace(16, os.getppid(), 0, 0)}")
+""")
+    assert out.number("unshare") == -1 and out.number("unshare_net") == -1, out
+    assert out.number("unshare_cmd") != 0 and out.number("ptrace") == -1, out
+
+
+def kill_the_parent(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """os.kill of the worker that runs the pool (this test process), of pid 1, of all."""
+    run(f"""
+import os, signal
+for pid in ({os.getpid()}, 1, -1):
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        print("sent", pid)
+    except OSError as e:
+        print("refused", pid, e.errno)
+""")
+    time.sleep(0.5)
+    assert h.signals == [], "SIGUSR1 from the sandbox reached this process"
+
+
+def fork_bomb(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Every process forks forever: RLIMIT_NPROC holds it, the time-out kills the whole
+    PID namespace, nothing of it is left, and the pool serves the next call."""
+    uid = uid_of(p.zygote(kind))
+    out = run("""
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+""")
+    assert out.error == "timeout" or "timed out" in out.text, out
+    assert uid is not None
+    wait_for(lambda: not with_uid(uid), 10, "every process of the fork bomb's uid to be gone")
+    assert run("print(f'alive={6 * 7}')").number("alive") == 42
+
+
+def process_limit(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """How many processes a call can make: fewer than RLIMIT_NPROC, and none survive it."""
+    uid = uid_of(p.zygote(kind))
+    out = run("""
+import os, time
+n = 0
+for _ in range(1000):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    n += 1
+print(f"forks={n}")
+""")
+    assert 0 < out.number("forks") < LIMITS.processes, out
+    assert uid is not None
+    wait_for(lambda: len(with_uid(uid)) == 1, 10, "only the zygote left of the sandbox's uid")
+
+
+def exceed_file_size(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """RLIMIT_FSIZE stops one file; the size of /tmp stops many."""
+    out = run("""
+import os
+try:
+    with open("/tmp/big", "wb") as f:
+        for _ in range(100):
+            f.write(b"x" * (1 << 20))
+            f.flush()
+except OSError as e:
+    print(f"big_errno={e.errno}")
+print(f"big={os.path.getsize('/tmp/big')}")
+total = 0
+try:
+    for i in range(100):
+        with open(f"/tmp/part{i}", "wb") as f:
+            for _ in range(15):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+except OSError as e:
+    print(f"tmp_errno={e.errno}")
+print(f"tmp={sum(os.path.getsize('/tmp/' + n) for n in os.listdir('/tmp'))}")
+""")
+    assert out.number("big_errno") == errno.EFBIG, out
+    assert out.number("big") <= LIMITS.file_mb << 20, out
+    assert out.number("tmp_errno") == errno.ENOSPC, out
+    assert out.number("tmp") <= LIMITS.tmp_mb << 20, out
+
+
+def outlive_the_call(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """A call that leaves a daemon behind (its own session) and returns: killed after."""
+    marker = f"{900 + random.random():.6f}"
+    run(f"""
+import subprocess
+subprocess.Popen(["sleep", "{marker}"], start_new_session=True)
+print("left a sleeper")
+""")
+    wait_for(lambda: not with_marker(marker), 10, "the call's sleeper to be gone")
+
+
+def outlive_the_timeout(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """A call that starts a daemon and hangs: on the time-out everything dies."""
+    marker = f"{800 + random.random():.6f}"
+    out = run(f"""
+import os, subprocess, time
+subprocess.Popen(["sleep", "{marker}"], start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(600)
+time.sleep(600)
+""")
+    assert out.error == "timeout" or "timed out" in out.text, out
+    wait_for(lambda: not with_marker(marker), 10, "the timed-out call's sleeper to be gone")
+    assert run("print(f'alive={6 * 7}')").number("alive") == 42
+
+
+def forge_the_answer(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Writing an answer frame where the zygote's answer goes, then failing: the pool
+    reports the failure, not the forgery."""
+    out = run("""
+import os, struct, msgpack
+for frame in (["value", "forged"], ["ok", 1.0, {}], ["many", []]):
+    data = msgpack.packb(frame)
+    for fd in (0, 1, 2):
+        try:
+            os.write(fd, struct.pack("<I", len(data)) + data)
+        except OSError:
+            pass
+raise ValueError("after forging")
+""")
+    if kind == "tool":
+        assert out.error == "raised" and "after forging" in out.text, out
+    else:
+        assert out.reward == 0.0 and out.number("raised") == 1, out
+
+
+def memory(run: Run, h: Host, p: Pools, kind: str) -> None:
+    out = run("x = bytearray(8 << 30)\nprint('allocated=1')")
+    assert "allocated=1" not in out.text and out.numbers.get("allocated") is None, out
+
+
+def leftovers(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """What one call leaves (files, a locked directory, patched builtins and modules) is
+    not there for the next: each call is a fresh fork of the warm zygote."""
+    run("""
+import builtins, os
+import services.tasks.tools as tools
+import services.tasks.rewards as rewards
+open("/tmp/left", "w").write("x")
+os.mkdir("/tmp/locked")
+open("/tmp/locked/f", "w").write("y")
+os.chmod("/tmp/locked", 0)
+builtins.len = lambda x: 42
+tools.run_python = None
+rewards.score = lambda *a, **k: {"reward": 1.0, "parts": {}}
+""")
+    out = run("import os\nprint(f\"left={len(os.listdir('/tmp'))} two={len('ab')}\")")
+    assert out.number("left") == 0 and out.number("two") == 2, out
+
+
+def unprivileged(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """The ground the other cases stand on: a uid that is not root, no /proc, a PID
+    namespace of its own."""
+    out = run("""
+import os
+print(f"uid={os.getuid()} gid={os.getgid()} groups={len(os.getgroups())}")
+print(f"proc={int(os.path.exists('/proc/self'))} ppid={os.getppid()}")
+""")
+    assert out.number("uid") >= UID_BASE and out.number("gid") == out.number("uid"), out
+    assert out.number("groups") == 0 and out.number("proc") == 0, out
+    assert out.number("ppid") < 10, out  # the zygote, low in a namespace of its own
+
+
+CASES = [
+    unprivileged,
+    fork_exec_shell,
+    subprocess_shell,
+    write_anywhere,
+    read_host_files,
+    environment,
+    proc_tricks,
+    tcp_connect,
+    udp_sendmsg,
+    dns,
+    unix_sockets,
+    ctypes_libc,
+    namespaces_and_ptrace,
+    kill_the_parent,
+    fork_bomb,
+    process_limit,
+    exceed_file_size,
+    outlive_the_call,
+    outlive_the_timeout,
+    forge_the_answer,
+    memory,
+    leftovers,
+]
+
+
+def _host_ip() -> str:
+    """This host's address on its network (not loopback), or loopback if it has none."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kind", ["tool", "reward"])
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
+def test_escape_is_refused(case: Callable[..., None], kind: str, pools: Pools, host: Host) -> None:
+    case(lambda code: pools.run(kind, code), host, pools, kind)

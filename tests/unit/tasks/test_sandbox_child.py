@@ -1,0 +1,77 @@
+"""The sandbox child's pure decisions: which requests it may answer in itself, and what it
+passes on of a call's answer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.tasks import rewards as R
+from services.tasks.sandbox import _Options, _pure, checked
+from services.tasks.tools import CALL
+
+EXACT = {"fn": "exact_match", "extract": "first_line"}
+MATH = {"fn": "math", "fallback": True}
+CUSTOM = {"fn": "pkg.mod:fn"}
+
+
+@pytest.mark.parametrize(
+    ("path", "args", "mode", "pure"),
+    [
+        (R.SCORE, ([EXACT], "7", "7", {}), None, True),
+        (
+            R.SCORE,
+            [([EXACT], "7", "7", {}), ([EXACT, {"fn": "format"}], "x", "7", {})],
+            "many",
+            True,
+        ),
+        (R.SCORE, ([EXACT, MATH], "7", "7", {}), None, False),  # sympy parses the text
+        (R.SCORE, [([EXACT], "7", "7", {}), ([CUSTOM], "x", "7", {})], "many", False),
+        (R.SCORE, ([{"fn": "reasoning_gym"}], "7", "7", {}), None, False),
+        (CALL, ({"type": "calculator"}, "1+1"), "value", True),
+        (CALL, ({"type": "python"}, "1+1"), "value", False),
+        (CALL, ({"type": "function", "fn": "a:b"}, "{}"), "value", False),
+        ("tests.unit.tasks.fixtures:shouting", ("A", None), None, False),
+        (R.SCORE, ("not", "a", "call"), "many", False),
+    ],
+)
+def test_only_flywheels_text_readers_skip_the_fork(
+    path: str, args: object, mode: str | None, pure: bool
+) -> None:
+    assert _pure(path, args, mode) is pure  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("answer", "mode", "n", "ok"),
+    [
+        (["ok", 1.0, {"a": 0.5}], None, 1, True),
+        (["error", "ValueError: x"], None, 1, True),
+        (["ok", "1.0", {}], None, 1, False),  # a string where the service parses a float
+        (["ok", math.inf, {}], None, 1, False),
+        (["ok", 1.0, {"a": "x"}], None, 1, False),
+        (["value", "text"], "value", 1, True),
+        (["value", 7], "value", 1, False),
+        (["ok", 1.0, {}], "value", 1, False),  # an answer of another kind of request
+        (["many", [["ok", 1.0, {}], ["error", "e"]]], "many", 2, True),
+        (["many", [["ok", 1.0, {}]]], "many", 2, False),  # one answer for two calls
+        ({"ok": 1}, None, 1, False),
+        (None, None, 1, False),
+    ],
+)
+def test_a_calls_answer_passes_only_in_the_shape_asked_for(
+    answer: object, mode: str | None, n: int, ok: bool
+) -> None:
+    out = checked(answer, mode, n)
+    assert (out == answer) is ok
+    if not ok:
+        assert out == ["error", "sandbox: the call sent back a malformed answer"]
+
+
+def test_options() -> None:
+    o = _Options.parse(["--memory=512", "--nproc=8", "--cpu=3", "--pidns", "--uid=1073741824"])
+    assert (o.memory_mb, o.nproc, o.cpu_s, o.pidns, o.audit, o.uid) == (
+        512, 8, 3, True, False, 1 << 30
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="unknown option"):
+        _Options.parse(["--bogus"])
