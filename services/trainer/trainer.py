@@ -372,20 +372,27 @@ def forward_spec(cfg: TrainConfig, info: DistInfo) -> ForwardSpec:
 
 
 def attention_for(cfg: TrainConfig, info: DistInfo) -> str | None:
-    """The varlen kernel for packed rows on a GPU in half precision; None: the model's own."""
-    from services.trainer.attention import register_varlen, varlen_supported
+    """The attention of packed rows: the varlen kernel on a GPU in half precision,
+    `flywheel_segments` on CPU (services/trainer/attention.py); None: the model's own."""
+    from services.trainer.attention import register_segments, register_varlen, varlen_supported
 
-    m = cfg.model
-    if m.packing and varlen_supported(info.device, compute_dtype(m.precision, info.device)):
+    if not packs(cfg, info):
+        return None
+    if varlen_supported(info.device, compute_dtype(cfg.model.precision, info.device)):
         return register_varlen()
+    if info.device.type == "cpu":
+        return register_segments()
     return None
 
 
 def packs(cfg: TrainConfig, info: DistInfo) -> bool:
-    """Whether micro-batches are packed rows (`packing = "auto"`: where varlen runs)."""
+    """Whether micro-batches are packed rows (`packing = "auto"`: where a packed row has an
+    attention that does no padded work: varlen on a GPU, segments on CPU)."""
     from services.trainer.attention import varlen_supported
 
     m = cfg.model
     if m.packing == "auto":
-        return varlen_supported(info.device, compute_dtype(m.precision, info.device))
+        return info.device.type == "cpu" or varlen_supported(
+            info.device, compute_dtype(m.precision, info.device)
+        )
     return m.packing

@@ -1,5 +1,7 @@
 """Packed = padded, chunked = full logprobs, and bf16 with float32 master state (tiny model)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,3 +92,28 @@ def test_entropy_only_on_logged_steps_unless_it_is_a_bonus(tiny_model_dir):
     assert "entropy" not in first and "entropy" in second
     bonus = Trainer.from_pretrained(tiny_model_dir, _cfg({"entropy_coef": 0.1}, entropy_every=0))
     assert "entropy" in bonus.train_step(random_batch(seed=1))
+
+
+def test_cpu_packs_by_default_through_segments_attention_as_transformers_sdpa_would(
+    tiny_model_dir, tmp_path
+):
+    """'auto' packs on CPU and attends per sequence (`flywheel_segments`): the same loss and
+    gradients as transformers' own sdpa over the packed row (its block-diagonal mask)."""
+    from services.trainer.attention import SEGMENTS
+
+    loss = {"entropy_coef": 0.01}
+    seg = Trainer.from_pretrained(tiny_model_dir, _cfg(loss))
+    assert seg.packing and seg.forward_spec.varlen
+    assert seg.model.config._attn_implementation == SEGMENTS
+    dense = Trainer.from_pretrained(tiny_model_dir, _cfg(loss, packing=True))
+    dense.model.set_attn_implementation("sdpa")
+    dense.forward_spec = dataclasses.replace(dense.forward_spec, varlen=False)
+    batch = random_batch(seed=7)
+    want_loss, _, want, _ = _loss_and_grads(dense, batch)
+    got_loss, _, got, _ = _loss_and_grads(seg, batch)
+    assert got_loss == pytest.approx(want_loss, abs=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    # The published directory names no attention an engine could not load.
+    seg.save_weights(tmp_path / "w")
+    assert SEGMENTS not in (tmp_path / "w" / "config.json").read_text()
