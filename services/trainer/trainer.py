@@ -396,7 +396,7 @@ def cast_state(sd: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[s
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype:
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
         if key not in memo:
             memo[key] = t.detach().to(dtype)
         return memo[key]
@@ -432,13 +432,14 @@ def attention_for(cfg: TrainConfig, info: DistInfo) -> str | None:
 
 
 def packs(cfg: TrainConfig, info: DistInfo) -> bool:
-    """Whether micro-batches are packed rows (`packing = "auto"`: where a packed row has an
-    attention that does no padded work: varlen on a GPU, segments on CPU)."""
+    """Whether micro-batches are packed rows (`packing = "auto"`: where packing was measured
+    faster: varlen on a GPU in half precision, segments on a CPU in bf16; a CPU in float32
+    pads, its packed step measured 1.1-2.3x slower, bench/results_real_profile.md)."""
     from services.trainer.attention import varlen_supported
 
     m = cfg.model
     if m.packing == "auto":
-        return info.device.type == "cpu" or varlen_supported(
-            info.device, compute_dtype(m.precision, info.device)
-        )
+        dtype = compute_dtype(m.precision, info.device)
+        cpu_bf16 = info.device.type == "cpu" and dtype == torch.bfloat16
+        return cpu_bf16 or varlen_supported(info.device, dtype)
     return m.packing
