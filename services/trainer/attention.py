@@ -7,14 +7,16 @@ exact, but S² work and memory on a row of S tokens. Instead:
 
 - GPU, half precision: PyTorch's `varlen_attn` (flash attention over
   `cu_seqlens`, cost Σ T_i², no mask tensor), as `flywheel_varlen`.
-- CPU: `flywheel_segments`. The projections and MLPs (nearly all of a
-  step's FLOPs) run on the packed row, so no pad token is computed; only
+- CPU: `flywheel_segments` (packed rows are the CPU default in bf16 only:
+  in float32 the packed step measured slower than padded rows,
+  bench/results_real_profile.md). The projections and MLPs (nearly all of
+  a step's FLOPs) run on the packed row, so no pad token is computed; only
   the attention itself lays the sequences out as a right-padded
   [k, H, T_max, D] block, runs one causal attention over it (a valid query
   never sees a pad key: causality stops it at its own position) and packs
-  the result back. Its matmuls are in the autocast dtype when one is on (on
-  this CPU bf16 attention through sdpa's CPU flash kernel was measured
-  slower than these plain matmuls at RL's short rows: bench/results_real_profile.md).
+  the result back. Its matmuls are in the autocast dtype when one is on,
+  softmax in float32. (sdpa's CPU flash kernel on that block was not
+  measured against these plain matmuls.)
 
 transformers passes the `cu_seq_lens_*` / `max_length_*` keyword arguments
 given to the model's forward down to every attention call; that is where
