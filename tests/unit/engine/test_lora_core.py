@@ -86,3 +86,12 @@ def test_run_file_keys_become_sglangs_flags() -> None:
     assert EngineLoraSettings.from_run_file({}).lora is None
     with pytest.raises(ValueError, match="enable_lora needs max_lora_rank"):
         EngineLoraSettings.from_run_file({"engine": {"enable_lora": True}})
+
+
+def test_the_cpu_engine_takes_sglangs_lora_flags() -> None:
+    from services.engine.cli import parser, settings_from
+
+    argv = ["--model", "/m", "--enable-lora", "--max-lora-rank", "8",
+            "--lora-target-modules", "q_proj", "v_proj", "--max-loras-per-batch", "2"]  # fmt: skip
+    assert settings_from(parser().parse_args(argv)).lora == LoraServing(8, ("q_proj", "v_proj"), 2)
+    assert settings_from(parser().parse_args(["--model", "/m"])).lora is None
