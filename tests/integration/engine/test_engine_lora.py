@@ -168,3 +168,27 @@ def test_unload_waits_for_requests_using_the_adapter(
             assert err.value.status == 400 and "not loaded: a1" in err.value.message
 
     run_async(body(), timeout_s=120)
+
+
+def test_a_batch_request_names_an_adapter_per_prompt(
+    dirs: dict[str, Path], states: dict[str, EngineStates], run_async: Any
+) -> None:
+    """`lora_path` as a list: one adapter (or None) per prompt of a batch request."""
+    state = states["base"].get(**LORA)
+
+    async def body() -> None:
+        async with serving_engine(state) as url, EngineClient(url) as c:
+            await c.load_lora_adapter("a1", str(dirs["a1"]))
+            alone = [(await greedy(c, n))[0] for n in (None, "a1")]
+            out = await c.request("POST", "/generate", {
+                "input_ids": [PROMPTS[0], PROMPTS[0]], "sampling_params": GREEDY,
+                "return_logprob": True, "lora_path": [None, "a1"]})  # fmt: skip
+            with pytest.raises(EngineHTTPError) as err:
+                await c.request("POST", "/generate", {
+                    "input_ids": [PROMPTS[0], PROMPTS[0]], "sampling_params": GREEDY,
+                    "lora_path": ["a1", "nope"]})  # fmt: skip
+            await c.unload_lora_adapter("a1")
+        assert same([GenerateResult.from_json(d) for d in out], alone)
+        assert err.value.status == 400 and "never been loaded: nope" in err.value.message
+
+    run_async(body(), timeout_s=120)
