@@ -187,12 +187,23 @@ class Recorder:
 
     def log_step(self, row: dict[str, Any], r: StepResult, waited: float) -> None:
         log.info(
-            "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs publish %.2fs%s",
+            "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs publish %.2fs%s%s",
             r.step,
             row.get("loss", float("nan")),
             row["reward_mean"],
             waited,
             r.compute_s,
             r.publish_s,
+            mismatch_line(row),
             eval_line(row),
         )
+
+
+def mismatch_line(row: dict[str, Any]) -> str:
+    """` mismatch |Δlogp| 0.0123 max 0.31 k3 2.1e-04` when the step measured it, else ''."""
+    if "mismatch_abs_mean" not in row:
+        return ""
+    return (
+        f" mismatch |Δlogp| {row['mismatch_abs_mean']:.4f} max {row['mismatch_abs_max']:.2f}"
+        f" k3 {row['mismatch_k3']:.1e}"
+    )

@@ -45,12 +45,15 @@ loss tokens whose version is the trainer's (`same_version`):
 and `behaviour_k3`, the same k3 over every loss token whatever its version
 (mismatch plus the policy's drift since the token was sampled). The names
 follow prime-rl (`mismatch_kl` = exp(log r) - log r - 1 with
-log r = trainer - inference logprobs, src/prime_rl/trainer/rl/loss.py) and
-verl (`rollout_corr/*` metrics of algorithm.rollout_correction).
+log r = trainer - inference logprobs, src/prime_rl/trainer/rl/loss.py),
+verl (`rollout_corr/*` metrics of algorithm.rollout_correction) and slime
+(`--get-mismatch-metrics`, examples/train_infer_mismatch_helper: the same
+gap measured without changing the loss).
 
 Masked importance sampling (MIS), besides TIS: instead of reweighting, the
 policy-gradient term of a token is dropped when its ratio rho_t leaves a band
-(`mis_token_band` = [lo, hi]: verl's rollout_rs="token" with
+(`mis_token_band` = [lo, hi]: slime's MIS, `--use-tis` with an RS config;
+verl's rollout_rs="token" with
 rollout_rs_threshold_lower / rollout_rs_threshold, prime-rl's token_mask_low /
 token_mask_high, default 0.125 / 8; IcePop, the Ring-1T report, masks tokens
 outside [0.5, 5]), and every token of a sequence is dropped when the
