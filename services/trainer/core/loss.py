@@ -245,12 +245,16 @@ def mismatch_stats(
     `behaviour_k3`). `mismatch_*` sums are divided by `mismatch_tokens` when
     the batch's metrics are finalised (core/batching.MEAN_OVER).
     """
-    log_rho = (trainer_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # float64: k3 of gaps near float32's resolution (~1e-7) rounds to small negatives
+    log_rho = (trainer_logprobs.double() - rollout_logprobs.double()).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
+    m = m.double()
     k3 = torch.exp(log_rho) - 1 - log_rho  # ≥ 0
     sums["behaviour_k3"] = (k3 * m).sum()
     if same_version is None:
         return
-    on = m * same_version.float()
+    on = m * same_version.double()
     gap = log_rho.abs()
     sums["mismatch_tokens"] = on.sum()
     sums["mismatch_abs_mean"] = (gap * on).sum()
