@@ -48,7 +48,11 @@ def trainer_bound(
     the learned rate stands for (this branch); False: the rate is taken as exact
     (before it)."""
     rng = random.Random(seed)
-    asm = Assembler(policy, BufferState(), filters=(lambda g: None if rng.random() < kept else "zero_variance",))  # fmt: skip
+
+    def luck(g: object) -> str | None:
+        return None if rng.random() < kept else "zero_variance"
+
+    asm = Assembler(policy, BufferState(), filters=(luck,))
     queue: list[int] = []
     run, ready, busy_until, training = Run(), 0, 0, False
     tick = 0
