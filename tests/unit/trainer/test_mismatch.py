@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from proto.examples import sample
 from proto.weight_version import VersionSpan
-from services.trainer.core.batching import MetricAccumulator
+from services.trainer.core.batching import MetricAccumulator, TensorBatch, split_groups
 from services.trainer.core.loss import policy_loss, sample_weights, token_weights
 from services.trainer.settings import LossConfig
 from services.trainer.wire import token_versions
@@ -131,3 +131,21 @@ def test_token_versions_from_spans_or_the_one_version():
     assert token_versions(one).tolist() == [7, 7, 7]
     unknown = s.model_copy(update={"weight_version": 6, "weight_version_last": 7})
     assert token_versions(unknown).tolist() == [-1, -1, -1]
+
+
+def test_mini_batches_keep_each_samples_token_versions():
+    n = 4
+    batch = TensorBatch(
+        prompt_ids=[torch.tensor([1, 2])] * n,
+        response_ids=[torch.tensor([3, 4, 5])] * n,
+        rollout_logprobs=[torch.zeros(3)] * n,
+        rewards=torch.zeros(n),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        token_versions=[torch.full((3,), v) for v in (7, 7, 8, 8)],
+    )
+    parts = split_groups(batch, 2)
+    assert [[t.tolist() for t in p.token_versions or []] for p in parts] == [
+        [[7, 7, 7], [7, 7, 7]],
+        [[8, 8, 8], [8, 8, 8]],
+    ]
