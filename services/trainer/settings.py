@@ -93,8 +93,9 @@ class LossConfig(BaseModel):
     mis_token_band: tuple[float, float] | None = Field(
         None,
         description="Masked importance sampling, per token: [low, high]; a token whose ratio "
-        "pi_trainer / mu_engine (its logprob before this step's update over the engine's) "
-        "leaves the band gets no policy-gradient term (verl rollout_rs='token', prime-rl "
+        "pi_trainer / mu_engine (the trainer's logprob, recomputed before the update with "
+        "old_logprobs='recompute', else the current one, over the engine's) leaves the band "
+        "gets no policy-gradient term (verl rollout_rs='token', prime-rl "
         "token_mask_low/high 0.125/8, IcePop [0.5, 5]). None disables it.",
     )
     mis_seq_band: tuple[float, float] | None = Field(
