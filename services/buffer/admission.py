@@ -19,6 +19,23 @@ share is learned from the run (`FilterRate`) and the buffer dispatches
 only what the slots are expected to take, keeping back a margin for luck
 (`learned_budget`). This is AReaL's rule (in flight + buffered <=
 (k + 1) x batch) with the filter's expected share added.
+
+The trainer-bound regime. When the trainer, not generation, is the
+bottleneck (a real model's step takes seconds to minutes on a CPU), every
+task dispatched now is generated before the next version is ready, so every
+accepted group beyond the free slots is stale: nothing later can use it.
+There over-sampling must not trust a filter share learned from a handful of
+groups. Measured (SmolLM2-135M, 4 groups per step, issue 28): the first
+groups back were all dropped by the zero-variance filter, the learned share
+read 1.0, admission dispatched its cap (5 tasks per free slot, 34 in flight),
+the true share was ~0.6, and the excess groups arrived while the trainer
+was still on its first step: 18 of the first 50 groups (36%) were stale.
+So the learned budget uses an upper confidence bound on the share of groups
+kept (`kept_share_bound`: the Wilson score bound, `margin` standard
+deviations, over the groups the rate has seen), which is the estimate itself
+once the rate has seen a horizon's worth. Dispatching too few costs a
+round trip of generation, which the trainer-bound regime hides behind the
+trainer's step; dispatching too many costs generation thrown away.
 """
 
 from __future__ import annotations
@@ -55,14 +72,20 @@ def slots(ready_version: int, policy: Policy) -> int:
 
 
 def admission(
-    ready_version: int, filled: int, in_flight: int, policy: Policy, filter_rate: float = 0.0
+    ready_version: int,
+    filled: int,
+    in_flight: int,
+    policy: Policy,
+    filter_rate: float = 0.0,
+    evidence: float = math.inf,
 ) -> int:
     """How many tasks may be dispatched now.
 
     `filled`: groups batched or pending; `in_flight`: tasks dispatched and not
     yet answered (queued in the stream or generating); `filter_rate`: the share
     of answered groups the filters drop (`FilterRate.rate`), used when the
-    policy learns its over-sampling.
+    policy learns its over-sampling; `evidence`: how many groups that rate
+    stands for (`FilterRate.evidence`; inf: the rate is known exactly).
     """
     free = slots(ready_version, policy) - filled
     if free <= 0:
@@ -70,25 +93,51 @@ def admission(
     if policy.oversample is not None:
         budget = math.ceil(free * (1.0 + policy.oversample))
     else:
-        budget = learned_budget(free, filter_rate, policy)
+        budget = learned_budget(free, filter_rate, policy, evidence)
     return max(0, budget - in_flight)
 
 
-def learned_budget(free: int, filter_rate: float, policy: Policy) -> int:
-    """Tasks in flight that fill `free` slots without overflowing them.
+def kept_share_bound(filter_rate: float, evidence: float, z: float) -> float:
+    """An upper confidence bound on p = 1 - rate, the share of groups the filters keep.
 
-    Each task becomes an accepted group with probability p = 1 - rate. The
-    budget is the largest n whose accepted count stays within `free` even
-    when the filter is `margin` standard deviations kinder than usual:
-    n·p + margin·sqrt(n·p·(1 - p)) <= free. An accepted group beyond the
-    free slots trains a batch past v + k, so it is stale unless its engine
-    happened to update first: generated, then thrown away. Keeping the
-    margin back costs only a later dispatch of the last few tasks (each
-    arriving group re-opens admission), which the k-step lookahead hides.
-    Never fewer than `free` (a group that is kept is never stale), never
-    more than `free * (1 + max_oversample)`.
+    The Wilson score interval's upper end at `z` standard deviations for a
+    share p̂ seen over n = `evidence` groups:
+        (p̂ + z²/2n + z·sqrt(p̂(1 - p̂)/n + z²/4n²)) / (1 + z²/n),
+    which is 1 with no evidence (dispatch one task per slot, as before any
+    group is seen) and tends to p̂ as n grows. Unlike p̂ ± z·sd it stays
+    inside [0, 1] and is not 0 after a few dropped groups (p̂ = 0, n = 3,
+    z = 2: 0.57).
     """
     p = 1.0 - min(max(filter_rate, 0.0), 1.0)
+    if evidence <= 0:
+        return 1.0
+    if math.isinf(evidence) or z == 0:
+        return p
+    n, z2 = evidence, z * z
+    centre = p + z2 / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z2 / n))
+
+
+def learned_budget(
+    free: int, filter_rate: float, policy: Policy, evidence: float = math.inf
+) -> int:
+    """Tasks in flight that fill `free` slots without overflowing them.
+
+    Each task becomes an accepted group with probability p = 1 - rate, taken
+    at its upper confidence bound over the `evidence` seen (`kept_share_bound`:
+    a rate learned from a few groups may be far off, and too high a p only
+    dispatches fewer tasks now). The budget is the largest n whose accepted
+    count stays within `free` even when the filter is `margin` standard
+    deviations kinder than usual: n·p + margin·sqrt(n·p·(1 - p)) <= free.
+    An accepted group beyond the free slots trains a batch past v + k, so
+    it is stale unless its engine happened to update first: generated, then
+    thrown away. Keeping the margin back costs only a later dispatch of the
+    last few tasks (each arriving group re-opens admission), which the
+    k-step lookahead hides. Never fewer than `free` (a group that is kept is
+    never stale), never more than `free * (1 + max_oversample)`.
+    """
+    p = kept_share_bound(filter_rate, evidence, policy.margin)
     cap = math.floor(free * (1.0 + policy.max_oversample))
     if p <= 0.0:
         return cap
@@ -119,6 +168,12 @@ class FilterRate:
     def __post_init__(self) -> None:
         if self.horizon < 1:
             raise ValueError(f"FilterRate horizon must be >= 1, not {self.horizon}")
+
+    @property
+    def evidence(self) -> float:
+        """How many groups the rate stands for: all seen, up to the averaging horizon
+        (an exponential average over ~`horizon` groups weighs about that many)."""
+        return float(min(self.observed, self.horizon))
 
     def observe(self, filtered: bool) -> None:
         self.observed += 1

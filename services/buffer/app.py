@@ -334,9 +334,8 @@ class BufferService:
             if self.unpublished:  # left by a failed write; with admission full, no group comes
                 await self._publish_ready_batches()
             st = self.asm.state
-            n = admission(
-                st.ready_version, self.asm.filled, st.in_flight, self.policy, self.asm.rate
-            )
+            a = self.asm
+            n = admission(st.ready_version, a.filled, st.in_flight, self.policy, a.rate, a.evidence)
             if n == 0:
                 return 0
             cursor, taken = advance(st.cursor, len(self.task_maker), n)

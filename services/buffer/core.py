@@ -17,6 +17,7 @@ Admission (how many tasks to dispatch) is in services.buffer.admission.
 from __future__ import annotations
 
 import importlib
+import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -240,6 +241,11 @@ class Assembler:
     def rate(self) -> float:
         """The learned share of groups the filters drop (admission's over-sampling)."""
         return self.filter_rate.rate if self.filter_rate is not None else 0.0
+
+    @property
+    def evidence(self) -> float:
+        """How many groups `rate` stands for (admission's confidence in it)."""
+        return self.filter_rate.evidence if self.filter_rate is not None else math.inf
 
     @property
     def filled(self) -> int:

@@ -43,6 +43,9 @@ class Status:
     accuracy: float | None = None
     staleness: float | None = None
     idle: float | None = None
+    # train–inference mismatch of the trainer's last measured step: mean and max
+    # |trainer − engine logprob| and k3, on tokens of the trainer's version (None: never)
+    mismatch: tuple[float, float, float] | None = None
     samples_total: float = 0.0
     engines: dict[str, int] = field(default_factory=dict)  # engine id → version
     tasks_in_flight: float | None = None
@@ -65,6 +68,7 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             st.accuracy = value(s, "flywheel_trainer_eval_accuracy")
             st.staleness = value(s, "flywheel_trainer_staleness_max")
             st.idle = value(s, "flywheel_trainer_idle_fraction")
+            st.mismatch = mismatch(s)
         elif name.startswith("rollout"):
             st.samples_total += value(s, "flywheel_rollout_samples_total", 0.0) or 0.0
         elif name.startswith("sync"):
@@ -86,6 +90,17 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             else:
                 st.dead_letters += v
     return st
+
+
+def mismatch(s: Samples) -> tuple[float, float, float] | None:
+    """(mean, max |Δ logprob|, k3) from the trainer's gauges; None until a step measured it
+    (the gauges read 0 before: a max of exactly 0 is not a measurement on a real model)."""
+    names = ("mean", "max")
+    got = [value(s, f"flywheel_trainer_mismatch_abs_{n}") for n in names]
+    k3 = value(s, "flywheel_trainer_mismatch_k3")
+    if got[0] is None or got[1] is None or k3 is None or got[1] == 0:
+        return None
+    return got[0], got[1], k3
 
 
 @dataclass
@@ -138,9 +153,11 @@ def render_line(now: Status, before: Status | None) -> str:
 
     engines = " ".join(f"{k}=v{v}" for k, v in sorted(now.engines.items())) or "-"
     stale = f"{now.stale:.0f}" + (f" ({now.stale / now.groups:.1%})" if now.groups else "")
+    mm = now.mismatch
+    gap = "-" if mm is None else f"|Δlogp| {mm[0]:.3f} max {mm[1]:.2f} k3 {mm[2]:.1e}"
     return (
         f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
-        f"| staleness {f(now.staleness, '.0f')} | samples/s {f(rate, '.1f')} "
+        f"| staleness {f(now.staleness, '.0f')} | mismatch {gap} | samples/s {f(rate, '.1f')} "
         f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
         f"| filtered {now.filtered:.0f} | stale {stale} | unscored {now.unscored:.0f} "
         f"| dead letters {now.dead_letters:.0f} | engines {engines}"

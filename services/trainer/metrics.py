@@ -40,6 +40,14 @@ GAUGES = {
     "clip_frac_high": "Fraction of tokens clipped above.",
     "ratio": "Mean importance ratio.",
     "ratio_max": "Max importance ratio.",
+    "mismatch_abs_mean": "Train–inference mismatch: mean |trainer − engine logprob| over the "
+    "tokens generated with the trainer's weights (from the last step that had some).",
+    "mismatch_abs_max": "Train–inference mismatch: max |trainer − engine logprob|, same tokens.",
+    "mismatch_k3": "Train–inference mismatch: k3 estimate of KL(engine || trainer), same tokens.",
+    "mismatch_tokens": "Share of the last step's loss tokens the mismatch was measured on.",
+    "behaviour_k3": "k3 KL(engine || trainer) over all loss tokens (mismatch plus staleness).",
+    "mis_token_masked_frac": "Share of loss tokens masked by the MIS token band.",
+    "mis_seq_masked_frac": "Share of loss tokens masked by the MIS sequence band.",
     "grad_norm": "Gradient norm before clipping.",
     "lr": "Learning rate of the last step.",
     "staleness_max": "Largest step − sample version in the last batch.",
@@ -179,12 +187,23 @@ class Recorder:
 
     def log_step(self, row: dict[str, Any], r: StepResult, waited: float) -> None:
         log.info(
-            "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs publish %.2fs%s",
+            "trainer: step %d loss %.4f reward %.3f wait %.2fs compute %.2fs publish %.2fs%s%s",
             r.step,
             row.get("loss", float("nan")),
             row["reward_mean"],
             waited,
             r.compute_s,
             r.publish_s,
+            mismatch_line(row),
             eval_line(row),
         )
+
+
+def mismatch_line(row: dict[str, Any]) -> str:
+    """` mismatch |Δlogp| 0.0123 max 0.31 k3 2.1e-04` when the step measured it, else ''."""
+    if "mismatch_abs_mean" not in row:
+        return ""
+    return (
+        f" mismatch |Δlogp| {row['mismatch_abs_mean']:.4f} max {row['mismatch_abs_max']:.2f}"
+        f" k3 {row['mismatch_k3']:.1e}"
+    )

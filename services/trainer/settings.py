@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.tasks.settings import TaskServiceSettings
 from services.trainer.loggers import LoggerName, WandbMode
@@ -90,9 +90,31 @@ class LossConfig(BaseModel):
         description="Truncated importance sampling cap C of min(pi_old / mu_rollout, C); "
         "used only with old_logprobs='recompute'. None disables the correction.",
     )
+    mis_token_band: tuple[float, float] | None = Field(
+        None,
+        description="Masked importance sampling, per token: [low, high]; a token whose ratio "
+        "pi_trainer / mu_engine (the trainer's logprob, recomputed before the update with "
+        "old_logprobs='recompute', else the current one, over the engine's) leaves the band "
+        "gets no policy-gradient term (verl rollout_rs='token', prime-rl "
+        "token_mask_low/high 0.125/8, IcePop [0.5, 5]). None disables it.",
+    )
+    mis_seq_band: tuple[float, float] | None = Field(
+        None,
+        description="Masked importance sampling, per sequence: [low, high]; every token of a "
+        "completion whose geometric-mean ratio exp(mean log(pi_trainer / mu_engine)) leaves "
+        "the band gets no policy-gradient term (verl rollout_rs='geometric', prime-rl "
+        "geo_mask_low/high). None disables it.",
+    )
     drop_truncated: bool = Field(
         False, description="Give zero loss weight to completions cut off by the length limit."
     )
+
+    @field_validator("mis_token_band", "mis_seq_band")
+    @classmethod
+    def _band(cls, band: tuple[float, float] | None) -> tuple[float, float] | None:
+        if band is not None and not 0 <= band[0] <= 1 <= band[1]:
+            raise ValueError(f"a ratio band [low, high] needs 0 <= low <= 1 <= high, got {band}")
+        return band
 
 
 Precision = Literal["auto", "bf16", "fp32"]

@@ -139,16 +139,24 @@ class Trainer:
         """
         batch.validate()
         parts = split_groups(batch, self.cfg.optim.minibatches)
-        results = [self._train_minibatch(part) for part in parts]
+        # Only the first mini-batch sees the weights of version `self.step` (the mismatch).
+        results = [
+            self._train_minibatch(p, self.step if i == 0 else None) for i, p in enumerate(parts)
+        ]
         self.step += 1
-        merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        keys = dict.fromkeys(k for r in results for k in r)  # some only where measured
+        merged = {
+            k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys
+        }
         merged["lr"] = results[-1]["lr"]
         timings = self.watch.take()  # summed over the mini-batches, not averaged
         return {**merged, **timings, "step": self.step, "minibatches": len(results)}
 
-    def _train_minibatch(self, batch: TensorBatch) -> dict[str, float]:
+    def _train_minibatch(self, batch: TensorBatch, version: int | None) -> dict[str, float]:
+        """`version`: the weight version the model holds before this mini-batch's update
+        (None: unknown, after an earlier mini-batch's)."""
         with self.watch("prepare"):  # advantages, layout, micro-batches
-            micro = self._micro_batches(self._rl_rows(batch))
+            micro = self._micro_batches(self._rl_rows(batch, version))
         with self.watch("logprobs"):  # the no-grad passes: old and reference logprobs
             if self.cfg.loss.old_logprobs == "recompute":
                 self._fill_logprobs(micro, "old_logprobs", self.model, batch.temperature)
@@ -183,7 +191,7 @@ class Trainer:
 
     # ---- batch preparation (pure given the batch) ----------------------------------
 
-    def _rl_rows(self, batch: TensorBatch) -> list[Row]:
+    def _rl_rows(self, batch: TensorBatch, version: int | None = None) -> list[Row]:
         lc = self.cfg.loss
         adv = compute_advantages(
             batch.rewards.float(),
@@ -211,6 +219,8 @@ class Trainer:
                 "advantages": torch.full_like(m, float(adv[i])),
                 "rollout_logprobs": batch.rollout_logprobs[i].float(),
             }
+            if version is not None and batch.token_versions is not None:
+                per_token["same_version"] = (batch.token_versions[i] == version).float()
             rows.append(layout_sample(batch.prompt_ids[i], batch.response_ids[i], per_token))
         return rows
 
@@ -282,6 +292,7 @@ class Trainer:
             ref_logprobs=on.get("ref_logprobs"),
             entropy=ent,
             segment_ids=on.get("seq_ids"),
+            same_version=on.get("same_version"),
         )
 
     def _sft_loss(self, mb: MicroBatch) -> LossOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from proto.messages import FinishReason, TrainBatch, unpack_f32, unpack_i32, unpack_u8
+from proto.messages import FinishReason, Sample, TrainBatch, unpack_f32, unpack_i32, unpack_u8
 from services.trainer.core.batching import BatchError, TensorBatch
 
 
@@ -16,6 +16,7 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
             f"batch {batch.batch_id} mixes temperatures {sorted(temps)}", field="temperature"
         )
     prompt, response, logprobs, masks, rewards, groups, truncated = [], [], [], [], [], [], []
+    versions = []
     for gi, g in enumerate(batch.groups):
         for s in g.samples:
             prompt.append(torch.from_numpy(unpack_i32(s.prompt_ids).astype("int64")))
@@ -25,6 +26,7 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
             rewards.append(s.reward)
             groups.append(gi)
             truncated.append(s.finish_reason == FinishReason.LENGTH)
+            versions.append(token_versions(s))
     return TensorBatch(
         prompt_ids=prompt,
         response_ids=response,
@@ -34,7 +36,24 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
         truncated=torch.tensor(truncated, dtype=torch.bool),
         loss_mask=masks,
         temperature=temps.pop(),
+        token_versions=versions,
     )
+
+
+def token_versions(s: Sample) -> torch.Tensor:
+    """The version of each response token [R] int64, -1 where the sample does not say.
+
+    From the spans when the engine reports them; otherwise every token is the
+    sample's one version when the first and last tokens agree, else unknown.
+    """
+    n = s.num_response_tokens
+    if s.weight_version_spans:
+        out = torch.empty(n, dtype=torch.int64)
+        for sp in s.weight_version_spans:
+            out[sp.start : sp.end] = sp.version
+        return out
+    known = s.weight_version == s.weight_version_last
+    return torch.full((n,), s.weight_version if known else -1, dtype=torch.int64)
 
 
 def batch_stats(batch: TrainBatch) -> dict[str, float]:

@@ -49,6 +49,9 @@ class TensorBatch:
     truncated: torch.Tensor  # [N] bool, hit the length limit
     loss_mask: list[torch.Tensor] | None = None  # each [R_i] 0/1
     temperature: float = 1.0
+    # each [R_i] int64: the weight version that generated each response token,
+    # -1 where unknown (the train–inference mismatch compares same-version tokens)
+    token_versions: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -103,6 +106,9 @@ def split_groups(batch: TensorBatch, parts: int) -> list[TensorBatch]:
                 if batch.loss_mask is not None
                 else None,
                 temperature=batch.temperature,
+                token_versions=[batch.token_versions[i] for i in idx]
+                if batch.token_versions is not None
+                else None,
             )
         )
     return out
@@ -188,6 +194,12 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return groups
 
 
+# Sums that are means over a subset of the loss tokens: key -> the sum counting that
+# subset. Absent from the metrics (with the subset's maxima) when the subset is empty.
+MEAN_OVER = {"mismatch_abs_mean": "mismatch_tokens", "mismatch_k3": "mismatch_tokens"}
+SUBSET_MAXES = {"mismatch_abs_max": "mismatch_tokens"}
+
+
 @dataclass
 class MetricAccumulator:
     """Combines `LossOutput`s of micro-batches (and ranks) into batch metrics."""
@@ -228,8 +240,14 @@ class MetricAccumulator:
         tokens = max(s["tokens"], 1.0)
         metrics = {"loss": s["loss"], "tokens": s["tokens"]}
         for k in self.sums:
-            metrics[k] = s[k] / tokens
+            if k in MEAN_OVER:
+                if s[MEAN_OVER[k]] > 0:
+                    metrics[k] = s[k] / s[MEAN_OVER[k]]
+            else:
+                metrics[k] = s[k] / tokens
         for k in self.parts:
             metrics[k] = s[k]
-        metrics.update(dict(zip(max_keys, maxed.tolist(), strict=True)))
+        for k, v in zip(max_keys, maxed.tolist(), strict=True):
+            if k not in SUBSET_MAXES or s.get(SUBSET_MAXES[k], 0.0) > 0:
+                metrics[k] = v
         return metrics

@@ -16,6 +16,8 @@ Per token t of sample i (only tokens with loss mask 1 count):
                                                             when `old` was recomputed by
                                                             the trainer and mu is the
                                                             engine's rollout logprob)
+    pg_t   *= 1[lo <= rho_t <= hi]                        (MIS token mask, below)
+    pg_t   *= 1[lo <= exp(mean_{t∈i} log rho_t) <= hi]    (MIS sequence mask, below)
     kl_t    = k(logp_t, ref_t)                            (k1/k2/k3 below)
     l_t     = pg_t + kl_coef · kl_t - entropy_coef · H_t
 
@@ -28,6 +30,39 @@ micro-batches (and ranks) is the full-batch loss, for every mode.
 KL estimators of KL(pi || ref) from samples of pi, with log ρ = ref - logp
 (Schulman 2020, "Approximating KL Divergence"):
     k1 = -log ρ,   k2 = ½ (log ρ)²,   k3 = (ρ - 1) - log ρ   (unbiased, ≥ 0).
+
+Train–inference mismatch. The engine's logprob mu_t of a sampled token and
+the trainer's pi_t of the same token under the same weights differ (kernels,
+precision, batch shapes). With pi_t the trainer's own logprob before this
+step's update (`old` when recomputed, else the detached `logprobs` of the
+first mini-batch) and log rho_t = pi_t - mu_t, each step reports, over the
+loss tokens whose version is the trainer's (`same_version`):
+
+    mismatch_abs_mean = mean |log rho_t|,  mismatch_abs_max = max |log rho_t|,
+    mismatch_k3       = mean (rho_t - 1 - log rho_t)     (k3 estimate of
+                                                          KL(mu || pi) from mu's samples)
+
+and `behaviour_k3`, the same k3 over every loss token whatever its version
+(mismatch plus the policy's drift since the token was sampled). The names
+follow prime-rl (`mismatch_kl` = exp(log r) - log r - 1 with
+log r = trainer - inference logprobs, src/prime_rl/trainer/rl/loss.py),
+verl (`rollout_corr/*` metrics of algorithm.rollout_correction) and slime
+(`--get-mismatch-metrics`, examples/train_infer_mismatch_helper: the same
+gap measured without changing the loss).
+
+Masked importance sampling (MIS), besides TIS: instead of reweighting, the
+policy-gradient term of a token is dropped when its ratio rho_t leaves a band
+(`mis_token_band` = [lo, hi]: slime's MIS, `--use-tis` with an RS config;
+verl's rollout_rs="token" with
+rollout_rs_threshold_lower / rollout_rs_threshold, prime-rl's token_mask_low /
+token_mask_high, default 0.125 / 8; IcePop, the Ring-1T report, masks tokens
+outside [0.5, 5]), and every token of a sequence is dropped when the
+geometric mean of its ratios exp(mean_t log rho_t) leaves `mis_seq_band`
+(verl's rollout_rs="geometric", prime-rl's geo_mask_low / geo_mask_high).
+Masked tokens keep their aggregation weight (the denominator is unchanged,
+as in prime-rl, where the sum over kept tokens is divided by all loss
+tokens), so masking lowers the step's gradient rather than reweighting the
+rest; KL and entropy terms are not masked.
 
 Log-ratios are clamped to ±20 before exp so one wild token cannot overflow.
 """
@@ -195,6 +230,73 @@ def truncated_is(
     return tis
 
 
+def mismatch_stats(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    m: torch.Tensor,
+    same_version: torch.Tensor | None,
+    sums: dict[str, torch.Tensor],
+    maxes: dict[str, torch.Tensor],
+) -> None:
+    """The train–inference gap's sums (and max) into `sums` / `maxes` (module docstring).
+
+    `same_version` [B, T] is 1 on tokens the engine generated with the weights
+    the trainer's logprobs come from; None: no token is known to be (then only
+    `behaviour_k3`). `mismatch_*` sums are divided by `mismatch_tokens` when
+    the batch's metrics are finalised (core/batching.MEAN_OVER).
+    """
+    # float64: k3 of gaps near float32's resolution (~1e-7) rounds to small negatives
+    log_rho = (trainer_logprobs.double() - rollout_logprobs.double()).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
+    m = m.double()
+    k3 = torch.exp(log_rho) - 1 - log_rho  # ≥ 0
+    sums["behaviour_k3"] = (k3 * m).sum()
+    if same_version is None:
+        return
+    on = m * same_version.double()
+    gap = log_rho.abs()
+    sums["mismatch_tokens"] = on.sum()
+    sums["mismatch_abs_mean"] = (gap * on).sum()
+    sums["mismatch_k3"] = (k3 * on).sum()
+    maxes["mismatch_abs_max"] = (gap * on).max() if on.numel() else on.new_zeros(())
+
+
+def mis_masks(
+    log_rho: torch.Tensor,
+    m: torch.Tensor,
+    cfg: LossConfig,
+    segment_ids: torch.Tensor | None,
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor | None:
+    """The MIS keep mask [B, T] (1 keep, 0 drop) from log rho = pi - mu; None: no band set.
+
+    Token band: rho_t in [lo, hi]. Sequence band: the geometric-mean ratio
+    exp(mean over the sequence's loss tokens of log rho) in [lo, hi], a
+    sequence being a row or, in packed rows, a `segment_ids` value. The
+    shares of loss tokens each mask drops go into `sums`.
+    """
+    keep = torch.ones_like(m)
+    token, seq = cfg.mis_token_band, cfg.mis_seq_band
+    if token is None and seq is None:
+        return None
+    if token is not None:
+        rho = torch.exp(log_rho)
+        inside = ((rho >= token[0]) & (rho <= token[1])).float()
+        sums["mis_token_masked_frac"] = ((1 - inside) * m).sum()
+        keep = keep * inside
+    if seq is not None:
+        if segment_ids is None:
+            mean = (log_rho * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        else:
+            mean = _segment_mean(log_rho * m, m, segment_ids)
+        geo = torch.exp(mean).expand_as(m)
+        inside = ((geo >= seq[0]) & (geo <= seq[1])).float()
+        sums["mis_seq_masked_frac"] = ((1 - inside) * m).sum()
+        keep = keep * inside
+    return keep
+
+
 def penalties(
     pg: torch.Tensor,
     logprobs: torch.Tensor,
@@ -235,6 +337,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    same_version: torch.Tensor | None = None,
 ) -> LossOutput:
     """The RL loss of one micro-batch. All tensors are [B, T] over target positions.
 
@@ -246,7 +349,9 @@ def policy_loss(
     (needed when cfg.kl_coef > 0); entropy: per-token entropy (metric; a
     bonus when cfg.entropy_coef > 0, then it must carry gradient);
     segment_ids: the sequence of each position in packed rows (GSPO's
-    sequence ratio; None: one sequence per row).
+    sequence ratio; None: one sequence per row); same_version: 1 on tokens the
+    engine generated with the weights of the trainer's pre-update logprobs
+    (the train–inference mismatch metrics; None: not measured).
     """
     m = mask.float()
     old = old_logprobs.detach()
@@ -262,12 +367,20 @@ def policy_loss(
         sums["dual_clip_frac"] = ((r > cfg.dual_clip_c) & (advantages < 0) & on).float().sum()
     if cfg.old_logprobs == "recompute" and cfg.tis_cap is not None:
         pg = pg * truncated_is(old, rollout_logprobs, m, cfg.tis_cap, sums)
-    total, parts = penalties(pg, logprobs, weights, m, cfg, ref_logprobs, entropy, sums)
     masked_ratio = torch.where(on, r, torch.zeros_like(r))
+    maxes = {"ratio_max": masked_ratio.max() if r.numel() else r.new_zeros(())}
+    if rollout_logprobs is not None:
+        # The trainer's pre-update logprobs: recomputed `old`, or this forward's own.
+        trainer_lp = old if cfg.old_logprobs == "recompute" else logprobs.detach()
+        mu = rollout_logprobs.detach()
+        mismatch_stats(trainer_lp, mu, m, same_version, sums, maxes)
+        log_rho = (trainer_lp - mu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        keep = mis_masks(log_rho, m, cfg, segment_ids, sums)
+        if keep is not None:
+            pg = pg * keep
+    elif cfg.mis_token_band is not None or cfg.mis_seq_band is not None:
+        raise ValueError("MIS (mis_token_band / mis_seq_band) needs rollout_logprobs")
+    total, parts = penalties(pg, logprobs, weights, m, cfg, ref_logprobs, entropy, sums)
     return LossOutput(
-        loss=(total * weights).sum(),
-        tokens=m.sum(),
-        sums=sums,
-        parts=parts,
-        maxes={"ratio_max": masked_ratio.max() if r.numel() else r.new_zeros(())},
+        loss=(total * weights).sum(), tokens=m.sum(), sums=sums, parts=parts, maxes=maxes
     )

@@ -100,6 +100,22 @@ def test_summary_and_status_line() -> None:
     assert "step 12" in line and "samples/s 5.0" in line and "trainer idle 25%" in line
     assert "engine-0=v12 engine-1=v11" in line
     assert "acc -" in line  # never evaluated
+    assert "mismatch - |" in line  # never measured
+
+
+def test_status_line_shows_the_train_inference_mismatch() -> None:
+    gauges = TRAINER + (
+        "flywheel_trainer_mismatch_abs_mean 0.0123\n"
+        "flywheel_trainer_mismatch_abs_max 0.31\n"
+        "flywheel_trainer_mismatch_k3 0.00021\n"
+    )
+    now = summarise({"trainer": parse(gauges)})
+    assert now.mismatch == (0.0123, 0.31, 0.00021)
+    assert "mismatch |Δlogp| 0.012 max 0.31 k3 2.1e-04 |" in render_line(now, None)
+    zeros = TRAINER + "flywheel_trainer_mismatch_abs_mean 0\nflywheel_trainer_mismatch_abs_max 0\n"
+    assert (
+        summarise({"trainer": parse(zeros + "flywheel_trainer_mismatch_k3 0\n")}).mismatch is None
+    )
 
 
 def test_flywheel_status_shows_stale_drops_against_groups_generated() -> None:

@@ -294,6 +294,31 @@ TRAINER = Dashboard(
             ),
         ),
         (
+            "Train–inference mismatch",
+            (
+                p(
+                    "|Δ logprob| (trainer − engine, same version)",
+                    ("flywheel_trainer_mismatch_abs_mean", "mean"),
+                    ("flywheel_trainer_mismatch_abs_max", "max"),
+                    description="The engine's logprob of each sampled token against the "
+                    "trainer's under the same weights, over the tokens generated with the "
+                    "version the trainer held when it stepped.",
+                ),
+                p(
+                    "Mismatch KL (k3)",
+                    ("flywheel_trainer_mismatch_k3", "same version"),
+                    ("flywheel_trainer_behaviour_k3", "all tokens (with staleness)"),
+                ),
+                p(
+                    "Token shares",
+                    ("flywheel_trainer_mismatch_tokens", "measured"),
+                    ("flywheel_trainer_mis_token_masked_frac", "MIS token mask"),
+                    ("flywheel_trainer_mis_seq_masked_frac", "MIS sequence mask"),
+                    unit="percentunit",
+                ),
+            ),
+        ),
+        (
             "Optimisation",
             (
                 p("Gradient norm", ("flywheel_trainer_grad_norm", "before clipping")),
