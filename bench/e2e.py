@@ -6,6 +6,12 @@
     .venv/bin/python bench/e2e.py --placement --staleness 0 1 --no-trl  # pinned vs not
     .venv/bin/python bench/e2e.py --profile --seconds 90   # k=0 per-stage breakdown
                                                            # (bench/step_profile.py)
+    .venv/bin/python bench/e2e.py --profile --config bench/configs/smollm2-arith.toml \
+        --model /work/models/SmolLM2-135M-Instruct --steps 12 \
+        --variant fp32:FLYWHEEL_TRAINER_RUNTIME__PRECISION=fp32 --variant auto: --repeats 2
+        # the same breakdown for any run file (a real model), `flywheel up --steps N`
+        # per run; each --variant NAME:ENV=VALUE,... is one configuration (environment
+        # overrides of the run file), run in turn, `--repeats` times interleaved
 
 Every configuration runs in this one invocation, one after the other, on
 the same SFT warm start, so the ratios compare runs under the same (shared,
@@ -326,6 +332,100 @@ def provenance(started: str, args: argparse.Namespace) -> str:
     )
 
 
+@dataclass
+class UpRun:
+    """One `flywheel up --steps N` of a run file under a variant's environment."""
+
+    variant: str
+    rep: int
+    steps: int
+    wall_s: float
+    load: tuple[float, float]
+    code: int
+    breakdown: dict[str, Any]
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:KEY=VALUE,KEY=VALUE` (or `NAME:`) -> (NAME, environment overrides)."""
+    name, _, rest = text.partition(":")
+    env = {}
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise SystemExit(f"--variant {text!r}: {part!r} is not KEY=VALUE")
+        env[key.strip()] = value.strip()
+    return name or "run", env
+
+
+def up_once(args: argparse.Namespace, variant: str, env: dict[str, str], rep: int) -> UpRun:
+    """Wipe the run dir, `flywheel up -c CONFIG --steps N` under `env`, profile what it left."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tomllib
+
+    from step_profile import breakdown_of  # bench/step_profile.py
+
+    doc = tomllib.loads(args.config.read_text())
+    run = doc.get("run", "default")
+    run_dir = args.run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    full_env = {**os.environ, **env, "FLYWHEEL_STACK_RUN_DIR": str(run_dir)}
+    if args.model is not None:
+        full_env["FLYWHEEL_STACK_MODEL"] = str(args.model)
+    cmd = [PY, "-m", "services", "up", "-c", str(args.config), "--steps", str(args.steps),
+           "--quiet"]  # fmt: skip
+    log = run_dir.parent / f"{run_dir.name}-{variant}-{rep}.log"
+    print(f"e2e: {variant} (run {rep}): {' '.join(f'{k}={v}' for k, v in env.items())} "
+          f"{' '.join(cmd[1:])}", flush=True)  # fmt: skip
+    load0 = os.getloadavg()[0]
+    t = time.monotonic()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        p = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT,
+                           check=False)  # fmt: skip
+    wall = time.monotonic() - t
+    b = breakdown_of(run_dir, run) if (run_dir / "metrics.jsonl").is_file() else {"steps": 0}
+    keep = args.run_dir.parent / f"{run_dir.name}-{variant}-{rep}"
+    if keep.exists():
+        shutil.rmtree(keep)
+    keep.mkdir(parents=True)
+    for part in ("metrics.jsonl", "status.log"):
+        if (run_dir / part).is_file():
+            shutil.copy2(run_dir / part, keep / part)
+    res = UpRun(variant, rep, b.get("steps", 0), wall, (load0, os.getloadavg()[0]), p.returncode, b)
+    print(f"e2e: {variant} (run {rep}): exit {p.returncode}, {wall:.0f} s, "
+          f"{res.steps} steps profiled; log {log}", flush=True)  # fmt: skip
+    return res
+
+
+def run_config_profile(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Each variant's k=0 breakdown on a run file, interleaved, with ratios to the first."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_profile import compare_table  # bench/step_profile.py
+
+    variants = [parse_variant(v) for v in (args.variant or ["run:"])]
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    runs = [up_once(args, name, env, rep) for rep in range(1, args.repeats + 1)
+            for name, env in variants]  # fmt: skip
+    model = args.model or "the run file's"
+    head = (f"Started {started}; {os.cpu_count()} CPUs; run file {args.config}; model "
+            f"{model}; {args.steps} steps per run.\n\n")  # fmt: skip
+    for name, env in variants:
+        head += f"- {name}: {' '.join(f'{k}={v}' for k, v in env.items()) or '(as the file)'}\n"
+    runs_md = "\n".join(
+        f"- {r.variant} run {r.rep}: exit {r.code}, {r.wall_s:.0f} s wall, {r.steps} steps "
+        f"profiled, load 1m {r.load[0]:.1f} → {r.load[1]:.1f}"
+        for r in runs
+    )
+    md = head + "\n" + runs_md + "\n\n" + compare_table([(f"{r.variant} {r.rep}", r.breakdown)
+                                                        for r in runs])  # fmt: skip
+    print("\n" + md)
+    if args.out is not None:
+        cmd = " ".join([".venv/bin/python", "bench/e2e.py", *(argv or sys.argv[1:])])
+        args.out.write_text(f"<!-- generated by: {cmd} -->\n\n{md}")
+    return 0 if all(r.code == 0 and r.steps for r in runs) else 1
+
+
 def run_profile(args: argparse.Namespace, argv: list[str] | None) -> int:
     """k=0 for `--seconds` (no target stop), then the per-stage breakdown of its steps."""
     sys.path.insert(0, str(ROOT / "bench"))
@@ -365,8 +465,18 @@ def main(argv: list[str] | None = None) -> int:
                    "default: trainer=0 engine=1 (2 cores)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="one k=0 run, then its per-stage breakdown")  # fmt: skip
+    p.add_argument("--config", type=Path,
+                   help="--profile: run this file with `flywheel up`, not the demo")  # fmt: skip
+    p.add_argument("--model", type=Path, help="--config: the model directory ([stack] model)")
+    p.add_argument("--steps", type=int, default=12, help="--config: trainer steps per run")
+    p.add_argument("--variant", action="append", metavar="NAME:ENV=VALUE,...",
+                   help="--config: a configuration (environment overrides)")  # fmt: skip
     args = p.parse_args(argv)
     args.run_dir = args.run_dir.resolve()
+    if args.profile and args.config is not None:
+        if args.run_dir == (ROOT / "runs" / "bench-e2e").resolve():
+            args.run_dir = (ROOT / "runs" / "bench-real").resolve()
+        return run_config_profile(args, argv)
     if args.profile:
         return run_profile(args, argv)
     if args.placement == []:

@@ -57,6 +57,7 @@ CRITICAL = [
 DETAIL = [
     ("task_hop", "per group: dispatch → generation start (NATS, worker)"),
     ("generate", "per group: generation start → last sample scored (engine, verifier)"),
+    ("publish_s", "trainer: weights directory + checkpoint written (inside save + announce)"),
 ]
 
 
@@ -89,6 +90,9 @@ def step_stages(
         "compute": row["compute_s"],
     }
     out |= {k: row.get(k, 0.0) for k, _ in CRITICAL if k.startswith("time_")}
+    # The step's own save (from its snapshot) is recorded in its own row: the row of
+    # step s carries the publish of version s, which is on the path of step s + 1.
+    out["publish_s"] = prev.get("publish_s", 0.0)
     per_group = [
         (min(x.started_at for x in g.samples) - min(x.queued_at for x in g.samples),
          max(x.finished_at for x in g.samples) - min(x.started_at for x in g.samples))
@@ -216,10 +220,34 @@ def waste_line(w: dict[str, float]) -> str:
     )
 
 
-def profile(run_dir: Path, run: str) -> str:
+def breakdown_of(run_dir: Path, run: str) -> dict[str, Any]:
+    """The breakdown of the run a run directory holds (its metrics file and NATS store)."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     batches, w = asyncio.run(read_streams(run_dir / "nats", run))
-    return table(breakdown(rows, batches, w))
+    return breakdown(rows, batches, w)
+
+
+def profile(run_dir: Path, run: str) -> str:
+    return table(breakdown_of(run_dir, run))
+
+
+def compare_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """Several runs' medians side by side (ms), with each run's ratio to the first."""
+    done = [(label, b["median"]) for label, b in runs if b.get("steps")]
+    if not done:
+        return "No run has complete steps to profile.\n"
+    base = done[0][1]
+    head = "| stage | " + " | ".join(f"{label} ms" for label, _ in done)
+    head += "".join(f" | {label} / {done[0][0]}" for label, _ in done[1:]) + " |"
+    lines = [head, "|---" * (1 + len(done) + len(done) - 1) + "|"]
+    keys = [("period", "**step period**"), *CRITICAL, *DETAIL]
+    for k, label in keys:
+        vals = [m.get(k, 0.0) for _, m in done]
+        cells = " | ".join(f"{v * 1000:.0f}" for v in vals)
+        ratios = "".join(f" | {v / base[k]:.2f}x" if base.get(k) else " | -" for v in vals[1:])
+        lines.append(f"| {label} | {cells}{ratios} |")
+    steps = ", ".join(f"{label}: {b['steps']}" for label, b in runs)
+    return "\n".join(lines) + f"\n\nSteps profiled (medians over them): {steps}.\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,9 @@ SFT_SETTINGS: dict[str, Any] = {
     # Micro-batches of rows of like length (the longest first): the tool traces are
     # 30-75 tokens, and one padded micro-batch of 64 made a step 1.47x slower
     # (0.308 vs 0.209 s, median of 27 alternating steps in one process).
-    "model": {"cpu_threads": 1, "micro_batch_tokens": 2560},
+    # float32, padded: as measured above ('auto' is bf16 and packed on a CPU with native
+    # bf16, measured on a real model, not on the demo's).
+    "model": {"cpu_threads": 1, "micro_batch_tokens": 2560, "precision": "fp32", "packing": False},
 }
 
 

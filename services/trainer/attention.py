@@ -1,14 +1,26 @@
-"""Attention over packed sequences on GPU: a varlen flash kernel, registered with transformers.
+"""Attention over packed sequences, registered with transformers: a varlen flash kernel on
+GPU, per-sequence attention on CPU.
 
-On CPU (and in float32) a packed row goes through transformers' own sdpa
-path: with position ids that restart per sequence and no 2-D mask it builds
-a block-diagonal causal mask, which is exact but spends S² work and memory
-on a row of S tokens. On a GPU that is the wrong trade at 16k tokens, so
-there the model's attention is PyTorch's `varlen_attn` (flash attention
-over `cu_seqlens`, cost Σ T_i², no mask tensor), registered as the
-attention implementation `flywheel_varlen`. transformers passes the
-`cu_seq_lens_*` / `max_length_*` keyword arguments given to the model's
-forward down to every attention call; that is where the boundaries come from.
+Left to transformers, a packed row (position ids that restart per sequence,
+no 2-D mask) goes through its sdpa path with a block-diagonal causal mask:
+exact, but S² work and memory on a row of S tokens. Instead:
+
+- GPU, half precision: PyTorch's `varlen_attn` (flash attention over
+  `cu_seqlens`, cost Σ T_i², no mask tensor), as `flywheel_varlen`.
+- CPU: `flywheel_segments` (packed rows are the CPU default in bf16 only:
+  in float32 the packed step measured slower than padded rows,
+  bench/results_real_profile.md). The projections and MLPs (nearly all of
+  a step's FLOPs) run on the packed row, so no pad token is computed; only
+  the attention itself lays the sequences out as a right-padded
+  [k, H, T_max, D] block, runs one causal attention over it (a valid query
+  never sees a pad key: causality stops it at its own position) and packs
+  the result back. Its matmuls are in the autocast dtype when one is on,
+  softmax in float32. (sdpa's CPU flash kernel on that block was not
+  measured against these plain matmuls.)
+
+transformers passes the `cu_seq_lens_*` / `max_length_*` keyword arguments
+given to the model's forward down to every attention call; that is where
+the boundaries come from.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from typing import Any
 import torch
 
 VARLEN = "flywheel_varlen"
+SEGMENTS = "flywheel_segments"
 
 
 def varlen_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -39,6 +52,60 @@ def register_varlen() -> str:
 
     AttentionInterface.register(VARLEN, _varlen_attention)
     return VARLEN
+
+
+def register_segments() -> str:
+    """Register `flywheel_segments` (packed rows on CPU) with transformers; returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEGMENTS, _segments_attention)
+    return SEGMENTS
+
+
+def _segments_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, S, D]
+    key: torch.Tensor,  # [1, Hkv, S, D]
+    value: torch.Tensor,  # [1, Hkv, S, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    if query.shape[0] != 1 or "cu_seq_lens_q" not in kwargs:
+        raise ValueError(f"{SEGMENTS} needs one packed row and cu_seq_lens_q/max_length_q")
+    if sliding_window is not None or dropout:
+        raise ValueError(f"{SEGMENTS} supports neither sliding windows nor attention dropout")
+    cu = kwargs["cu_seq_lens_q"].to(torch.long)
+    width = int(kwargs["max_length_q"])
+    hq, s, d = query.shape[1], query.shape[2], query.shape[3]
+    lengths = cu[1:] - cu[:-1]  # [k]
+    k = lengths.numel()
+    # Where each packed position sits in the padded block: sequence i, offset o -> i·width + o.
+    seq = torch.repeat_interleave(torch.arange(k), lengths)  # [S]
+    where = seq * width + torch.arange(s) - cu[:-1].index_select(0, seq)  # [S]
+    # Under autocast RoPE hands q and k over in float32; the matmuls run in its dtype.
+    cpu_autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if cpu_autocast else value.dtype
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [1, H, S, D] -> [k, H, width, D]
+        h = x.shape[1]
+        out = x.new_zeros((h, k * width, d), dtype=dtype)
+        out = out.index_copy(1, where, x[0].to(dtype))
+        return out.view(h, k, width, d).transpose(0, 1)
+
+    q, kk, v = padded(query), padded(key), padded(value)
+    if kk.shape[1] != hq:  # grouped-query attention: each key/value head serves hq / hkv
+        rep = hq // kk.shape[1]
+        kk, v = kk.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = scaling if scaling is not None else d**-0.5
+    scores = torch.matmul(q, kk.transpose(-1, -2)).float() * scale  # [k, Hq, W, W]
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1).to(dtype)
+    out = torch.matmul(probs, v)  # [k, Hq, W, D]
+    flat = out.transpose(0, 1).reshape(hq, k * width, d).index_select(1, where)  # [Hq, S, D]
+    return flat.transpose(0, 1)[None], None  # [1, S, Hq, D], as transformers' functions return
 
 
 @functools.cache

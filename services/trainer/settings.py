@@ -162,17 +162,19 @@ class ModelConfig(BaseModel):
         "auto",
         description="Pack sequences into one row per micro-batch (position ids restart per "
         "sequence; attention never crosses sequences). False: one padded row per sequence. "
-        "'auto': pack where the varlen attention kernel runs (a GPU in bf16/fp16); elsewhere "
-        "a packed row attends through a dense block-diagonal mask, quadratic in the row's "
-        "length (measured on the demo's CPU step: 1.5x slower than padding).",
+        "'auto': pack where it was measured faster: a GPU in bf16/fp16 (the varlen kernel) "
+        "and a CPU in bf16 (`flywheel_segments`, services/trainer/attention.py); a CPU in "
+        "float32 pads (its packed step measured slower, bench/results_real_profile.md), and "
+        "so does a GPU in float32 (a dense block-diagonal mask).",
     )
     precision: Precision = Field(
         "auto",
         description="'bf16': bf16 compute with float32 master weights, gradients and "
         "optimizer state (autocast in one process, FSDP2 mixed precision with float32 "
         "gradient reduction under torchrun); 'fp32': float32 throughout; 'auto': bf16 on a "
-        "GPU that supports it, fp32 on CPU (CPU bf16 matmuls are no faster than fp32 on "
-        "most CPUs, bench/results_trainer.md).",
+        "GPU that supports it and on a CPU with native bf16 (AVX512-BF16 or AMX: 1.3-1.9x "
+        "faster on SmolLM2-135M's step, bench/results_real_profile.md), fp32 elsewhere "
+        "(emulated bf16 is no faster, bench/results_trainer.md).",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute decoder-layer activations in backward (saves memory)."

@@ -73,6 +73,9 @@ class Trainer:
     ):
         self.model, self.tokenizer, self.cfg, self.info = model, tokenizer, cfg, info
         self.ref_model = ref_model
+        # Weights go out in the dtype they came in (a bf16 checkpoint: half the bytes to
+        # write, hash, send and load; bf16 deltas), whatever the float32 masters train in.
+        self.publish_dtype: torch.dtype | None = None
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -123,7 +126,9 @@ class Trainer:
         if cfg.loss.kl_coef > 0:  # frozen: no float32 master copy needed
             frozen = load_model(model_dir, dtype=dtype)
             ref = prepare_model(frozen, info, dtype=dtype, trainable=False, attention=attention)
-        return cls(model, load_tokenizer(model_dir), cfg, info, ref)
+        trainer = cls(model, load_tokenizer(model_dir), cfg, info, ref)
+        trainer.publish_dtype = stored_dtype(model_dir)
+        return trainer
 
     # ---- the algorithm -------------------------------------------------------------
 
@@ -358,15 +363,56 @@ class Trainer:
         manifest = None
         if self.info.is_main:
             assert sd is not None
+            sd = cast_state(sd, self.publish_dtype)
 
             def write(tmp: Path) -> None:
                 save = self.model.save_pretrained  # a transformers PreTrainedModel method
                 save(tmp, state_dict=sd, safe_serialization=True)  # type: ignore[operator]
                 self.tokenizer.save_pretrained(tmp)
+                if self.publish_dtype is not None:  # the config names the masters' float32
+                    name_dtype(tmp / "config.json", self.publish_dtype)
 
             manifest = write_weights_dir(out_dir, write, overwrite=overwrite)
         barrier(self.info)
         return manifest
+
+
+def stored_dtype(model_dir: str | Path) -> torch.dtype | None:
+    """The floating dtype a model directory's config says its weights are stored in."""
+    import json
+
+    doc = json.loads((Path(model_dir) / "config.json").read_text())
+    name = doc.get("dtype") or doc.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def name_dtype(config_json: Path, dtype: torch.dtype) -> None:
+    """Make a written config.json say the dtype its weights are stored in."""
+    import json
+
+    doc = json.loads(config_json.read_text())
+    doc["dtype"] = str(dtype).removeprefix("torch.")
+    doc.pop("torch_dtype", None)
+    config_json.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def cast_state(sd: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`sd` with its floating tensors in `dtype` (None: as is); tensors that share storage
+    (tied embeddings) still share it, so save_pretrained still sees them tied."""
+    if dtype is None:
+        return sd
+    memo: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
+        if key not in memo:
+            memo[key] = t.detach().to(dtype)
+        return memo[key]
+
+    return {k: cast(v) for k, v in sd.items()}
 
 
 def forward_spec(cfg: TrainConfig, info: DistInfo) -> ForwardSpec:
@@ -383,20 +429,28 @@ def forward_spec(cfg: TrainConfig, info: DistInfo) -> ForwardSpec:
 
 
 def attention_for(cfg: TrainConfig, info: DistInfo) -> str | None:
-    """The varlen kernel for packed rows on a GPU in half precision; None: the model's own."""
-    from services.trainer.attention import register_varlen, varlen_supported
+    """The attention of packed rows: the varlen kernel on a GPU in half precision,
+    `flywheel_segments` on CPU (services/trainer/attention.py); None: the model's own."""
+    from services.trainer.attention import register_segments, register_varlen, varlen_supported
 
-    m = cfg.model
-    if m.packing and varlen_supported(info.device, compute_dtype(m.precision, info.device)):
+    if not packs(cfg, info):
+        return None
+    if varlen_supported(info.device, compute_dtype(cfg.model.precision, info.device)):
         return register_varlen()
+    if info.device.type == "cpu":
+        return register_segments()
     return None
 
 
 def packs(cfg: TrainConfig, info: DistInfo) -> bool:
-    """Whether micro-batches are packed rows (`packing = "auto"`: where varlen runs)."""
+    """Whether micro-batches are packed rows (`packing = "auto"`: where packing was measured
+    faster: varlen on a GPU in half precision, segments on a CPU in bf16; a CPU in float32
+    pads, its packed step measured 1.1-2.3x slower, bench/results_real_profile.md)."""
     from services.trainer.attention import varlen_supported
 
     m = cfg.model
     if m.packing == "auto":
-        return varlen_supported(info.device, compute_dtype(m.precision, info.device))
+        dtype = compute_dtype(m.precision, info.device)
+        cpu_bf16 = info.device.type == "cpu" and dtype == torch.bfloat16
+        return cpu_bf16 or varlen_supported(info.device, dtype)
     return m.packing

@@ -30,7 +30,7 @@ CFG = TrainConfig(
     # (two half-batches reduced vs one batch) decides; eps = 1e-6 keeps the comparison
     # about the sharding, not about rounding in the 8th digit.
     optim=OptimConfig(lr=1e-3, grad_clip=1.0, eps=1e-6),
-    model=ModelConfig(micro_batch_tokens=24),
+    model=ModelConfig(micro_batch_tokens=24, precision="fp32"),  # exactness; bf16 apart
 )
 
 

@@ -1,5 +1,7 @@
 """Packed = padded, chunked = full logprobs, and bf16 with float32 master state (tiny model)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from tests.integration.trainer.trainer_helpers import random_batch
 
 
 def _cfg(loss: dict, **model) -> TrainConfig:
+    model.setdefault("precision", "fp32")  # exactness tests; precision is tested apart
     return TrainConfig(
         loss=LossConfig(**loss),
         optim=OptimConfig(lr=1e-3),
@@ -90,3 +93,54 @@ def test_entropy_only_on_logged_steps_unless_it_is_a_bonus(tiny_model_dir):
     assert "entropy" not in first and "entropy" in second
     bonus = Trainer.from_pretrained(tiny_model_dir, _cfg({"entropy_coef": 0.1}, entropy_every=0))
     assert "entropy" in bonus.train_step(random_batch(seed=1))
+
+
+def test_cpu_packs_by_default_through_segments_attention_as_transformers_sdpa_would(
+    tiny_model_dir, tmp_path
+):
+    """A packed row on CPU attends per sequence (`flywheel_segments`): the same loss and
+    gradients as transformers' own sdpa over the packed row (its block-diagonal mask)."""
+    from services.trainer.attention import SEGMENTS
+
+    loss = {"entropy_coef": 0.01}
+    seg = Trainer.from_pretrained(tiny_model_dir, _cfg(loss, packing=True))
+    assert seg.packing and seg.forward_spec.varlen
+    assert seg.model.config._attn_implementation == SEGMENTS
+    dense = Trainer.from_pretrained(tiny_model_dir, _cfg(loss, packing=True))
+    dense.model.set_attn_implementation("sdpa")
+    dense.forward_spec = dataclasses.replace(dense.forward_spec, varlen=False)
+    batch = random_batch(seed=7)
+    want_loss, _, want, _ = _loss_and_grads(dense, batch)
+    got_loss, _, got, _ = _loss_and_grads(seg, batch)
+    assert got_loss == pytest.approx(want_loss, abs=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+    # The published directory names no attention an engine could not load.
+    seg.save_weights(tmp_path / "w")
+    assert SEGMENTS not in (tmp_path / "w" / "config.json").read_text()
+
+
+def test_auto_precision_is_bf16_on_a_cpu_with_native_bf16_and_agrees_with_fp32(tiny_model_dir):
+    """The CPU default: bf16 autocast (float32 masters), packed, where the CPU has native
+    bf16 — the loss and gradient of the old path (float32, padded) within bf16's tolerance."""
+    from services.trainer.attention import SEGMENTS
+    from services.trainer.model import cpu_bf16
+
+    auto = Trainer.from_pretrained(tiny_model_dir, _cfg({}, precision="auto"))
+    native = cpu_bf16(torch.device("cpu"))
+    assert auto.forward_spec.autocast == (torch.bfloat16 if native else None)
+    assert auto.packing == native  # packed through segments in bf16; float32 pads
+    if not native:
+        pytest.skip("this CPU has no native bf16: 'auto' stays float32, padded")
+    assert auto.model.config._attn_implementation == SEGMENTS
+    fp32 = Trainer.from_pretrained(tiny_model_dir, _cfg({}, precision="fp32"))
+    batch = random_batch(seed=4)
+    want_loss, _, want, _ = _loss_and_grads(fp32, batch)
+    got_loss, _, got, _ = _loss_and_grads(auto, batch)
+    assert got_loss != want_loss  # it really ran in bf16
+    assert got_loss == pytest.approx(want_loss, abs=2e-2)
+    flat_w = torch.cat([want[n].flatten() for n in want]).double()
+    flat_g = torch.cat([got[n].flatten() for n in want]).double()
+    cosine = float(flat_g @ flat_w / (flat_g.norm() * flat_w.norm()))
+    assert cosine > 0.99
+    assert float((flat_g.norm() - flat_w.norm()).abs() / flat_w.norm()) < 5e-2
