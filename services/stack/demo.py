@@ -314,8 +314,10 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     run_dir = Path(args.run_dir or base.run_dir).resolve()
     tasks = base.task_set()
     start = real_start(args, run_dir) if real else sft_stage(args, run_dir, sft)
+    t0 = time.time()
     before, split = held_out_accuracy(tasks, start, args.eval_size)
-    print(f"flywheel demo: {split} accuracy before RL: {before:.3f}", flush=True)
+    print(f"flywheel demo: {split} accuracy before RL: {before:.3f} ({time.time() - t0:.0f}s)",
+          flush=True)  # fmt: skip
     rf = run_file(config, run_dir, start, args.max_staleness, args.cpus)
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
