@@ -15,7 +15,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from services.runtime.errors import EXIT_CONFIG, EXIT_HALTED, ConfigError, RunHalted
+from services.runtime.errors import (
+    EXIT_CONFIG,
+    EXIT_HALTED,
+    EXIT_MISSING,
+    ConfigError,
+    JetStreamMissing,
+    RunHalted,
+)
 from services.runtime.settings import ServiceSettings, load_settings, render
 
 S = TypeVar("S", bound=ServiceSettings)
@@ -71,12 +78,22 @@ def service_main(
     from services.runtime.lifecycle import run_service, setup_logging
 
     setup_logging(service, settings.log_level)
+    return run_or_exit(service, lambda: asyncio.run(run_service(service, settings, body())))
+
+
+FINAL_ERRORS: tuple[tuple[type[Exception], int], ...] = (
+    (ConfigError, EXIT_CONFIG),
+    (RunHalted, EXIT_HALTED),
+    (JetStreamMissing, EXIT_MISSING),
+)
+"""Errors a restart cannot fix, and the exit status each stops a service with."""
+
+
+def run_or_exit(service: str, run: Callable[[], object]) -> int:
+    """`run()`; an error a restart cannot fix is one line on stderr and its exit status."""
     try:
-        asyncio.run(run_service(service, settings, body()))
-    except ConfigError as e:
+        run()
+    except tuple(e for e, _ in FINAL_ERRORS) as e:
         print(f"flywheel {service}: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except RunHalted as e:
-        print(f"flywheel {service}: {e}", file=sys.stderr)
-        return EXIT_HALTED
+        return next(code for cls, code in FINAL_ERRORS if isinstance(e, cls))
     return 0
