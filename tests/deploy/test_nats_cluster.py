@@ -106,10 +106,14 @@ def test_single_server_overlays_keep_one_replica() -> None:
 def test_the_rendered_nats_conf_is_valid_for_nats_server(overlay: str, tmp_path: Path) -> None:
     from services.stack.localdev.nats_server import find_nats_server
 
+    objs = objects(overlay)
+    (cm,) = [o for o in objs if o["metadata"]["name"].startswith("nats-config")]
+    for name, text in cm["data"].items():  # nats.conf includes nats-auth.conf beside it
+        (tmp_path / name).write_text(text)
     conf = tmp_path / "nats.conf"
-    conf.write_text(nats_conf(objects(overlay)))
-    env = {**os.environ, "POD_NAME": "nats-0", "FLYWHEEL_NATS_USER": "u"}
-    env["FLYWHEEL_NATS_PASSWORD"] = "p"
+    env = {**os.environ, "POD_NAME": "nats-0"}
+    for service in ("buffer", "rollout", "trainer", "sync"):  # as the Secret sets them
+        env[f"FLYWHEEL_NATS_{service.upper()}_PASSWORD"] = f"p-{service}"
     argv = [str(find_nats_server()), "-t", "-c", str(conf)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env, check=False)
     assert out.returncode == 0 and "is valid" in out.stdout + out.stderr, out.stderr
