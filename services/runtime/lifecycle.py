@@ -44,7 +44,13 @@ _HANDLER_MARK = "_flywheel_handler"
 
 
 class _UtcFormatter(logging.Formatter):
-    """ISO 8601 UTC with milliseconds: sortable, and the same on every pod."""
+    """ISO 8601 UTC with milliseconds: sortable, and the same on every pod; credentials
+    redacted from the whole line, traceback included (services/runtime/redact.py)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from services.runtime.redact import redact
+
+        return redact(super().format(record))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         t = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

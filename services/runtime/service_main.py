@@ -53,8 +53,10 @@ def settings_or_exit(
 
             overrides = attach_run(config, cls.section)
         settings = load_settings(cls, config, **overrides)
-    except ConfigError as e:
-        print(f"flywheel {command}: {e}", file=sys.stderr)
+    except ConfigError as e:  # may quote a value: a URL with a password in it
+        from services.runtime.redact import redact
+
+        print(f"flywheel {command}: {redact(str(e))}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from e
     if print_config:
         print(render(settings))
@@ -94,6 +96,8 @@ def run_or_exit(service: str, run: Callable[[], object]) -> int:
     try:
         run()
     except tuple(e for e, _ in FINAL_ERRORS) as e:
-        print(f"flywheel {service}: {e}", file=sys.stderr)
+        from services.runtime.redact import redact
+
+        print(f"flywheel {service}: {redact(str(e))}", file=sys.stderr)
         return next(code for cls, code in FINAL_ERRORS if isinstance(e, cls))
     return 0
