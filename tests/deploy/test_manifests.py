@@ -130,7 +130,10 @@ def test_every_service_container_loads_its_settings(
         # its own NATS user (nats-auth.conf: its subjects only), its own password
         assert s.nats.user == section and s.nats.password is not None
         assert s.nats.password.get_secret_value() == f"secret-{section}-password"
-        assert s.nats.url == "nats://nats:4222"
+        if "nats-cluster" in (K8S / "overlays" / overlay / "kustomization.yaml").read_text():
+            assert s.nats.url == "tls://nats:4222" and s.nats.tls_ca is not None
+        else:
+            assert s.nats.url == "nats://nats:4222"
         if section in ("rollout", "trainer"):  # rewards and tools run in the sidecar
             assert s.sandbox_socket == Path("/run/flywheel-sandbox/pool.sock")
         if section == "rollout":
