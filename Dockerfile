@@ -49,11 +49,14 @@ RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp flywheel \
     && mkdir -p /data /etc/flywheel \
     && chown flywheel:flywheel /data
 # Caches go to /tmp: the pods run with a read-only root filesystem and an
-# emptyDir on /tmp. Nothing is downloaded at run time (HF_HUB_OFFLINE).
+# emptyDir on /tmp. Nothing is downloaded at run time (HF_HUB_OFFLINE). No progress
+# bars: a pod started by torchrun or sglang, not `flywheel`, would draw a log line per
+# redraw on every weight load (services/models/progress.py).
 ENV HOME=/tmp \
     HF_HOME=/tmp/hf \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
+    TRANSFORMERS_OFFLINE=1 \
+    HF_HUB_DISABLE_PROGRESS_BARS=1
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 9100 30000

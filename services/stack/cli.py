@@ -42,6 +42,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def trainer_max_steps(config: Path) -> int | None:
+    """The run file's `[trainer] max_steps`: the same end as `--steps` (a trainer that
+    stops by itself is not a crash for the supervisor to restart)."""
+    import tomllib
+
+    value = tomllib.loads(config.read_text()).get("trainer", {}).get("max_steps")
+    return value if isinstance(value, int) else None
+
+
 async def up(
     s: StackSettings,
     config: Path,
@@ -59,6 +68,7 @@ async def up(
 
     run_dir = s.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    steps = steps if steps is not None else trainer_max_steps(config)
     nats, url = start_nats(s, run_dir)
     # A trainer started here stops itself after `steps` (exactly that many: the status line
     # sees a step seconds late, while batches in flight go on training) and its exit ends the

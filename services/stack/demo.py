@@ -15,6 +15,9 @@
 `--task tools` runs the same stages on the tool-use task instead
 (services/stack/demo_tools.py, configs/demo-tools.toml): 3-digit
 multiplication with a calculator, multi-turn episodes through the stack.
+`--task real` skips the tiny model and its warm start: a real pretrained
+model, SmolLM2-135M-Instruct, learns a task it starts at ~0 on
+(services/stack/demo_real.py, configs/demo-real.toml).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from proto.weight_version import parse_name
+from services.stack.demo_real import REAL_STEPS, REAL_TARGET
 from services.weights import published_dir, versions_in
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
@@ -58,9 +62,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel demo", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--task",
-        choices=("arithmetic", "tools"),
+        choices=("arithmetic", "tools", "real"),
         default="arithmetic",
-        help="arithmetic: 2-digit addition; tools: 3-digit multiplication with a calculator",
+        help="arithmetic: 2-digit addition; tools: 3-digit multiplication with a calculator; "
+        "real: SmolLM2-135M-Instruct names a list's last word (make smollm2 first)",
     )
     p.add_argument("-c", "--config", help="run file of the RL stage (default: the task's)")
     p.add_argument("--run-dir", help="override [stack] run_dir (default: the config's)")
@@ -77,11 +82,14 @@ def parser() -> argparse.ArgumentParser:
         default=0.6,
         help="fraction of SFT labels that write the carry out of the tens as 0 (58+67=025)",
     )
-    p.add_argument("--rl-steps", type=int, help="RL optimizer steps (default 130; tools: 60)")
+    p.add_argument(
+        "--rl-steps", type=int, help="RL optimizer steps (default 130; tools: 60; real: 40)"
+    )
     p.add_argument(
         "--target-accuracy",
         type=float,
-        help=f"stop RL once the trainer's validation accuracy reaches this (tools: {TOOLS_TARGET})",
+        help="stop RL once the trainer's validation accuracy reaches this "
+        f"(tools: {TOOLS_TARGET}; real: {REAL_TARGET})",
     )
     p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
@@ -92,7 +100,9 @@ def parser() -> argparse.ArgumentParser:
         type=role_cores,
         help="override [stack] cpus, e.g. trainer=0 engine=1,2 (bench/e2e.py --placement)",
     )
-    p.add_argument("--eval-size", type=int, default=500, help="test problems reported on")
+    p.add_argument(
+        "--eval-size", type=int, help="test problems reported on (default 500; real: 200)"
+    )
     p.add_argument("--quiet", action="store_true", help="service output to log files only")
     p.add_argument("--keep", action="store_true", help="reuse an existing SFT model in run_dir")
     return p
@@ -201,7 +211,22 @@ def dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
     return text
 
 
-def plot(metrics: Path, out: Path) -> Path | None:
+TITLES = {
+    "arithmetic": "Flywheel demo: async GRPO on 2-digit addition",
+    "tools": "Flywheel demo: async GRPO, a calculator for 3-digit products",
+    "real": "Flywheel demo: SmolLM2-135M-Instruct, async GRPO naming a list's last word",
+}
+
+
+def task_config(task: str) -> Path:
+    """The run file of a demo task's RL stage."""
+    from services.stack.demo_real import CONFIG as REAL_CONFIG
+    from services.stack.demo_tools import CONFIG as TOOLS_CONFIG
+
+    return {"tools": TOOLS_CONFIG, "real": REAL_CONFIG}.get(task, DEFAULT_CONFIG)
+
+
+def plot(metrics: Path, out: Path, title: str = TITLES["arithmetic"]) -> Path | None:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     if not rows:
         return None
@@ -229,7 +254,7 @@ def plot(metrics: Path, out: Path) -> Path | None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    fig.suptitle("Flywheel demo: async GRPO on 2-digit addition")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out
@@ -254,24 +279,30 @@ def best_weights(run_dir: Path, final: Path, steps: int) -> tuple[Path, int]:
     return Path(best["weights"]), int(best["step"])
 
 
-def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
-    """`flywheel demo`; `sft` is the trainer's `flywheel sft` (services/cli.py passes it)."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with each task's defaults filled in."""
     args = parser().parse_args(argv)
-    tools = args.task == "tools"
+    tools, real = args.task == "tools", args.task == "real"
     # 1500: the SFT model already gets every held-out three-digit sum right given its
     # leading 1 (117/117, as after 3000), so RL has only the carry to repair. Tools: after
     # 900 the model copied a 5-digit result into <answer> too unreliably for RL to keep
     # (bench/results_demo_tools.md); after 1500, 65 of 66 held-out 5-digit copies are right.
     args.sft_steps = args.sft_steps or 1500
-    args.rl_steps = args.rl_steps or (60 if tools else 130)
-    if tools and args.target_accuracy is None:
+    args.rl_steps = args.rl_steps or (60 if tools else REAL_STEPS if real else 130)
+    # 200 for the real model: two evaluations of 500 lists would add minutes on 2 cores.
+    args.eval_size = args.eval_size or (200 if real else 500)
+    if args.target_accuracy is None and (tools or real):
         # The tool demo stops once it has learned (measured: at the first evaluation,
         # step 5); its 60 steps would add 2-3 minutes of a flat 0.93-0.97.
-        args.target_accuracy = TOOLS_TARGET
-    if args.config is None:
-        from services.stack.demo_tools import CONFIG
+        args.target_accuracy = TOOLS_TARGET if tools else REAL_TARGET
+    args.config = args.config or str(task_config(args.task))
+    return args
 
-        args.config = str(CONFIG if tools else DEFAULT_CONFIG)
+
+def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
+    """`flywheel demo`; `sft` is the trainer's `flywheel sft` (services/cli.py passes it)."""
+    args = parse_args(argv)
+    tools, real = args.task == "tools", args.task == "real"
     from services.runtime.settings import load_settings
     from services.stack.cli import up
     from services.stack.settings import StackSettings
@@ -280,10 +311,10 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     base = load_settings(StackSettings, config)
     run_dir = Path(args.run_dir or base.run_dir).resolve()
     tasks = base.task_set()
-    sft_model = sft_stage(args, run_dir, sft)
-    before, split = held_out_accuracy(tasks, sft_model, args.eval_size)
-    print(f"flywheel demo: {split} accuracy after SFT: {before:.3f}", flush=True)
-    rf = run_file(config, run_dir, sft_model, args.max_staleness, args.cpus)
+    start = real_start(args, run_dir) if real else sft_stage(args, run_dir, sft)
+    before, split = held_out_accuracy(tasks, start, args.eval_size)
+    print(f"flywheel demo: {split} accuracy before RL: {before:.3f}", flush=True)
+    rf = run_file(config, run_dir, start, args.max_staleness, args.cpus)
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
     started = time.time()
@@ -297,7 +328,7 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     steps = parse_name(final.name) or 0
     weights, best_step = best_weights(run_dir, final, steps)
     after, _ = held_out_accuracy(tasks, weights, args.eval_size)
-    png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png")
+    png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png", TITLES[args.task])
     summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after,
                                "accuracy_split": split}  # fmt: skip
     if tools:
@@ -332,6 +363,23 @@ def tool_summary(run_dir: Path) -> dict[str, Any]:
     return out
 
 
+def fresh_run_dir(run_dir: Path) -> None:
+    """`run_dir`, emptied of any previous run."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
+def real_start(args: argparse.Namespace, run_dir: Path) -> Path:
+    """The real demo's start: the imported pretrained model itself (no warm start)."""
+    from services.stack.demo_real import real_model
+
+    model = real_model()
+    fresh_run_dir(run_dir)
+    print(f"flywheel demo: {model.name} ({model}), no warm start", flush=True)
+    return model
+
+
 def sft_stage(args: argparse.Namespace, run_dir: Path, sft: Command) -> Path:
     """The warm-started model: trained afresh, or (--keep) the one a previous demo left."""
     sft_model = run_dir / "model-sft"
@@ -340,9 +388,7 @@ def sft_stage(args: argparse.Namespace, run_dir: Path, sft: Command) -> Path:
             p = run_dir / sub
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         return sft_model  # RL starts afresh
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    fresh_run_dir(run_dir)
     what = (
         f"{args.tool_fraction:.0%} of traces call the calculator"
         if args.task == "tools"

@@ -116,16 +116,24 @@ tick_s = 0.1
 
 
 @pytest.mark.slow
-def test_up_steps_trains_exactly_that_many_steps(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["--steps", "run file"])
+def test_up_steps_trains_exactly_that_many_steps(
+    tiny_model: Path, tmp_path: Path, where: str
+) -> None:
     """`flywheel up --steps 3` trained 7: the stop was decided on the status line, seconds
     after the step, while the batches in flight went on training. Now the trainer stops
-    itself after step 3 and its exit ends the run."""
+    itself after step 3 and its exit ends the run. `[trainer] max_steps = 3` in the run
+    file is the same end (it was a trainer exit the supervisor restarted)."""
     run_dir = tmp_path / "run"
     config = tmp_path / "run.toml"
-    config.write_text(STEPS_RUN.format(run_dir=run_dir, model=tiny_model))
+    text = STEPS_RUN.format(run_dir=run_dir, model=tiny_model)
+    args = ("--steps", "3") if where == "--steps" else ()
+    if where == "run file":
+        text = text.replace("[trainer.runtime]", "[trainer]\nmax_steps = 3\n\n[trainer.runtime]")
+    config.write_text(text)
     # A user's shell: nothing set that quiets transformers (flywheel itself must)
     env = {k: v for k, v in {**os.environ, **QUIET_ENV}.items() if "PROGRESS_BARS" not in k}
-    with UpRun(config, run_dir, "--steps", "3", env=env) as up:
+    with UpRun(config, run_dir, *args, env=env) as up:
         code = up.wait_exit(240)
     out = up.output()
     assert code == 0, out[-3000:]

@@ -17,13 +17,13 @@ from proto.messages import SamplingParams
 from services.buffer.core import PromptTaskMaker
 from services.buffer.settings import BufferSettings
 from services.runtime.settings import load_settings
-from services.stack.demo import DEFAULT_CONFIG, parser, sft_data
+from services.stack.demo import DEFAULT_CONFIG, parse_args, sft_data
 from services.stack.demo_tools import CONFIG as TOOLS_CONFIG
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "tools"])
 def test_no_demo_held_out_prompt_is_in_its_sft_or_rl_data(task: str, tmp_path: Path) -> None:
-    args = parser().parse_args(["--task", task])  # the demo's own defaults
+    args = parse_args(["--task", task])  # the demo's own defaults
     config = TOOLS_CONFIG if task == "tools" else DEFAULT_CONFIG
     sft = sft_data(args, tmp_path)  # the 50,000-row file `make demo` trains on
     sft_prompts = {json.loads(line)["prompt"] for line in sft.read_text().splitlines()}
