@@ -54,7 +54,7 @@ def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 
 
 @cache
-def _with_secrets() -> Path:
+def k8s_with_secrets() -> Path:
     """A copy of deploy/k8s with its Secret made as an operator makes it (make-secrets.sh).
 
     The repository has no credentials file (no default password): the base
@@ -76,7 +76,7 @@ def _with_secrets() -> Path:
 @cache
 def rendered(overlay: str) -> str:
     """The overlay rendered by `kubectl kustomize` (YAML stream), with a generated Secret."""
-    out = run([tool("kubectl"), "kustomize", str(_with_secrets() / "overlays" / overlay)])
+    out = run([tool("kubectl"), "kustomize", str(k8s_with_secrets() / "overlays" / overlay)])
     assert out.returncode == 0, f"kustomize {overlay} failed:\n{out.stderr}"
     return out.stdout
 

@@ -25,6 +25,7 @@ from tests.deploy.deploy_support import (
     KUBERNETES_VERSION,
     OVERLAYS,
     find,
+    k8s_with_secrets,
     objects,
     rendered,
     run,
@@ -444,7 +445,8 @@ def test_sglang_lora_flags_follow_the_run_file(overlay: str) -> None:
 def test_the_lora_component_turns_the_gpu_overlay_to_adapters(tmp_path: Path) -> None:
     """components/sglang-lora on the gpu overlay, with the run file's [engine] keys it names:
     SGLang gets exactly the flags `flywheel up` would give it."""
-    gpu = K8S / "overlays" / "gpu"
+    k8s = k8s_with_secrets()  # the repository's base does not build without its Secret
+    gpu = k8s / "overlays" / "gpu"
     lora = ('\n[engine]\nenable_lora = true\nmax_lora_rank = 16\nlora_target_modules = '
             '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]\n'
             'max_loras_per_batch = 4\n')  # fmt: skip
@@ -452,7 +454,7 @@ def test_the_lora_component_turns_the_gpu_overlay_to_adapters(tmp_path: Path) ->
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(gpu, tmp_path)],
-        "components": [os.path.relpath(K8S / "components" / "sglang-lora", tmp_path)],
+        "components": [os.path.relpath(k8s / "components" / "sglang-lora", tmp_path)],
         "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
                                 "files": ["run.toml"]}],
     }))  # fmt: skip
