@@ -118,6 +118,7 @@ def grants(run: str) -> dict[str, Grants]:
     _consumer(r, cons["rollout"])
     _reads(r, stream_name(run, "WEIGHTS"))  # the newest published version
     _ephemeral(r, stream_name(run, "WEIGHTDATA"))  # weights over NATS
+    r.subscribe.append(sub.weights_published)  # woken at once when a version is announced
 
     t = out["trainer"]
     t.publish += [sub.weights_published, f"flywheel.{run}.weightdata.>"]
