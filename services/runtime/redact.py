@@ -25,7 +25,9 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         re.compile(
             r"""(\b\w*(?:PASSWORD|PASSWD|SECRET|SECRET_KEY|TOKEN|API_KEY|APIKEY|ACCESS_KEY)\b"""
             r"""['"]?\s*[=:]\s*"""
-            r"""(?:SecretStr\()?['"]?)([^\s'",)}]+)""",
+            r"""(?:SecretStr\()?['"]?)"""
+            # not null/true/false (JSON stays JSON), not a value masked already (**********)
+            r"""((?!(?:null|None|true|false)\b)[^\s'",)}*][^\s'",)}]*)""",
             re.IGNORECASE,
         ),
         rf"\1{MASK}",

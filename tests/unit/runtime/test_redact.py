@@ -35,7 +35,8 @@ def test_redact_hides_each_kind(line: str, secret: str, shown: str) -> None:
 def test_redact_keeps_what_is_not_a_secret() -> None:
     plain = (
         "consuming FLYWHEEL_demo_SAMPLES/buffer at nats://nats:4222 (http://10.1.2.3:30000); "
-        "max_tokens=64 generated_tokens: 12 tokens_per_s=9.5 password_file=/run/secret/pw"
+        "max_tokens=64 generated_tokens: 12 tokens_per_s=9.5 password_file=/run/secret/pw; "
+        '{"password": "**********", "token": null, "api_key": null}'
     )
     assert redact(plain) == plain
 
@@ -61,3 +62,31 @@ def test_every_log_line_of_a_service_is_redacted() -> None:
     assert "failed" in text and "Traceback" in text
     for secret in ("pw-arg-1", "pw-exc-2", "sk-msg-3"):
         assert secret not in text, text
+
+
+def test_an_uncaught_exception_is_redacted_too() -> None:
+    """The interpreter prints those itself; setup_logging routes them through the handler."""
+    import subprocess
+    import sys
+
+    from tests.harness import REPO
+
+    code = (
+        "from services.runtime.lifecycle import setup_logging\n"
+        "setup_logging('buffer')\n"
+        "raise RuntimeError('cannot reach nats://u:pw-uncaught-9@nats:4222')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 1
+    assert "uncaught exception" in out.stderr and "RuntimeError" in out.stderr, out.stderr
+    assert "pw-uncaught-9" not in out.stderr, out.stderr
+
+
+def test_print_config_masks_a_password_in_a_url() -> None:
+    from services.runtime.settings import load_settings, render
+    from services.sync.settings import SyncSettings
+
+    s = load_settings(SyncSettings, None, nats={"url": "nats://u:pw-url-4@nats:4222"})
+    text = render(s)
+    assert "pw-url-4" not in text and "nats://u:***@nats:4222" in text
