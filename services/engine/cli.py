@@ -26,7 +26,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="Hugging Face model directory")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 30000; 0 = any free port)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on admin endpoints")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on admin endpoints (SGLang's flag; visible "
+        "in ps: prefer FLYWHEEL_ENGINE_API_KEY or --api-key-file)",
+    )
+    p.add_argument("--api-key-file", help="read the API key from this file (a mounted Secret)")
     p.add_argument("--weight-version", help="initial weight version (default 'default')")
     # SGLang's four LoRA flags, same names ([engine] enable_lora, ... in the run file).
     p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
@@ -38,6 +43,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> EngineSettings:
+    if args.api_key_file:
+        from pathlib import Path
+
+        try:
+            args.api_key = Path(args.api_key_file).read_text().strip() or None
+        except OSError as e:
+            raise ConfigError(f"--api-key-file: {e}") from e
+        if args.api_key is None:
+            raise ConfigError(f"--api-key-file {args.api_key_file} is empty")
     overrides: dict[str, Any] = {
         key: value
         for key, value in {

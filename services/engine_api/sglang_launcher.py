@@ -14,7 +14,10 @@ flags (SGLang 0.5.x `ServerArgs`) are those the Kubernetes GPU overlay uses
         --dtype D                   model dtype ("auto")
         --random-seed S             sampler seed
         --enable-metrics            Prometheus /metrics
-        --api-key KEY               only if set
+        --api-key KEY               only if set, and never on the command line:
+                                    `python -m services.engine_api.keyed_launch
+                                    sglang.launch_server ...` adds it in-process
+                                    from FLYWHEEL_ENGINE_API_KEY (`environment`)
         --skip-server-warmup        optional, faster start in tests
         --enable-deterministic-inference   optional: batch-invariant kernels,
                                            so rollout logprobs match a
@@ -162,11 +165,13 @@ def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
         "--dtype": opts.dtype,
         "--random-seed": str(opts.random_seed),
     }
-    argv = [python, "-m", "sglang.launch_server", *(x for kv in flags.items() for x in kv)]
+    # With a key: through keyed_launch, which adds `--api-key` from the environment
+    # in-process, so no `ps` shows it.
+    launch = ["services.engine_api.keyed_launch"] if opts.api_key else []
+    argv = [python, "-m", *launch, "sglang.launch_server"]
+    argv += [x for kv in flags.items() for x in kv]
     if opts.enable_metrics:
         argv.append("--enable-metrics")
-    if opts.api_key:
-        argv += ["--api-key", opts.api_key]
     if opts.skip_warmup:
         argv.append("--skip-server-warmup")
     if opts.deterministic:
@@ -174,3 +179,10 @@ def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
     if opts.lora is not None:
         argv += opts.lora.flags()
     return argv + list(opts.extra_args)
+
+
+def environment(opts: SGLangOptions) -> dict[str, str]:
+    """What `command` needs in its environment: the API key, if any (never in argv)."""
+    from services.engine_api.keyed_launch import ENV
+
+    return {ENV: opts.api_key} if opts.api_key else {}

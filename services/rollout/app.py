@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,16 @@ async def body(ctx: ServiceContext) -> None:
             poll_s=s.weights_poll_s,
             keep=s.weights_keep,
             idle_timeout_s=s.weights_idle_timeout_s,
+            max_attempts=s.weights_fetch_attempts,
             on_download=worker.metrics.downloaded,
+            on_give_up=worker.metrics.given_up,
         )
         ctx.readiness.set("engine", "not checked yet")
         await worker.wait_for_engine(ctx.stop)  # its SGLang release decides the routes
         heartbeat = asyncio.create_task(worker.heartbeat_loop(ctx.stop))
         fetch = asyncio.create_task(worker.fetcher.run_loop(ctx.stop, worker.engine_version))
+        for side in (heartbeat, fetch):  # one that fails (a stream gone) stops the worker
+            side.add_done_callback(functools.partial(_stop_on_error, ctx.stop))
         try:
             await ctx.consume(
                 consumers_for(s.run)["rollout"],
@@ -113,3 +118,9 @@ async def body(ctx: ServiceContext) -> None:
         finally:
             await heartbeat
             await fetch
+
+
+def _stop_on_error(stop: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """A side loop that ended with an error stops the worker (the error is raised on exit)."""
+    if not task.cancelled() and task.exception() is not None:
+        stop.set()

@@ -45,6 +45,12 @@ class RolloutMetrics:
             "weights_downloaded_version", "Newest weight version received over NATS."
         )
         self.weights_bytes = m.counter("weights_download_bytes", "Weight bytes received over NATS.")
+        self.weights_given_up = m.counter(
+            "weights_given_up", "Weight versions given up after repeated failed downloads."
+        )
+        self.weights_given_up_version = m.gauge(
+            "weights_given_up_version", "Newest weight version given up (0: none)."
+        )
         self.weights_seconds = m.histogram(
             "weights_download_seconds", "Time to receive one weight version."
         )
@@ -56,6 +62,10 @@ class RolloutMetrics:
         self.weights_deltas = m.counter(
             "weights_deltas_applied", "nats-delta: deltas applied to rebuild versions."
         )
+
+    def given_up(self, version: int) -> None:
+        self.weights_given_up.inc()
+        self.weights_given_up_version.set(version)
 
     def downloaded(self, t: Transfer) -> None:
         self.weights_downloaded.set(t.version)

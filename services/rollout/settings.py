@@ -62,6 +62,12 @@ class RolloutSettings(TaskServiceSettings):
     weights_idle_timeout_s: float = Field(
         30.0, gt=0, description="A NATS weights download fails after this long with no chunk."
     )
+    weights_fetch_attempts: int = Field(
+        5,
+        ge=1,
+        description="Failed downloads of one weight version in a row before it is given up "
+        "(reported; the engine waits for a newer version).",
+    )
     behind_retry_s: float = Field(
         0.5, gt=0, description="Task redelivery delay while the engine is older than it needs."
     )

@@ -13,6 +13,11 @@ version is there, with the engine-local path.
 
 Local copies are not trusted across restarts (they are not fsynced): the
 directory is emptied at start and the newest version is fetched again.
+
+A version that fails to arrive `max_attempts` times running (its chunks
+gone, corrupt, or never complete) is given up: reported once as an error and
+in `flywheel_rollout_weights_given_up_total`, then left alone until a newer
+version is published (it used to be downloaded again every poll, forever).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from proto.messages import WeightsPublished
 from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.rollout.core import prunable
+from services.runtime.missing import not_found_missing
 from services.runtime.msgloop import pause
 from services.weights import (
     BadWeightsUri,
@@ -55,7 +61,9 @@ class WeightsFetcher:
         poll_s: float,
         keep: int,
         idle_timeout_s: float,
+        max_attempts: int = 5,
         on_download: Callable[[Transfer], None] | None = None,
+        on_give_up: Callable[[int], None] | None = None,
     ) -> None:
         self.js, self.nc = js, nc
         self.run = run
@@ -64,8 +72,12 @@ class WeightsFetcher:
         self.poll_s = poll_s
         self.keep = keep
         self.idle_timeout_s = idle_timeout_s
+        self.max_attempts = max_attempts
         self.on_download = on_download  # what each received version took, for metrics
+        self.on_give_up = on_give_up  # a version given up, for metrics
         self.downloaded: int | None = None
+        self.given_up: int | None = None  # the newest version given up (skipped from now on)
+        self._failures: tuple[int, int] = (0, 0)  # (version, failed attempts in a row)
         self.transports = Transports(Wiring(run, js=js, nc=nc, idle_timeout_s=idle_timeout_s))
         self._wake = asyncio.Event()
 
@@ -81,11 +93,13 @@ class WeightsFetcher:
     async def latest(self) -> WeightsPublished | None:
         from nats.js.errors import NotFoundError
 
+        stream = stream_name(self.run, "WEIGHTS")
         try:
-            raw = await self.js.get_last_msg(
-                stream_name(self.run, "WEIGHTS"), self.subjects.weights_published
-            )
-        except NotFoundError:
+            raw = await self.js.get_last_msg(stream, self.subjects.weights_published)
+        except NotFoundError as e:  # no version yet; or no stream (then: stop)
+            missing = not_found_missing(e, stream, "reading the newest published version")
+            if missing is not None:
+                raise missing from e
             return None
         try:
             return decode(raw.data or b"", WeightsPublished)
@@ -96,7 +110,7 @@ class WeightsFetcher:
     async def fetch_once(self) -> int | None:
         """Receive the newest published version if its transport needs a local copy of it."""
         msg = await self.latest()
-        if msg is None:
+        if msg is None or (self.given_up is not None and msg.version <= self.given_up):
             return None
         try:
             transport = self.transports.for_uri(msg.uri)
@@ -104,8 +118,12 @@ class WeightsFetcher:
         except BadWeightsUri as e:
             log.warning("rollout: %s", e)
             return None
+        except WeightsTransferError:
+            self._failed(msg.version)
+            raise
         if got is None:
             return None
+        self._failures = (0, 0)
         self.downloaded = got.version
         log.info(
             "rollout: v%d received (%s, %d deltas): %.1f MB in %.2fs (%.0f MB/s)",
@@ -119,6 +137,24 @@ class WeightsFetcher:
         if self.on_download is not None:
             self.on_download(got)
         return got.version
+
+    def _failed(self, version: int) -> None:
+        """Count a failed attempt at `version`; give it up after `max_attempts` in a row."""
+        last, n = self._failures
+        n = n + 1 if last == version else 1
+        self._failures = (version, n)
+        if n < self.max_attempts:
+            return
+        self.given_up = version
+        self._failures = (0, 0)
+        log.error(
+            "rollout: giving up weights v%d after %d failed attempts; this engine stays on "
+            "its current version until a newer one is published",
+            version,
+            n,
+        )
+        if self.on_give_up is not None:
+            self.on_give_up(version)
 
     def prune(self, serving: int) -> None:
         remove_versions(self.local_dir, prunable(self.held(), serving, self.keep))

@@ -215,5 +215,28 @@ class RunHalted(FlywheelError, RuntimeError):
     """
 
 
+class JetStreamMissing(FlywheelError, RuntimeError):
+    """A stream, KV bucket or durable consumer the service works on is not on the server.
+
+    Deleted under a running service, or never made where the service may not
+    create it (a run name or account that differs from the one the streams
+    were made for). Retrying cannot bring it back, and restarting would make
+    it again empty (every service ensures its streams at start), silently
+    losing what it held; so the service stops with `EXIT_MISSING`, naming
+    it, and `flywheel up` stops the run (services/runtime/missing.py).
+    """
+
+    def __init__(self, kind: str, name: str, doing: str) -> None:
+        self.kind = kind  # "stream", "KV bucket" or "consumer"
+        self.name = name
+        self.doing = doing
+        super().__init__(
+            f"JetStream {kind} {name} does not exist ({doing}): deleted while the run was "
+            "going, or made under another run name or NATS account. Restarting would make it "
+            "again, empty: restore it (nats stream restore) or start the run afresh."
+        )
+
+
 EXIT_CONFIG = 2  # a setting is invalid: restarting cannot help
 EXIT_HALTED = 3  # RunHalted: restarting cannot help either
+EXIT_MISSING = 4  # JetStreamMissing: a restart would recreate it empty

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,13 @@ _HANDLER_MARK = "_flywheel_handler"
 
 
 class _UtcFormatter(logging.Formatter):
-    """ISO 8601 UTC with milliseconds: sortable, and the same on every pod."""
+    """ISO 8601 UTC with milliseconds: sortable, and the same on every pod; credentials
+    redacted from the whole line, traceback included (services/runtime/redact.py)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from services.runtime.redact import redact
+
+        return redact(super().format(record))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         t = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -70,6 +77,27 @@ def setup_logging(service: str, level: str | int = "INFO") -> None:
     # nats-py logs every reconnect attempt at ERROR through our callbacks
     # already; aiohttp's access log would be one line per Prometheus scrape.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # An exception nothing caught is printed by the interpreter, not logged: send it
+    # through the handler too, so its traceback is redacted like every other line.
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
+
+
+def _log_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
+        return
+    logging.getLogger("uncaught").critical("uncaught exception", exc_info=(kind, value, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit or args.exc_value is None:
+        return
+    logging.getLogger("uncaught").critical(
+        "uncaught exception in thread %s",
+        args.thread.name if args.thread else "?",
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
 
 
 def install_signal_handlers(

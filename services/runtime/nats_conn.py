@@ -39,6 +39,7 @@ from services.runtime.nats_streams import (
     ensure_streams,
     stream_config,
 )
+from services.runtime.redact import redact
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -185,7 +186,7 @@ async def connect(settings: NatsSettings, name: str) -> Client:
             await nc.connect(**opts)
         except (OSError, TimeoutError, NatsError) as e:
             await _discard(nc)
-            _raise_if_final(e, settings.url, attempt)
+            _raise_if_final(e, redact(settings.url), attempt)
             last = e
             if attempt < settings.connect_attempts:
                 delay = connect_backoff(attempt)
@@ -207,9 +208,9 @@ async def connect(settings: NatsSettings, name: str) -> Client:
         )
         return nc
     raise NatsConnectError(
-        f"cannot connect to NATS at {settings.url} after {settings.connect_attempts} attempts: "
-        f"{type(last).__name__}: {last}",
-        url=settings.url,
+        f"cannot connect to NATS at {redact(settings.url)} after {settings.connect_attempts} "
+        f"attempts: {type(last).__name__}: {last}",
+        url=redact(settings.url),
         attempts=settings.connect_attempts,
     ) from last
 

@@ -176,7 +176,7 @@ async def _retrying(what: str, call: Callable[[], Awaitable[T]]) -> T:
     or the same past the deadline, is raised."""
     from nats.js.errors import APIError
 
-    from services.runtime.msgloop import transient_errors
+    from services.runtime.transient import transient_errors
 
     transient = transient_errors()
     retry_on: tuple[type[BaseException], ...] = (*transient, APIError)

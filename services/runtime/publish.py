@@ -10,7 +10,10 @@ JetStream still recovering its streams: no responders, no stream response,
 timeouts) is retried with backoff for up to `RETRY_S` before the error is
 raised: the chaos suite restarts the server under a running stack, and a
 service must ride that out rather than crash. The ids make a retry of a
-publish that was in fact stored harmless.
+publish that was in fact stored harmless. No answer at all may also mean
+the subject's stream is gone: then the server is asked, and a stream it
+confirms missing stops the service (`JetStreamMissing`, missing.py) instead
+of a retry that cannot end.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ RETRY_S = 30.0
 
 
 async def _publish(js: JetStreamContext, subject: str, data: bytes, mid: str | None) -> None:
+    from services.runtime.missing import no_answer_errors, raise_if_subject_unstored
     from services.runtime.msgloop import transient_errors
 
-    transient = transient_errors()
+    transient, no_answer = transient_errors(), no_answer_errors()
     deadline = time.monotonic() + RETRY_S
     delay = 0.05
     while True:
@@ -47,6 +51,8 @@ async def _publish(js: JetStreamContext, subject: str, data: bytes, mid: str | N
             await js.publish(subject, data, headers={"Nats-Msg-Id": mid} if mid else None)
             return
         except transient as e:
+            if isinstance(e, no_answer):
+                await raise_if_subject_unstored(js, subject, f"publishing to {subject}")
             if time.monotonic() + delay > deadline:
                 raise
             log.warning("publish to %s failed (%r); retrying in %.2fs", subject, e, delay)

@@ -15,7 +15,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from services.runtime.errors import EXIT_CONFIG, EXIT_HALTED, ConfigError, RunHalted
+from services.runtime.errors import (
+    EXIT_CONFIG,
+    EXIT_HALTED,
+    EXIT_MISSING,
+    ConfigError,
+    JetStreamMissing,
+    RunHalted,
+)
 from services.runtime.settings import ServiceSettings, load_settings, render
 
 S = TypeVar("S", bound=ServiceSettings)
@@ -46,8 +53,10 @@ def settings_or_exit(
 
             overrides = attach_run(config, cls.section)
         settings = load_settings(cls, config, **overrides)
-    except ConfigError as e:
-        print(f"flywheel {command}: {e}", file=sys.stderr)
+    except ConfigError as e:  # may quote a value: a URL with a password in it
+        from services.runtime.redact import redact
+
+        print(f"flywheel {command}: {redact(str(e))}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from e
     if print_config:
         print(render(settings))
@@ -71,12 +80,24 @@ def service_main(
     from services.runtime.lifecycle import run_service, setup_logging
 
     setup_logging(service, settings.log_level)
+    return run_or_exit(service, lambda: asyncio.run(run_service(service, settings, body())))
+
+
+FINAL_ERRORS: tuple[tuple[type[Exception], int], ...] = (
+    (ConfigError, EXIT_CONFIG),
+    (RunHalted, EXIT_HALTED),
+    (JetStreamMissing, EXIT_MISSING),
+)
+"""Errors a restart cannot fix, and the exit status each stops a service with."""
+
+
+def run_or_exit(service: str, run: Callable[[], object]) -> int:
+    """`run()`; an error a restart cannot fix is one line on stderr and its exit status."""
     try:
-        asyncio.run(run_service(service, settings, body()))
-    except ConfigError as e:
-        print(f"flywheel {service}: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except RunHalted as e:
-        print(f"flywheel {service}: {e}", file=sys.stderr)
-        return EXIT_HALTED
+        run()
+    except tuple(e for e, _ in FINAL_ERRORS) as e:
+        from services.runtime.redact import redact
+
+        print(f"flywheel {service}: {redact(str(e))}", file=sys.stderr)
+        return next(code for cls, code in FINAL_ERRORS if isinstance(e, cls))
     return 0

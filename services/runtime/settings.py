@@ -178,5 +178,8 @@ def env_prefix_for(section: str) -> str:
 
 
 def render(settings: BaseSettings) -> str:
-    """The resolved settings as JSON, for `--print-config`."""
-    return settings.model_dump_json(indent=2)
+    """The resolved settings as JSON, for `--print-config`: secrets masked (SecretStr),
+    and credentials in plain fields too (a NATS URL's user:password@)."""
+    from services.runtime.redact import redact
+
+    return redact(settings.model_dump_json(indent=2))

@@ -336,7 +336,10 @@ def status_main(argv: list[str] | None = None, *, buffer_status: BufferStatus) -
     try:
         s = asyncio.run(gather_status(settings.model_copy(update={"nats": nats}), buffer_status))
     except (OSError, TimeoutError, FlywheelError) as e:
-        print(f"flywheel status: cannot reach NATS at {nats.url}: {e}", file=sys.stderr)
+        from services.runtime.redact import redact
+
+        where = redact(nats.url)
+        print(f"flywheel status: cannot reach NATS at {where}: {redact(str(e))}", file=sys.stderr)
         return 1
     print(json.dumps(s, indent=2) if args.json else render_status(s))
     return 0

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from proto.weight_version import INITIAL, to_engine
-from services.engine_api.sglang_launcher import EngineLoraSettings, SGLangOptions, command
+from services.engine_api.sglang_launcher import (
+    EngineLoraSettings,
+    SGLangOptions,
+    command,
+    environment,
+)
 from services.runtime.settings import read_run_file
 from services.stack.settings import StackSettings
 
@@ -74,12 +79,13 @@ def engine_spec(
             lora=EngineLoraSettings.from_run_file(read_run_file(config)).lora,
             extra_args=tuple(s.engine_args),
         )
-        return tuple(command(opts)), {**_visible(gpus), "HF_HUB_OFFLINE": "1"}, gpus
+        env = {**_visible(gpus), "HF_HUB_OFFLINE": "1", **environment(opts)}
+        return tuple(command(opts)), env, gpus
     argv = _py("services.engine", "--config", str(config), "--model", str(s.model))
     argv += ("--port", str(port), "--weight-version", "0")
-    if key:
-        argv += ("--api-key", key)
     env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.engine_threads)}
+    if key:  # by environment: a command line is visible to every user (ps)
+        env["FLYWHEEL_ENGINE_API_KEY"] = key
     return argv, {**env, **(_visible(()) if s.gpu_map else {})}, ()
 
 
@@ -213,7 +219,7 @@ def describe(specs: list[ProcSpec]) -> str:
             where = "no GPU"
         argv = list(p.argv)
         for i, a in enumerate(argv[:-1]):
-            if a == "--api-key":
+            if a == "--api-key":  # none of ours: engine_args could hold one
                 argv[i + 1] = "***"
         if p.cpus:
             where += "; cores " + ",".join(map(str, p.cpus))

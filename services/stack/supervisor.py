@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from services.runtime.errors import EXIT_CONFIG, EXIT_HALTED, FlywheelError
+from services.runtime.errors import EXIT_CONFIG, EXIT_HALTED, EXIT_MISSING, FlywheelError
 from services.runtime.msgloop import pause
 from services.stack.plan import ProcSpec
 
 log = logging.getLogger(__name__)
 
 TAIL_LINES = 30
-FINAL = (EXIT_CONFIG, EXIT_HALTED)  # exit codes after which a restart cannot help
+FINAL = (EXIT_CONFIG, EXIT_HALTED, EXIT_MISSING)  # exit codes after which a restart cannot help
 
 
 class StackError(FlywheelError, RuntimeError):

@@ -39,6 +39,7 @@ from services.engine_api.engine_client import EngineClient, EngineError
 from services.engine_api.sglang_api import Capabilities, UnsupportedEngine
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
+from services.runtime.missing import not_found_missing
 from services.runtime.msgloop import Delivery, pause
 from services.runtime.nats_conn import ensure_consumer
 from services.runtime.publish import publish
@@ -87,7 +88,10 @@ class SyncService:
         ):
             try:
                 raw = await self.ctx.js.get_last_msg(stream, subject)
-            except NotFoundError:
+            except NotFoundError as e:  # nothing there yet; or no stream (then: stop)
+                missing = not_found_missing(e, stream, f"reading the last {cls.__name__}")
+                if missing is not None:
+                    raise missing from e
                 continue
             try:
                 msg = decode(raw.data or b"", cls)

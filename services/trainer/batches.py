@@ -34,6 +34,7 @@ from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.runtime.errors import FlywheelError
 from services.runtime.lifecycle import ServiceContext
+from services.runtime.missing import not_found_missing
 from services.runtime.msgloop import DeadLetterPublisher, pause, stored_origin, transient_errors
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,18 @@ class BatchReader:
             inactive_threshold=300.0,
             max_ack_pending=64,
         )
-        self.sub = await self.ctx.js.pull_subscribe(
-            self.subjects.batches, durable=None, stream=stream_name(self.run, "BATCHES"), config=cfg
-        )
+        from nats.js.errors import NotFoundError
+
+        stream = stream_name(self.run, "BATCHES")
+        try:
+            self.sub = await self.ctx.js.pull_subscribe(
+                self.subjects.batches, durable=None, stream=stream, config=cfg
+            )
+        except NotFoundError as e:  # the stream is gone: no batch can ever come (stop)
+            missing = not_found_missing(e, stream, "reading train batches")
+            if missing is None:
+                raise
+            raise missing from e
 
     async def _consumer_exists(self) -> bool:
         """False if JetStream says our consumer is gone (True when it cannot tell now)."""

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     settings = settings.model_copy(update={"model": model})
     from services.runtime.lifecycle import run_service, setup_logging
+    from services.runtime.service_main import run_or_exit
     from services.trainer.app import body, load_trainer
     from services.trainer.distributed import init_distributed, shutdown
     from services.trainer.step import follower_loop
@@ -47,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     try:
         trainer, seq = load_trainer(settings, info)
-        if info.is_main:
-            asyncio.run(run_service("trainer", settings, body(trainer, seq)))
-        else:
+        if not info.is_main:
             follower_loop(trainer, settings)
+            return 0
+        return run_or_exit(
+            "trainer", lambda: asyncio.run(run_service("trainer", settings, body(trainer, seq)))
+        )
     finally:
         shutdown(info)
-    return 0
 
 
 def init_model_parser() -> argparse.ArgumentParser:

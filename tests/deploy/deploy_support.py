@@ -54,9 +54,29 @@ def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 
 
 @cache
+def k8s_with_secrets() -> Path:
+    """A copy of deploy/k8s with its Secret made as an operator makes it (make-secrets.sh).
+
+    The repository has no credentials file (no default password): the base
+    does not build without one. Made in a copy, so tests write nothing into
+    the checkout; removed at exit.
+    """
+    import atexit
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-k8s-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    copy = tmp / "k8s"
+    shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("nats-credentials.env"))
+    out = run([str(copy / "make-secrets.sh")])
+    assert out.returncode == 0, out.stdout + out.stderr
+    return copy
+
+
+@cache
 def rendered(overlay: str) -> str:
-    """The overlay rendered by `kubectl kustomize` (YAML stream)."""
-    out = run([tool("kubectl"), "kustomize", str(K8S / "overlays" / overlay)])
+    """The overlay rendered by `kubectl kustomize` (YAML stream), with a generated Secret."""
+    out = run([tool("kubectl"), "kustomize", str(k8s_with_secrets() / "overlays" / overlay)])
     assert out.returncode == 0, f"kustomize {overlay} failed:\n{out.stderr}"
     return out.stdout
 

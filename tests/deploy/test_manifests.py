@@ -25,6 +25,7 @@ from tests.deploy.deploy_support import (
     KUBERNETES_VERSION,
     OVERLAYS,
     find,
+    k8s_with_secrets,
     objects,
     rendered,
     run,
@@ -127,9 +128,13 @@ def test_every_service_container_loads_its_settings(
             continue
         assert s.metrics_host == "0.0.0.0", (workload, section)
         assert s.metrics_port == ports["metrics"] == 9100, (workload, section)
-        assert s.nats.user == "secret-user" and s.nats.password is not None
-        assert s.nats.password.get_secret_value() == "secret-password"
-        assert s.nats.url == "nats://nats:4222"
+        # its own NATS user (nats-auth.conf: its subjects only), its own password
+        assert s.nats.user == section and s.nats.password is not None
+        assert s.nats.password.get_secret_value() == f"secret-{section}-password"
+        if "nats-cluster" in (K8S / "overlays" / overlay / "kustomization.yaml").read_text():
+            assert s.nats.url == "tls://nats:4222" and s.nats.tls_ca is not None
+        else:
+            assert s.nats.url == "nats://nats:4222"
         if section in ("rollout", "trainer"):  # rewards and tools run in the sidecar
             assert s.sandbox_socket == Path("/run/flywheel-sandbox/pool.sock")
         if section == "rollout":
@@ -319,13 +324,44 @@ def test_prometheusrule_is_generated_from_the_rules_file() -> None:
 def test_nats_credentials_come_from_the_secret() -> None:
     objs = objects("cpu-dev")
     conf = next(o for o in objs if o["metadata"]["name"].startswith("nats-config"))
-    text = conf["data"]["nats.conf"]
-    assert "$FLYWHEEL_NATS_PASSWORD" in text and "jetstream" in text
+    assert "include nats-auth.conf" in conf["data"]["nats.conf"]
+    auth = conf["data"]["nats-auth.conf"]
     secret = next(o for o in objs if o["kind"] == "Secret")
     nats = find(objs, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
-    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in nats["env"] if "valueFrom" in e
-            and "secretKeyRef" in e["valueFrom"]}  # fmt: skip
-    assert refs == {secret["metadata"]["name"]}
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in nats["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})}  # fmt: skip
+    for service in ("buffer", "rollout", "trainer", "sync"):
+        var = f"FLYWHEEL_NATS_{service.upper()}_PASSWORD"
+        assert f"user: {service}, password: ${var}," in auth
+        assert refs[var] == {"name": secret["metadata"]["name"], "key": f"{service}-password"}
+        assert f"{service}-password" in secret["data"]
+
+
+def test_no_password_is_in_the_repository() -> None:
+    """The Secret has no default: the base does not build without a generated file."""
+    import subprocess
+
+    tracked = subprocess.run(
+        ["git", "ls-files", "deploy/k8s"], capture_output=True, text=True, cwd=K8S.parents[1],
+        check=True,
+    ).stdout.split()  # fmt: skip
+    assert "deploy/k8s/base/nats-credentials.env" not in tracked
+    for name in tracked:
+        text = (K8S.parents[1] / name).read_text(errors="replace")
+        assert "change-me" not in text, name
+    bare = run([tool("kubectl"), "kustomize", str(K8S / "overlays" / "cpu-dev")])
+    if not (K8S / "base" / "nats-credentials.env").exists():
+        assert bare.returncode != 0 and "nats-credentials.env" in bare.stderr
+
+
+def test_the_nats_users_are_the_generated_ones() -> None:
+    """deploy/k8s/base/nats-auth.conf and the example are what proto's streams make."""
+    from services.stack.nats_permissions import EXAMPLE, K8S_AUTH, example_conf, k8s_auth_conf
+
+    stale = "stale: run python -m services.stack.nats_permissions --write"
+    assert K8S_AUTH.read_text() == k8s_auth_conf("demo"), stale
+    assert EXAMPLE.read_text() == example_conf(), stale
+    assert run_file(objects("cpu-dev"))["run"] == "demo"  # the run the users are made for
 
 
 def test_dockerfile_is_non_root_with_flywheel_entrypoint() -> None:
@@ -409,7 +445,8 @@ def test_sglang_lora_flags_follow_the_run_file(overlay: str) -> None:
 def test_the_lora_component_turns_the_gpu_overlay_to_adapters(tmp_path: Path) -> None:
     """components/sglang-lora on the gpu overlay, with the run file's [engine] keys it names:
     SGLang gets exactly the flags `flywheel up` would give it."""
-    gpu = K8S / "overlays" / "gpu"
+    k8s = k8s_with_secrets()  # the repository's base does not build without its Secret
+    gpu = k8s / "overlays" / "gpu"
     lora = ('\n[engine]\nenable_lora = true\nmax_lora_rank = 16\nlora_target_modules = '
             '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]\n'
             'max_loras_per_batch = 4\n')  # fmt: skip
@@ -417,7 +454,7 @@ def test_the_lora_component_turns_the_gpu_overlay_to_adapters(tmp_path: Path) ->
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(gpu, tmp_path)],
-        "components": [os.path.relpath(K8S / "components" / "sglang-lora", tmp_path)],
+        "components": [os.path.relpath(k8s / "components" / "sglang-lora", tmp_path)],
         "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
                                 "files": ["run.toml"]}],
     }))  # fmt: skip

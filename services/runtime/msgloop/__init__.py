@@ -32,14 +32,13 @@ from services.runtime.msgloop.loop import MessageLoop
 from services.runtime.msgloop.metrics import LoopMetrics
 from services.runtime.msgloop.policy import (
     ACK,
-    TRANSIENT,
     Action,
     Decision,
     RetryPolicy,
     decide,
-    transient_errors,
 )
 from services.runtime.msgloop.wait import pause
+from services.runtime.transient import TRANSIENT, transient_errors
 
 __all__ = [
     "ACK",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from proto.codec import encode, peek_type
 from proto.messages import DeadLetter
 from proto.subjects import Subjects
+from services.runtime.missing import no_answer_errors, raise_if_subject_unstored
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -152,7 +153,12 @@ class DeadLetterPublisher:
             ERROR_HEADER: header_safe(error),
             "Nats-Msg-Id": f"dlq:{origin}",
         }
-        await self.js.publish(self.subjects.dlq(reason), data, headers=headers)
+        to = self.subjects.dlq(reason)
+        try:
+            await self.js.publish(to, data, headers=headers)
+        except no_answer_errors():  # NATS away, or the DLQ stream gone (then: stop)
+            await raise_if_subject_unstored(self.js, to, f"dead-lettering to {to}")
+            raise
         self._count(reason)
 
     def _count(self, reason: str) -> None:

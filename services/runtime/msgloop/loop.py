@@ -8,7 +8,14 @@ the handler can send one itself via `Delivery.in_progress()`.
 `handler_timeout_s` bounds a hung handler (it counts as a retryable
 failure). A message the server stops redelivering without our verdict (the
 worker crashed or hung on it every time) is dead-lettered from JetStream's
-max-deliveries advisory when the loop is given the connection (`nc=`).
+max-deliveries advisory, kept in the run's ADVISORIES stream so that one
+sent while the service was down is not lost (maxdeliver.py), when the loop
+is given the connection (`nc=`).
+
+A stream or consumer that is gone (a fetch, or a handler's publish, that
+nothing answers, confirmed by the server: services/runtime/missing.py) ends
+the loop with `JetStreamMissing`, which stops the service; the message in
+hand is handed back (nak) first.
 
 Acks are fire-and-forget publishes (as nats-py's `ack()`): a lost ack means
 one redelivery, which the deterministic message ids make harmless.
@@ -25,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import traceback
@@ -33,10 +39,12 @@ from typing import TYPE_CHECKING, Generic
 
 from proto.codec import decode
 from proto.errors import ProtocolError
-from services.runtime.errors import PermanentError, RetryableError
+from services.runtime.errors import JetStreamMissing, PermanentError, RetryableError
+from services.runtime.missing import no_answer_errors, raise_if_missing
 from services.runtime.msgloop.deadletter import DeadLetterPublisher, stored_origin
 from services.runtime.msgloop.delivery import Delivery, Handler, M
 from services.runtime.msgloop.heartbeats import Heartbeats
+from services.runtime.msgloop.maxdeliver import MaxDeliveries
 from services.runtime.msgloop.metrics import LoopMetrics
 from services.runtime.msgloop.policy import (
     ACK,
@@ -45,14 +53,13 @@ from services.runtime.msgloop.policy import (
     Decision,
     RetryPolicy,
     decide,
-    transient_errors,
 )
 from services.runtime.msgloop.wait import pause
+from services.runtime.transient import transient_errors
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
-    from nats.aio.subscription import Subscription
     from nats.js import JetStreamContext
     from prometheus_client import CollectorRegistry, Counter
 
@@ -121,17 +128,20 @@ class MessageLoop(Generic[M]):
         self._latency = self.metrics.latency.labels(**self._labels)
         self._failed: dict[str, Counter] = {}  # reason → child
         self._beats = Heartbeats(self.heartbeat_s, self.service) if self.heartbeat_s > 0 else None
+        self._missing: JetStreamMissing | None = None  # set by a handler: the loop ends with it
 
     async def run(self, stop: asyncio.Event) -> None:
         """Fetch and handle until `stop` is set; then finish what is in flight."""
         sub = await self.js.pull_subscribe_bind(
             durable=self.consumer.durable, stream=self.consumer.stream
         )
-        watcher = await self._watch_max_deliveries(self.nc) if self.nc is not None else None
+        watcher = self._watch_max_deliveries(self.nc, stop) if self.nc is not None else None
         inflight: set[asyncio.Task[Decision]] = set()
         log.info("%s: consuming %s/%s", self.service, self.consumer.stream, self.consumer.durable)
         try:
-            while not stop.is_set():
+            while not stop.is_set() and self._missing is None:
+                if watcher is not None and watcher.done():
+                    watcher.result()  # its JetStreamMissing (or a bug) ends the loop
                 # Sequential mode handles a whole batch in order; concurrent
                 # mode fetches only as many as it has free handler slots, so
                 # messages never wait (and age towards ack_wait) in our hands.
@@ -145,12 +155,16 @@ class MessageLoop(Generic[M]):
         finally:
             if inflight:
                 await asyncio.wait(inflight)
-            for s in (sub, watcher):
-                if s is not None:
-                    with contextlib.suppress(Exception):
-                        await s.unsubscribe()
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await watcher
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
             if self._beats is not None:
                 self._beats.close()
+        if self._missing is not None:
+            raise self._missing
 
     async def _fetch(
         self, sub: JetStreamContext.PullSubscription, n: int, stop: asyncio.Event
@@ -169,6 +183,11 @@ class MessageLoop(Generic[M]):
             stop.set()
             return []
         except Exception as e:  # noqa: BLE001 (NATS down/reconnecting: keep trying)
+            if isinstance(e, no_answer_errors()):  # or the stream/consumer is gone: stop
+                c = self.consumer
+                await raise_if_missing(
+                    self.js, c.stream, f"fetching from {c.durable}", consumer=c.durable
+                )
             log.warning("%s: fetch failed (%s: %s)", self.service, type(e).__name__, e)
             await pause(stop, 1.0)
             return []
@@ -177,7 +196,7 @@ class MessageLoop(Generic[M]):
         self, msgs: list[Msg], inflight: set[asyncio.Task[Decision]], stop: asyncio.Event
     ) -> None:
         for i, msg in enumerate(msgs):
-            if stop.is_set():
+            if stop.is_set() or self._missing is not None:
                 # Shutting down: hand the rest back at once rather than after ack_wait.
                 for rest in msgs[i:]:
                     with contextlib.suppress(Exception):  # else redelivered after ack_wait
@@ -215,6 +234,11 @@ class MessageLoop(Generic[M]):
                     beats.discard(delivery)
         except (ProtocolError, PermanentError, RetryableError) as e:
             error = e
+        except JetStreamMissing as e:  # not the message's fault: hand it back, stop the loop
+            self._missing = e
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            return Decision(Action.NAK, error=str(e))
         except Exception as e:  # noqa: BLE001 (a bug in a handler must not stop the service)
             error = e
             log.error(
@@ -279,6 +303,10 @@ class MessageLoop(Generic[M]):
             await self._dead_letter(
                 decision, msg.subject, msg.data, delivery.delivered, delivery.stream_seq
             )
+        except JetStreamMissing as e:
+            self._missing = e
+            await msg.nak()
+            return
         except Exception as e:  # noqa: BLE001 (keep the message rather than lose it)
             log.error(
                 "%s: dead-letter publish failed (%s); message seq %d will be redelivered",
@@ -311,34 +339,17 @@ class MessageLoop(Generic[M]):
             expected=decision.expected,
         )
 
-    async def _watch_max_deliveries(self, nc: Client) -> Subscription:
-        """Dead-letter messages the server gave up on without our verdict.
+    def _watch_max_deliveries(self, nc: Client, stop: asyncio.Event) -> asyncio.Task[None]:
+        """Dead-letter what the server gave up on without our verdict (maxdeliver.py)."""
 
-        A message whose handler crashed the process, hung past ack_wait, or
-        lost its ack is redelivered until max_deliver and then silently
-        parked. The server announces that on an advisory subject; we fetch
-        the message by sequence and dead-letter it as `max_deliver`, so a
-        poison message is visible instead of lost.
-        """
-        subject = (
-            f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.consumer.stream}."
-            f"{self.consumer.durable}"
-        )
+        async def dead_letter(subject: str, payload: bytes, deliveries: int, seq: int) -> None:
+            why = Decision(
+                Action.DEAD_LETTER,
+                reason="max_deliver",
+                error=f"not acknowledged after {deliveries} deliveries "
+                "(handler crashed, hung or timed out each time)",
+            )
+            await self._dead_letter(why, subject, payload, deliveries, seq)
 
-        async def on_advisory(advisory: Msg) -> None:
-            try:
-                event = json.loads(advisory.data)
-                seq, deliveries = int(event["stream_seq"]), int(event.get("deliveries", 0))
-                stored = await self.js.get_msg(self.consumer.stream, seq)
-                why = Decision(
-                    Action.DEAD_LETTER,
-                    reason="max_deliver",
-                    error=f"not acknowledged after {deliveries} deliveries "
-                    "(handler crashed, hung or timed out each time)",
-                )
-                subject = stored.subject or self.consumer.filter_subject
-                await self._dead_letter(why, subject, stored.data or b"", deliveries, seq)
-            except Exception as e:  # noqa: BLE001 (an advisory must not kill the subscription)
-                log.error("%s: could not dead-letter after max deliveries: %s", self.service, e)
-
-        return await nc.subscribe(subject, cb=on_advisory)
+        watcher = MaxDeliveries(self.js, nc, self.consumer, dead_letter, self.service)
+        return asyncio.create_task(watcher.run(stop), name=f"{self.service}-maxdeliver")

@@ -15,12 +15,12 @@ out its decisions.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
 from proto.errors import ProtocolError
 from services.runtime.errors import PermanentError, RetryableError
+from services.runtime.transient import TRANSIENT
 
 
 class Action(StrEnum):
@@ -60,15 +60,6 @@ class RetryPolicy:
 DEFAULT_RETRY = RetryPolicy()
 
 
-TRANSIENT: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
-"""Errors of the transport, not of the message: treated like RetryableError.
-
-The message loop adds nats-py's connection errors at run time (so this
-module does not import nats); a handler whose publish hits a NATS restart
-gets its message redelivered, not dead-lettered as a bug.
-"""
-
-
 def decide(
     error: BaseException | None,
     delivered: int,
@@ -103,30 +94,3 @@ def decide(
         delay = override if override is not None else policy.delay(delivered)
         return Decision(Action.NAK, delay_s=delay, error=text)
     return Decision(Action.DEAD_LETTER, reason="handler_error", error=text)
-
-
-@functools.cache
-def transient_errors() -> tuple[type[BaseException], ...]:
-    """`TRANSIENT` plus nats-py's connection errors: what a publish during a NATS outage raises.
-
-    For the message loop's verdicts, `publish`'s retries, and loops outside
-    the message loop (a dispatcher, a heartbeat) that must retry such a
-    publish later rather than die with it.
-    """
-    return TRANSIENT + _nats_transient_errors()
-
-
-def _nats_transient_errors() -> tuple[type[BaseException], ...]:
-    from nats import errors
-    from nats.js import errors as js_errors
-
-    return (
-        errors.ConnectionClosedError,
-        errors.ConnectionReconnectingError,
-        errors.ConnectionDrainingError,
-        errors.StaleConnectionError,
-        errors.OutboundBufferLimitError,
-        errors.NoRespondersError,
-        js_errors.NoStreamResponseError,
-        js_errors.ServiceUnavailableError,
-    )

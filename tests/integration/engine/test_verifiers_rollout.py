@@ -17,11 +17,11 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from tests.harness.engines import EngineProcess
+from tests.harness.extras import require_verifiers
 
-vf = pytest.importorskip("verifiers")
+vf = require_verifiers()
 
 SAMPLING = {"max_tokens": 6, "logprobs": True, "extra_body": {"return_token_ids": True}}
 

@@ -3,8 +3,9 @@
 User/password and token auth are tested in tests/integration/runtime/
 test_nats_conn.py; here: nkey auth (a seed file), TLS with a throwaway CA
 (server verified by the client), mutual TLS (the server verifies us), and
-the per-service permission example in docs/security/nats-permissions.conf
-with the real buffer service running under its user.
+the per-service users of services/stack/nats_permissions.py (the example in
+docs/security/nats-permissions.conf, the Kubernetes nats-auth.conf) with the
+real buffer and sync running under theirs, and what the others may not do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from services.stack.localdev.nats_server import NatsServer
 from tests.harness import REPO
 
 ROOT = REPO
-PERMISSIONS = ROOT / "docs/security/nats-permissions.conf"
 
 
 async def _roundtrip(settings: NatsSettings) -> bytes:
@@ -139,11 +139,13 @@ RUN = "permtest"
 
 
 def _permissions_conf() -> str:
-    return (
-        PERMISSIONS.read_text()
-        .replace("flywheel.demo.", f"flywheel.{RUN}.")
-        .replace("FLYWHEEL_demo_", f"FLYWHEEL_{RUN}_")
-    )
+    from services.stack.nats_permissions import SERVICES, authorization
+
+    return "jetstream {}\n" + authorization(RUN, {s: f'"pw-{s}"' for s in SERVICES})
+
+
+def _as(server: NatsServer, user: str) -> NatsSettings:
+    return NatsSettings(url=server.url, user=user, password=f"pw-{user}", connect_attempts=3)
 
 
 async def _stream_count(js: Any, what: str) -> int:
@@ -151,59 +153,82 @@ async def _stream_count(js: Any, what: str) -> int:
     return int(info.state.messages)
 
 
-def test_permission_example_runs_the_buffer_and_denies_a_forged_batch(
+def _service(service: str, server: NatsServer, tmp_path: Path) -> tuple[Any, Path]:
+    run_file = tmp_path / f"{service}.toml"
+    run_file.write_text(
+        f'run = "{RUN}"\n[nats]\nurl = "{server.url}"\nuser = "{service}"\n'
+        f'password = "pw-{service}"\nconnect_attempts = 3\n'
+        '[task]\nsource = { type = "arithmetic", size = 20 }\n'
+        "[buffer]\ngroups_per_step = 2\nsamples_per_prompt = 2\n"
+        f'[sync]\nweights_root = "{tmp_path / "weights"}"\n'
+    )
+    log = tmp_path / f"{service}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"services.{service}", "-c", str(run_file)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    return proc, log
+
+
+def test_services_run_under_their_users_and_a_rollout_user_cannot_publish_batches(
     tmp_path: Path, run_async: Any, eventually: Any
 ) -> None:
     with NatsServer(config=_permissions_conf()) as server:
-        run_file = tmp_path / "run.toml"
-        run_file.write_text(
-            f'run = "{RUN}"\n[nats]\nurl = "{server.url}"\nuser = "buffer"\n'
-            f'password = "change-me-buffer"\nconnect_attempts = 3\n'
-            '[task]\nsource = { type = "arithmetic", size = 20 }\n'
-            "[buffer]\ngroups_per_step = 2\nsamples_per_prompt = 2\n"
-        )
-        log = tmp_path / "buffer.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.buffer", "-c", str(run_file)],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        procs = [_service(s, server, tmp_path) for s in ("buffer", "sync")]
         try:
-            run_async(_buffer_works_rollout_is_fenced(server, proc, log, eventually), timeout_s=60)
+            run_async(_services_work_others_are_fenced(server, procs, eventually), timeout_s=90)
         finally:
-            proc.terminate()
-            proc.wait(15)
-        assert "Permissions Violation" not in log.read_text(), log.read_text()[-3000:]
+            for proc, _ in procs:
+                proc.terminate()
+                proc.wait(15)
+        for _, log in procs:
+            text = log.read_text()
+            assert "Permissions Violation" not in text and "Traceback" not in text, text[-3000:]
 
 
-async def _buffer_works_rollout_is_fenced(
-    server: NatsServer, proc: Any, log: Path, eventually: Any
+async def _services_work_others_are_fenced(
+    server: NatsServer, procs: list[tuple[Any, Path]], eventually: Any
 ) -> None:
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
-    rollout = NatsSettings(
-        url=server.url, user="rollout", password="change-me-rollout", connect_attempts=3
-    )
-    nc = await connect(rollout, "forger")
+    forbidden = (NatsTimeout, NoRespondersError, asyncio.TimeoutError)
+    rollout = await connect(_as(server, "rollout"), "forger")
+    trainer = await connect(_as(server, "trainer"), "forger")
+    buffer = await connect(_as(server, "buffer"), "checker")
+    sync = await connect(_as(server, "sync"), "checker")
+    own = {"buffer": buffer.jetstream(), "sync": sync.jetstream()}
     try:
-        js = nc.jetstream()
+        js = rollout.jetstream()
 
-        async def tasks_dispatched() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                return await _stream_count(js, "TASKS") > 0
-            except Exception:  # noqa: BLE001 - the stream may not exist yet
+        async def started() -> bool:
+            for proc, log in procs:
+                assert proc.poll() is None, log.read_text()[-3000:]
+            advisories = stream_name(RUN, "ADVISORIES")
+            try:  # the buffer dispatched tasks; both made their max-deliveries consumers
+                return await _stream_count(js, "TASKS") > 0 and all([
+                    await own[user].consumer_info(advisories, f"{durable}-maxdeliver")
+                    for user, durable in (("buffer", "buffer"), ("buffer", "buffer-ready"),
+                                          ("buffer", "buffer-dlq"), ("sync", "sync"))
+                ])  # fmt: skip
+            except Exception:  # noqa: BLE001 - not made yet
                 return False
 
-        # The buffer, under its restricted user, created its streams, consumers
-        # and KV bucket and dispatched tasks.
-        await eventually(tasks_dispatched, timeout_s=30, interval_s=0.2)
-        # The rollout user may publish samples but not batches.
-        with pytest.raises((NatsTimeout, NoRespondersError, asyncio.TimeoutError)):
+        # Under their restricted users they created their streams, consumers and
+        # KV bucket, and the buffer dispatched tasks.
+        await eventually(started, timeout_s=60, interval_s=0.2)
+        # The rollout user may publish samples but not train batches.
+        with pytest.raises(forbidden):
             await js.publish(f"flywheel.{RUN}.batches", b"forged", timeout=1.0)
         assert await _stream_count(js, "BATCHES") == 0
         ack = await js.publish(f"flywheel.{RUN}.samples", b"not a group", timeout=5)
         assert ack.stream == stream_name(RUN, "SAMPLES")
+        # The trainer may not dispatch tasks, nor announce a version as ready.
+        tjs = trainer.jetstream()
+        for subject in (f"flywheel.{RUN}.tasks", f"flywheel.{RUN}.weights.ready"):
+            with pytest.raises(forbidden):
+                await tjs.publish(subject, b"forged", timeout=1.0)
     finally:
-        await nc.close()
+        for nc in (rollout, trainer, buffer, sync):
+            await nc.close()

@@ -25,7 +25,7 @@ from services.engine.core.sampling import sample_rows, truncation_mask, uniform_
 from services.engine.core.sequence import Seq, stop_reason
 from services.engine.settings import EngineSettings
 from services.engine_api.sglang_api import Capabilities
-from services.engine_api.sglang_launcher import SGLangOptions, command
+from services.engine_api.sglang_launcher import SGLangOptions, command, environment
 from services.runtime.errors import ConfigError
 from services.runtime.settings import load_settings
 
@@ -247,9 +247,14 @@ def test_engine_settings_env_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None
 def test_sglang_command() -> None:
     argv = command(SGLangOptions(Path("/models/q"), port=30001, weight_version="7",
                                  api_key="k", deterministic=True), python="py")  # fmt: skip
-    assert argv[:3] == ["py", "-m", "sglang.launch_server"]
-    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    # The key is never on the command line: keyed_launch adds it from the environment.
+    assert argv[:4] == ["py", "-m", "services.engine_api.keyed_launch", "sglang.launch_server"]
+    assert "k" not in argv and "--api-key" not in argv
+    assert environment(SGLangOptions(Path("/m"), api_key="k")) == {"FLYWHEEL_ENGINE_API_KEY": "k"}
+    flags = dict(zip(argv[4::2], argv[5::2], strict=False))
     assert flags["--model-path"] == "/models/q" and flags["--port"] == "30001"
-    assert flags["--weight-version"] == "7" and flags["--api-key"] == "k"
+    assert flags["--weight-version"] == "7"
     assert argv[-1] == "--enable-deterministic-inference"
-    assert "--api-key" not in command(SGLangOptions(Path("/m")), python=sys.executable)
+    plain = command(SGLangOptions(Path("/m")), python=sys.executable)
+    assert plain[1:3] == ["-m", "sglang.launch_server"] and "--api-key" not in plain
+    assert environment(SGLangOptions(Path("/m"))) == {}

@@ -64,7 +64,8 @@ def test_dry_run_hides_the_engine_api_key(tmp_path: Path, capsys: pytest.Capture
     assert flywheel(["up", "--dry-run", "-c", str(config)]) == 0
     out = capsys.readouterr().out
     assert "sk-hidden" not in out
-    assert "--api-key ***" in out and "FLYWHEEL_ROLLOUT_ENGINE_API_KEY=***" in out
+    assert "--api-key" not in out and "FLYWHEEL_ENGINE_API_KEY=***" in out
+    assert "FLYWHEEL_ROLLOUT_ENGINE_API_KEY=***" in out
     assert "FLYWHEEL_SYNC_ENGINE_API_KEY=***" in out
 
 
@@ -90,7 +91,8 @@ def test_cpu_engines_take_no_gpu_and_get_the_key(tmp_path: Path) -> None:
                       trainer_gpus=[0])  # fmt: skip
     specs = {p.name: p for p in plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS))}
     assert "services.engine" in specs["engine-0"].argv
-    assert specs["engine-0"].argv[-2:] == ("--api-key", "k")
+    assert "k" not in specs["engine-0"].argv and "--api-key" not in specs["engine-0"].argv
+    assert specs["engine-0"].env["FLYWHEEL_ENGINE_API_KEY"] == "k"  # not in ps
     assert specs["engine-0"].env["CUDA_VISIBLE_DEVICES"] == ""  # a GPU map exists
     assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "0"
 

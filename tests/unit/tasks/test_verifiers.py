@@ -21,6 +21,7 @@ from services.tasks.scoring import Scorer, reward_payload, verifier_pool
 from services.tasks.settings import TaskServiceSettings
 from services.tasks.spec import TaskSpec
 from services.tasks.verifiers_env import VerifiersSource
+from tests.harness.extras import require_verifiers
 from tests.unit.tasks.test_spec import settings
 
 ENV = "tests.unit.tasks.verifiers_env_fixture"
@@ -44,7 +45,7 @@ def test_the_rubric_is_the_default_reward_and_needs_a_verifiers_source(tmp_path:
 
 
 def test_rows_are_the_envs_dataset_and_its_rubric_scores_them(tmp_path: Path) -> None:
-    pytest.importorskip("verifiers")
+    require_verifiers()
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     loaded = settings(tmp_path, RUN).task_set().load()[f"verifiers:{ENV}"]
     # Loading an env installs exit-at-once signal handlers; a service's stay.
@@ -65,7 +66,7 @@ def test_rows_are_the_envs_dataset_and_its_rubric_scores_them(tmp_path: Path) ->
 
 
 def test_the_sandbox_child_scores_with_the_rubric(tmp_path: Path) -> None:
-    pytest.importorskip("verifiers")
+    require_verifiers()
     tasks = settings(tmp_path, RUN + 'eval.source = { type = "verifiers", env = "' + ENV
                      + '", args = { n = 4 }, split = "eval" }\n').task_set()  # fmt: skip
     name = tasks.names[0]
