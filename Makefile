@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf]'
+	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf,lora]'
 	touch $(STAMP)
 
 # bubblewrap for the sandbox, promtool/prometheus for tests/deploy (Debian
