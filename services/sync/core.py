@@ -43,6 +43,7 @@ class Engine:
     updating: bool = False
     weights_dir: str | None = None  # engine-local dir of versions its worker received
     downloaded: int | None = None  # newest version complete there
+    adapters: set[int] = field(default_factory=set)  # LoRA versions this sync loaded there
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Published:
     version: int
     source: WeightsSource  # where each engine loads it from (its transport says)
     published_at: float  # when the trainer announced it (for publish→ready latency)
+    adapter: bool = False  # a LoRA adapter loaded by name beside the others (no pause)
 
 
 @dataclass
