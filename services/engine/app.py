@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.engine import dist_api, info, openai_api, probes
+from services.engine import dist_api, info, lora_api, loras, openai_api, probes
 from services.engine.core.protocol import RequestError
 from services.engine.generate import generate
 from services.engine.http import error, json_route
@@ -163,6 +163,7 @@ def build_app(state: EngineState) -> web.Application:
     if caps.has_ready:
         r.add_get("/ready", ready)
     openai_api.add_routes(r)
+    lora_api.add_routes(r)
     dist_api.add_routes(app, state)
     return app
 
@@ -204,6 +205,9 @@ def create_state(settings: EngineSettings) -> EngineState:
         started=time.time(),
         caps=caps,
         health=probes.Health(caps, settings.health_generation, settings.health_check_timeout_s),
+        lora=loras.Loras(
+            loras.limits_of(settings.lora), caps, scheduler, runner.model, runner.vocab_size
+        ),
     )
 
 

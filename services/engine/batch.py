@@ -83,7 +83,9 @@ class Batch:
         for seq in new:
             if seq.generator is None and seq.spec.params.sampling_seed is not None:
                 seq.generator = torch.Generator().manual_seed(seq.spec.params.sampling_seed)
-        logits, kv = self.runner.prefill([list(s.spec.input_ids) + s.output_ids for s in new])
+        logits, kv = self.runner.prefill(
+            [list(s.spec.input_ids) + s.output_ids for s in new], [s.spec.lora_id for s in new]
+        )
         alive = self._sample(logits, new, _params(new), finish)
         if not alive:
             return
@@ -100,7 +102,7 @@ class Batch:
 
         assert self.kv is not None
         last = torch.tensor([s.output_ids[-1] for s in self.seqs], dtype=torch.long)
-        logits = self.runner.decode(self.kv, last)
+        logits = self.runner.decode(self.kv, last, [s.spec.lora_id for s in self.seqs])
         if self._params is None:
             self._params = _params(self.seqs)
         alive = self._sample(logits, self.seqs, self._params, finish)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
+from services.engine.core.lora import LoraError
 from services.engine.core.protocol import (
     Completion,
     ParsedGenerate,
@@ -84,11 +86,17 @@ async def native_generate(
     if isinstance(mine, str):
         return error(mine)
     state.requests[id(request)] = request
+    loras: list[str | None] = []
     try:
-        done = await run_seqs(state, parsed.seqs)
+        loras = await state.lora.acquire(parsed.lora_names, body.get("lora_path"))
+        seqs = [replace(s, lora_id=i) for s, i in zip(parsed.seqs, loras, strict=True)]
+        done = await run_seqs(state, seqs)
+    except LoraError as e:
+        return error(str(e))
     except SchedulerStopped as e:
         return error(str(e), 503)
     finally:
+        state.lora.release(loras)
         state.requests.pop(id(request), None)
         for rid, ev in mine.items():
             if state.in_flight.get(rid) is ev:

@@ -79,9 +79,11 @@ async def models(request: web.Request) -> web.Response:
         "created": int(state.started),
         "owned_by": "sglang",
         "root": _model(state),
+        "parent": None,
         "max_model_len": state.context_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    adapters = state.lora.model_cards(_model(state), int(state.started))
+    return web.json_response({"object": "list", "data": [card, *adapters]})
 
 
 def add_routes(r: web.UrlDispatcher) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.engine.core.kvbatch import KVBatch, left_pad_ids, positions, zero_padding
 from services.engine.core.sequence import UpdateRefused
+from services.engine.lora_weights import LoraLayers
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -94,14 +95,19 @@ class ModelRunner:
         self.context_len = int(getattr(config, "max_position_embeddings", 2048))
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         self._cache: Any = None  # DynamicCache mirroring the scheduler's KVBatch
+        self.lora = LoraLayers(self.model)  # adapters loaded by /load_lora_adapter
 
     # ---- forward passes -------------------------------------------------------------
 
-    def prefill(self, seqs: list[list[int]]) -> tuple[torch.Tensor, KVBatch]:
-        """Run prompts (right-aligned); return last-position logits [B, V] and their cache."""
+    def prefill(
+        self, seqs: list[list[int]], lora_ids: list[str | None] | None = None
+    ) -> tuple[torch.Tensor, KVBatch]:
+        """Run prompts (right-aligned); return last-position logits [B, V] and their cache.
+        `lora_ids`: each row's adapter (None: the base model)."""
         import torch
         from transformers import DynamicCache
 
+        self.lora.set_rows(lora_ids or [None] * len(seqs))
         ids, mask = left_pad_ids(seqs, self.pad_id)  # [B, L], [B, L]
         cache = DynamicCache()
         with torch.inference_mode():
@@ -122,11 +128,14 @@ class ModelRunner:
         """The KVBatch changed shape (join/select): rebuild the model cache on next decode."""
         self._cache = None
 
-    def decode(self, kv: KVBatch, tokens: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, kv: KVBatch, tokens: torch.Tensor, lora_ids: list[str | None] | None = None
+    ) -> torch.Tensor:
         """Append `tokens` [B] to every row; return next-token logits [B, V]. Mutates kv."""
         import torch
         from transformers import DynamicCache
 
+        self.lora.set_rows(lora_ids or [None] * kv.batch)
         if self._cache is None:
             self._cache = DynamicCache(ddp_cache_data=kv.layers)
         mask = torch.cat([kv.mask, kv.mask.new_ones((kv.batch, 1))], dim=1)  # [B, T+1]

@@ -50,6 +50,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from services.engine.batch import Batch
+from services.engine.core.lora import batch_fits
 from services.engine.core.protocol import Completion, SeqSpec, version_spans
 from services.engine.core.sequence import (
     PAUSE_MODES,
@@ -100,6 +101,11 @@ class Scheduler:
         self._update: Update | None = None
         self._stop = False
         self._step_sleep = 0.0  # SGLang's /slow_down, for tests that need requests mid-flight
+        # LoRA (set by the LoRA routes, services/engine/lora_api.py): at most this many
+        # distinct adapters (the base model counting as one) decode together, as
+        # SGLang's `validate_lora_batch`; pinned adapters keep their own slots.
+        self.max_loras_per_batch: int | None = None
+        self.pinned_loras: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
 
     # ---- thread-safe API (called from the event loop) --------------------------------
@@ -394,19 +400,30 @@ class Scheduler:
         free = self.max_running - len(self._running)
         new: list[Seq] = []
         skipped: list[Seq] = []
+        loras = {s.spec.lora_id for s in self._running}
         while self._waiting and len(new) < free:
             seq = self._waiting.popleft()
             if seq.held and self._update is not None:
                 skipped.append(seq)  # behind the pending update's lock
+                continue
+            if not self._lora_fits(loras, seq.spec.lora_id):
+                skipped.append(seq)  # SGLang's scheduler skips it and tries the next
                 continue
             max_new = seq.spec.params.max_new_tokens
             if max_new == 0 or len(seq.output_ids) >= max_new:
                 self._finish(seq, {"type": "length", "length": max_new})
                 continue
             new.append(seq)
+            loras.add(seq.spec.lora_id)
         self._waiting.extendleft(reversed(skipped))
         if new:
             self._batch.admit(new, self._finish)
+
+    def _lora_fits(self, running: set[str | None], lora_id: str | None) -> bool:
+        """`can_schedule_lora_req`: its adapter already runs, or one more still fits."""
+        if self.max_loras_per_batch is None or lora_id in running:
+            return True
+        return batch_fits(running | {lora_id}, self.pinned_loras, self.max_loras_per_batch)
 
     def _decode_step(self) -> None:
         self._batch.decode(self._finish)

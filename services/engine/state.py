@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from services.engine.handoff import Handoff
+from services.engine.loras import Loras
 from services.engine.probes import Health
 from services.engine.scheduler import Scheduler
 from services.engine.settings import EngineSettings
@@ -18,7 +19,8 @@ from services.engine_api.sglang_api import Capabilities
 
 @dataclass
 class EngineState:
-    """Settings, tokenizer, scheduler, the emulated release, and the requests in flight.
+    """Settings, tokenizer, scheduler, the emulated release, LoRA adapters, and the
+    requests in flight.
 
     `in_flight` maps each request id answered under its own name to an event
     set when a later request took the id over (SGLang before 0.5.10 let it;
@@ -34,6 +36,7 @@ class EngineState:
     started: float
     caps: Capabilities
     health: Health
+    lora: Loras
     in_flight: dict[str, asyncio.Event] = field(default_factory=dict)
     requests: dict[int, web.Request] = field(default_factory=dict)  # open /generate calls
     on_crash: Callable[[str], None] | None = None  # the scheduler died: the server must go too

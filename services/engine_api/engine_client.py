@@ -24,8 +24,16 @@ Failure policy:
   (`EngineTimeout`, an `EngineUnavailable`);
 - any 4xx/5xx is `EngineHTTPError(status, message)` with the server's own
   message (`{"error": {"message": …}}`, `{"error": "…"}` (401, schema
-  errors) or the `message` of an update reply). A 400 from `/generate` is
-  the engine refusing the request itself: re-sending it cannot help.
+  errors), the `message` of an update reply or the `error_message` of a LoRA
+  adapter reply). A 400 from `/generate` is the engine refusing the request
+  itself: re-sending it cannot help.
+
+LoRA (SGLang started with `--enable-lora`): `load_lora_adapter` and
+`unload_lora_adapter` manage named adapters (PEFT directories on the
+engine's disk), and `generate(..., lora_path=name)` samples with one. A
+refused load or unload (a name already loaded, an unknown name, a rank over
+`--max-lora-rank`, LoRA not enabled) is `EngineHTTPError(400, SGLang's
+error_message)`.
 
 aiohttp is imported inside functions so importing it stays light.
 """
@@ -160,6 +168,8 @@ def _error_message(status: int, body: str) -> str:
             return err
         if "message" in doc:
             return str(doc["message"])
+        if doc.get("error_message"):  # LoRAUpdateOutput (load/unload_lora_adapter)
+            return str(doc["error_message"])
     return body.strip()
 
 
@@ -295,10 +305,13 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = True,
         timeout_s: float | None = None,
+        lora_path: str | None = None,
     ) -> list[GenerateResult]:
         """Generate from one prompt; one result per sample (`sampling_params["n"]`).
 
         `rid` must not be in flight on this engine (SGLang >= 0.5.10 answers 400).
+        `lora_path`: the *name* of a loaded LoRA adapter to sample with (SGLang's
+        field name; None: the base model).
         """
         body: dict[str, Any] = {
             "sampling_params": sampling_params or {},
@@ -310,6 +323,8 @@ class EngineClient:
             body["text"] = text
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         out = await self.request("POST", "/generate", body, timeout_s=timeout_s)
         items = out if isinstance(out, list) else [out]
         return [GenerateResult.from_json(d) for d in items]
@@ -344,6 +359,27 @@ class EngineClient:
         return UpdateResult(
             bool(out["success"]), str(out["message"]), paused_count(out.get("num_paused_requests"))
         )
+
+    async def load_lora_adapter(
+        self, name: str, path: str, *, pinned: bool = False, timeout_s: float | None = None
+    ) -> None:
+        """Load the PEFT adapter directory `path` (on the engine's disk) as `name`.
+
+        EngineHTTPError(400) with SGLang's message if refused: `name` already
+        loaded, a rank or target module the engine was not started for, an
+        unreadable directory, or LoRA not enabled.
+        """
+        body = {"lora_name": name, "lora_path": path, "pinned": pinned}
+        await self.request("POST", "/load_lora_adapter", body, timeout_s=timeout_s)
+
+    async def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None:
+        """Unload adapter `name`; SGLang answers once no request uses it any more.
+
+        EngineHTTPError(400) if no adapter of that name is loaded (or LoRA is
+        not enabled). From some release on (see sglang_api.py), a later
+        /generate naming an unloaded adapter loads it again from its path.
+        """
+        await self.request("POST", "/unload_lora_adapter", {"lora_name": name}, timeout_s=timeout_s)
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """Pause; UnsupportedEngine if the release cannot pause in `mode` (it would abort)."""

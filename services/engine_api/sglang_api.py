@@ -12,11 +12,18 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |--------|----------------------------------------------------------------------------|
 | 0.5.4  | `/get_model_info`, `/get_server_info`, `/get_load` (list of per-rank dicts);|
 |        | `/pause_generation` takes no body and always aborts (tokenizer_manager)    |
+|        | LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `/generate` lora_path  |
+|        | (an adapter's name; ignored without --enable-lora)                         |
+| 0.5.5  | `/v1/models` lists the loaded adapters (id = name, root = path)            |
 | 0.5.6  | `/model_info`, `/server_info`; pause modes abort/retract/in_place          |
 |        | (io_struct PauseGenerationReqInput); `flush_cache` on update requests;     |
-|        | `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` makes `/health` cheap     |
+|        | `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` makes `/health` cheap;    |
+|        | a `/generate` naming an adapter unloaded earlier loads it again from its   |
+|        | path (`lora_ref_cache`); a never-loaded name: "Got LoRA adapter that has   |
+|        | never been loaded" (before: "... are not loaded", lora_registry.acquire)   |
 | 0.5.8  | `/v1/loads` (entrypoints/v1_loads.py)                                      |
-| 0.5.10 | a request id already in flight is refused (400 "Duplicate request ...")   |
+| 0.5.10 | a request id already in flight is refused (400 "Duplicate request ...");  |
+|        | a lora_path without --enable-lora is refused (400), no longer ignored      |
 | 0.5.12 | `meta_info.num_retractions` (0.5.10: `reasoning_tokens`)                   |
 | 0.5.19 | `meta_info.weight_versions`: per-token version spans (utils/weight_versions)|
 | 0.5.20 | `/ready` (503 while paused)                                                |
@@ -172,6 +179,22 @@ class Capabilities:
     def has_cheap_health_switch(self) -> bool:
         """`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` answers /health at once."""
         return self.at_least(0, 5, 6)
+
+    @property
+    def lists_lora_models(self) -> bool:
+        """`/v1/models` lists each loaded adapter after the base model."""
+        return self.at_least(0, 5, 5)
+
+    @property
+    def lora_reloads_unloaded(self) -> bool:
+        """A `/generate` naming an adapter that was loaded once and since unloaded loads it
+        again from its path (`_resolve_lora_path`); an unknown name is "never been loaded"."""
+        return self.at_least(0, 5, 6)
+
+    @property
+    def lora_refused_when_disabled(self) -> bool:
+        """A `lora_path` on an engine without --enable-lora is a 400; before, ignored."""
+        return self.at_least(0, 5, 10)
 
     @property
     def ping_reports_health(self) -> bool:

@@ -19,6 +19,12 @@ flags (SGLang 0.5.x `ServerArgs`) are those the Kubernetes GPU overlay uses
         --enable-deterministic-inference   optional: batch-invariant kernels,
                                            so rollout logprobs match a
                                            recomputation more closely
+        --enable-lora --max-lora-rank R --lora-target-modules M.. --max-loras-per-batch K
+                                    when LoRA adapters are served (`LoraServing`,
+                                    the run file's `[engine]` enable_lora,
+                                    max_lora_rank, lora_target_modules,
+                                    max_loras_per_batch: one set of keys for the
+                                    CPU engine and SGLang)
 
 Weight updates then use `/update_weights_from_disk` with `weight_version`
 (the same call as on the CPU engine), and pause/continue around it.
@@ -29,6 +35,31 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+LORA_TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head", "all",
+)  # fmt: skip
+"""`--lora-target-modules` choices for dense models (SGLang's SUPPORTED_LORA_TARGET_MODULES,
+0.5.4-0.5.23, plus `all`)."""
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """An engine that serves LoRA adapters: SGLang's four LoRA flags (no --lora-paths:
+    adapters come and go through /load_lora_adapter)."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+    max_per_batch: int = 8
+
+    def flags(self) -> list[str]:
+        return [
+            "--enable-lora",
+            "--max-lora-rank", str(self.max_rank),
+            "--lora-target-modules", *self.target_modules,
+            "--max-loras-per-batch", str(self.max_per_batch),
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,7 @@ class SGLangOptions:
     enable_metrics: bool = False
     skip_warmup: bool = False
     deterministic: bool = False
+    lora: LoraServing | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -69,4 +101,6 @@ def command(opts: SGLangOptions, python: str = sys.executable) -> list[str]:
         argv.append("--skip-server-warmup")
     if opts.deterministic:
         argv.append("--enable-deterministic-inference")
+    if opts.lora is not None:
+        argv += opts.lora.flags()
     return argv + list(opts.extra_args)

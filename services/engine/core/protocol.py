@@ -185,6 +185,7 @@ class SeqSpec:
     input_ids: tuple[int, ...]
     params: SamplingParams
     return_logprob: bool
+    lora_id: str | None = None  # the adapter load it samples with (None: the base model)
 
     @property
     def out_id(self) -> str:
@@ -205,6 +206,7 @@ class ParsedGenerate:
     as_list: bool
     held: list[str] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
+    lora_names: list[str | None] = field(default_factory=list)  # each seq's `lora_path`
 
 
 def _as_batch(value: Any, name: str, batch: int) -> list[Any]:
@@ -273,13 +275,25 @@ def parse_generate(
         )
     if sum(p.n for p in params_of) > MAX_N:
         raise RequestError(f"a request may ask for at most {MAX_N} completions in all")
-    for prompt, params, r in zip(prompts, params_of, rids, strict=True):
+    loras = _lora_names(body.get("lora_path"), batch)
+    for prompt, params, r, lora in zip(prompts, params_of, rids, loras, strict=True):
         _check_prompt(prompt, params, vocab_size, context_len)
         if r is not None and not isinstance(r, str):
             raise RequestError("rid must be a string or a list of strings")
         _expand(parsed, prompt, params, r, isinstance(rid, list), return_logprob)
+        parsed.lora_names += [lora] * (len(parsed.seqs) - len(parsed.lora_names))
     parsed.as_list = is_batch or len(parsed.seqs) > len(prompts)
     return parsed
+
+
+def _lora_names(value: Any, batch: int) -> list[str | None]:
+    """`lora_path`: an adapter's name for every prompt, or one per prompt (None or ""
+    for the base model)."""
+    if value is None or isinstance(value, str):
+        return [value or None] * batch
+    if isinstance(value, list) and all(v is None or isinstance(v, str) for v in value):
+        return [v or None for v in _as_batch(value, "lora_path", batch)]
+    raise RequestError("lora_path must be a string or a list of strings", schema=True)
 
 
 def _check_prompt(prompt: list[int], params: SamplingParams, vocab: int, context: int) -> None:
