@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proto.weight_version import adapter_name, parse_adapter_name
+from proto.weight_version import adapter_name
 
 if TYPE_CHECKING:
     from services.engine_api.engine_client import EngineClient, UpdateResult
@@ -78,18 +78,29 @@ class MergedLoad:
     async def load(
         self, client: EngineClient, path: str, version: int, update_mode: str
     ) -> UpdateResult:
-        merged = await asyncio.to_thread(merged_copy, Path(path))
+        from services.engine_api.engine_client import UpdateResult
+        from services.weights.adapter import AdapterError
+
+        try:
+            merged = await asyncio.to_thread(merged_copy, Path(path))
+        except (AdapterError, OSError) as e:  # sync counts it as a failed update
+            return UpdateResult(False, f"cannot merge {path}: {e}", 0)
         return await client.update_weights_from_disk(str(merged), version, update_mode=update_mode)
 
 
 def merged_copy(adapter_dir: Path) -> Path:
-    """`<adapter_dir>-merged`: the adapter's base with it merged in (made once)."""
-    from services.models.adapters import base_of
+    """`<adapter_dir>-merged`: the adapter's base with it merged in (made once). The base
+    is the directory the adapter names (the trainer writes its model directory's path)."""
+    from services.weights.adapter import AdapterError, read_config
     from services.weights.merge import merge_into
 
     out = adapter_dir.with_name(adapter_dir.name + "-merged")
     if not out.is_dir():
-        merge_into(base_of(adapter_dir), adapter_dir, out)
+        base = Path(read_config(adapter_dir).base)
+        if not base.is_dir():
+            raise AdapterError(f"{adapter_dir}: its base {base} is not a directory here",
+                               path=adapter_dir)  # fmt: skip
+        merge_into(base, adapter_dir, out)
     return out
 
 
@@ -117,8 +128,3 @@ async def unload_superseded(
             log.info("sync: adapter %s was not loaded: %s", adapter_name(v), e.message)
         left.discard(v)
     return left
-
-
-def versions_of(names: list[str]) -> set[int]:
-    """The versions among an engine's adapter names (others are not Flywheel's)."""
-    return {v for v in map(parse_adapter_name, names) if v is not None}
