@@ -12,7 +12,6 @@ from services.rollout.core import adapter_made, adapter_versions, sample_version
 from services.trainer.settings import ModelConfig, TrainConfig, TrainerSettings
 from services.weights.adapter import AdapterError, LoraSettings, module_of, parse_config
 
-
 TASK = {"source": {"type": "arithmetic"}}
 
 
@@ -23,7 +22,7 @@ def test_adapter_names_are_version_directory_names():
 
 @pytest.mark.parametrize("transport", ["nats-delta", "disk-delta", "distributed"])
 def test_adapters_refuse_deltas_and_the_distributed_transport(transport):
-    with pytest.raises(ValidationError, match="with \\[trainer.lora\\]"):
+    with pytest.raises(ValidationError, match=r"with \[trainer.lora\]"):
         TrainerSettings(task=TASK, weights_transport=transport, lora=LoraSettings())
     TrainerSettings(task=TASK, weights_transport=transport)  # full fine-tuning: fine
 
@@ -61,8 +60,8 @@ def test_a_sample_made_with_an_adapter_records_the_adapter_version():
                        finish_reason={}, prompt_tokens=1, completion_tokens=1, weight_version=0,
                        e2e_latency=0.0)  # fmt: skip
     assert sample_versions(adapter_made(r, 7), 7)[:2] == (7, 7)
-    models = {"data": [{"id": "m", "parent": None}, {"id": "v000007", "parent": "m"},
-                       {"id": "v000006", "parent": "m"}, {"id": "other", "parent": "m"}]}  # fmt: skip
+    cards = [("m", None), ("v000007", "m"), ("v000006", "m"), ("other", "m")]
+    models = {"data": [{"id": i, "parent": p} for i, p in cards]}
     assert adapter_versions(models) == {6, 7} and adapter_versions({}) == set()
 
 
