@@ -61,6 +61,19 @@ def config_doc(s: LoraSettings, base: str) -> dict[str, Any]:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.to_dict().items()}
 
 
+def check_base(model_dir: str | Path) -> None:
+    """ConfigError if the run's model is itself an adapter: a new adapter's versions name
+    their base (`base_model_name_or_path`) for the engines and for merges, and that must
+    be a whole model (an SFT adapter: merge it first, or train on from its base)."""
+    from services.weights.adapter import is_adapter_dir
+
+    if is_adapter_dir(model_dir):
+        raise ConfigError(
+            f"[trainer.lora] on {model_dir}, itself a LoRA adapter: start from a whole model "
+            "(merge the adapter into its base first: services/weights/merge.merge_into)"
+        )
+
+
 def apply(model: torch.nn.Module, s: LoraSettings) -> torch.nn.Module:
     """Put the adapter into `model` (in place) and return it, only the adapter trainable.
 

@@ -116,6 +116,8 @@ class Trainer:
         torch.manual_seed(m.seed)
         dtype = compute_dtype(m.precision, info.device)
         attention = attention_for(cfg, info)
+        if cfg.lora is not None:
+            lora.check_base(model_dir)  # engines load the base the adapter names, as it is
         policy = load_model(model_dir)
         adapter = None
         if cfg.lora is not None:  # before sharding: FSDP2 wraps the layers with their adapters

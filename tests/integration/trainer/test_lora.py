@@ -198,3 +198,10 @@ def test_sft_with_lora_writes_an_adapter_that_flywheel_eval_takes(tiny_model_dir
     assert eval_main(["--weights", str(out), "-n", "4", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"] == str(out) and doc["total"] == 4
+
+
+def test_an_adapter_run_must_start_from_a_whole_model(tiny_model_dir, tmp_path):
+    t = Trainer.from_pretrained(tiny_model_dir, _cfg())
+    t.save_weights(tmp_path / "adapter")
+    with pytest.raises(ConfigError, match="itself a LoRA adapter"):
+        Trainer.from_pretrained(tmp_path / "adapter", _cfg())
