@@ -17,8 +17,9 @@ directory differs, a few megabytes instead of the model. Deltas are
 refused for adapters (`check_transport`): an adapter is already the small
 thing, and all of it changes at every step. The base model is the one
 each engine was started with; an adapter names its base
-(`base_model_name_or_path`, the trainer's model directory) and
-`WeightsPublished.adapter` carries that on the wire.
+(`base_model_name_or_path`, the trainer's model directory), and
+`WeightsPublished.format = "peft-lora"` says on the wire that a version is
+an adapter (engines load it by name: services/weights/adapter_load.py).
 
 Pure (json, pydantic): engines, sync and the stack read this; the trainer
 writes it (services/trainer/lora.py), merge.py folds one into its base.

@@ -17,7 +17,10 @@ the engine differs. Two ways, `[sync] lora_mode`:
   adapter is folded into its base (merge.py) into `<path>-merged` and
   loaded with `/update_weights_from_disk` like any whole version. The
   merge reads the base the adapter names and writes beside the engine's
-  copy: sync must see both paths (the same host, or shared storage).
+  copy: sync must see both paths (the same host, or shared storage). A
+  merged copy is a whole model: those two versions older than the newest
+  are deleted when a newer one is made (the transports' pruning knows only
+  version directories).
 
 Either wraps the transport's source, so `engine_path` (has the engine a
 copy yet?) stays the transport's.
@@ -101,7 +104,24 @@ def merged_copy(adapter_dir: Path) -> Path:
             raise AdapterError(f"{adapter_dir}: its base {base} is not a directory here",
                                path=adapter_dir)  # fmt: skip
         merge_into(base, adapter_dir, out)
+        _drop_older_merged(adapter_dir)
     return out
+
+
+def _drop_older_merged(adapter_dir: Path) -> None:
+    """Delete `v<k>-merged` beside `adapter_dir` (version n) for k < n - 1: the previous one
+    may still be loading on another engine, older ones are served by none."""
+    import shutil
+
+    from proto.weight_version import parse_name
+
+    n = parse_name(adapter_dir.name)
+    if n is None:
+        return
+    for p in adapter_dir.parent.glob("v*-merged"):
+        k = parse_name(p.name.removesuffix("-merged"))
+        if k is not None and k < n - 1:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def superseded(loaded: set[int], newest: int, keep: int) -> list[int]:

@@ -6,7 +6,7 @@ counts it served at once and unloads all but the `lora_keep` newest, while
 a request with the oldest adapter is still running (its unload waits for
 it). A version generated with the adapter equals the same version merged
 into its base and loaded whole (`lora_mode = "merged"`, for engines
-without adapters).
+without adapters); merged copies older than the one before are deleted.
 """
 
 from __future__ import annotations
@@ -155,13 +155,15 @@ def test_merged_mode_serves_what_the_adapter_serves(
             svc = SyncService(Ctx(), SyncSettings(lora_mode="merged"))  # type: ignore[arg-type]
             e = Engine("engine-1", url, 0, time.time())
             svc.reg.engines[e.engine_id] = e
-            await svc.update(e, Published(3, MergedLoad(SharedDir(str(adapters[3]))), 0))
-            assert e.version == 3 and e.failures == 0
+            for v in (1, 3):
+                await svc.update(e, Published(v, MergedLoad(SharedDir(str(adapters[v]))), 0))
+                assert e.version == v and e.failures == 0
             assert await c.weight_version() == 3
             [got] = await c.generate([4, 5, 6], sampling_params=GREEDY)
         assert got.output_ids == want.output_ids
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
             assert a == pytest.approx(b, abs=1e-3)
         assert (adapters[3].parent / "v000003-merged" / "model.safetensors").is_file()
+        assert not (adapters[1].parent / "v000001-merged").exists()  # a whole model each
 
     run_async(body(), timeout_s=180)
