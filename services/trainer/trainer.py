@@ -122,7 +122,7 @@ class Trainer:
         adapter = None
         if cfg.lora is not None:  # before sharding: FSDP2 wraps the layers with their adapters
             policy = lora.apply(policy, cfg.lora)
-            adapter = lora.config_doc(cfg.lora, base=str(Path(model_dir).resolve()))
+            adapter = lora.config_doc(cfg.lora, base=str(Path(model_dir).expanduser().resolve()))
         model = prepare_model(
             policy,
             info,
