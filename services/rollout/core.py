@@ -24,7 +24,7 @@ from proto.messages import (
     pack_i32,
     pack_u8,
 )
-from proto.weight_version import VersionSpan, parse_adapter_name
+from proto.weight_version import VersionSpan
 from services.engine_api.engine_client import EngineError, EngineHTTPError, GenerateResult
 from services.runtime.errors import PermanentError, RetryableError
 from services.tasks.sandbox import Reward
@@ -78,14 +78,6 @@ def sample_versions(r: GenerateResult, before: int) -> tuple[int, int, tuple[Ver
         return spans[0].version, spans[-1].version, spans
     last = r.weight_version
     return min(before, last), last, ()
-
-
-def adapter_versions(models: Any) -> set[int]:
-    """The versions of the LoRA adapters Flywheel loaded on an engine, from its `/v1/models`
-    (SGLang >= 0.5.5 lists each loaded adapter as a model with a `parent`)."""
-    data = models.get("data") if isinstance(models, dict) else None
-    names = [m.get("id") for m in data or [] if isinstance(m, dict) and m.get("parent")]
-    return {v for v in map(parse_adapter_name, (str(n) for n in names)) if v is not None}
 
 
 def adapter_made(r: GenerateResult, version: int) -> GenerateResult:

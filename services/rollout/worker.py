@@ -56,7 +56,6 @@ from services.engine_api.sglang_api import UnsupportedEngine
 from services.rollout.core import (
     Origin,
     adapter_made,
-    adapter_versions,
     engine_failure,
     make_group,
     make_sample,
@@ -75,6 +74,7 @@ from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode
 from services.tasks.sandbox import Reward, ToolPool
+from services.weights.adapter_load import adapter_versions
 
 log = logging.getLogger(__name__)
 

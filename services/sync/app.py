@@ -46,7 +46,12 @@ from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.metrics import SyncMetrics
 from services.sync.settings import SyncSettings
 from services.weights import Transports, Wiring
-from services.weights.adapter_load import AdapterLoad, MergedLoad, unload_superseded
+from services.weights.adapter_load import (
+    AdapterLoad,
+    MergedLoad,
+    loaded_adapters,
+    unload_superseded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +198,9 @@ class SyncService:
         e.updating = True  # still ours (heartbeats must not move it) until the unloads end
         self.wake.set()  # the version may be ready everywhere now
         try:
+            if not e.adapters_read:  # a restarted sync: what an earlier one left loaded
+                e.adapters |= await loaded_adapters(c)
+                e.adapters_read = True
             e.adapters = await unload_superseded(c, e.adapters, p.version, self.s.lora_keep)
         except (EngineError, TimeoutError) as err:
             log.warning("sync: engine %s: superseded adapters not unloaded: %s", e.engine_id, err)

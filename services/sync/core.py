@@ -43,7 +43,8 @@ class Engine:
     updating: bool = False
     weights_dir: str | None = None  # engine-local dir of versions its worker received
     downloaded: int | None = None  # newest version complete there
-    adapters: set[int] = field(default_factory=set)  # LoRA versions this sync loaded there
+    adapters: set[int] = field(default_factory=set)  # LoRA versions loaded there
+    adapters_read: bool = False  # `adapters` read from the engine (once per sync process)
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from proto.weight_version import adapter_name
+from proto.weight_version import adapter_name, parse_adapter_name
 
 if TYPE_CHECKING:
     from services.engine_api.engine_client import EngineClient, UpdateResult
@@ -122,6 +122,19 @@ def _drop_older_merged(adapter_dir: Path) -> None:
         k = parse_name(p.name.removesuffix("-merged"))
         if k is not None and k < n - 1:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def adapter_versions(models: Any) -> set[int]:
+    """The versions of the LoRA adapters Flywheel loaded on an engine, from its `/v1/models`
+    (SGLang >= 0.5.5 lists each loaded adapter as a model with a `parent`)."""
+    data = models.get("data") if isinstance(models, dict) else None
+    names = [m.get("id") for m in data or [] if isinstance(m, dict) and m.get("parent")]
+    return {v for v in map(parse_adapter_name, (str(n) for n in names)) if v is not None}
+
+
+async def loaded_adapters(client: EngineClient) -> set[int]:
+    """The Flywheel adapters loaded on the engine behind `client` (its /v1/models)."""
+    return adapter_versions(await client.request("GET", "/v1/models"))
 
 
 def superseded(loaded: set[int], newest: int, keep: int) -> list[int]:

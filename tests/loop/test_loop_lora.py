@@ -21,8 +21,8 @@ import pytest
 
 from proto.messages import SampleGroup, TrainBatch
 from proto.subjects import Subjects
-from services.rollout.core import adapter_versions
 from services.stack.localdev.nats_server import NatsServer
+from services.weights.adapter_load import adapter_versions
 from tests.harness.poll import wait_for
 from tests.harness.probe import http_json
 from tests.harness.stack import Stack, start_loop

@@ -1,12 +1,13 @@
 """Sync with LoRA versions against a real CPU engine started with enable_lora.
 
-The trainer (LoRA, on a tiny model) writes three adapter versions; sync
+The trainer (LoRA, on a tiny model) writes four adapter versions; sync
 loads each as the named adapter `v00000N` (`[sync] lora_mode = "adapter"`),
 counts it served at once and unloads all but the `lora_keep` newest, while
 a request with the oldest adapter is still running (its unload waits for
-it). A version generated with the adapter equals the same version merged
-into its base and loaded whole (`lora_mode = "merged"`, for engines
-without adapters); merged copies older than the one before are deleted.
+it); a restarted sync reads what is loaded from the engine. A version
+generated with the adapter equals the same version merged into its base
+and loaded whole (`lora_mode = "merged"`, for engines without adapters);
+merged copies older than the one before are deleted.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from prometheus_client import CollectorRegistry
 from proto.weight_version import adapter_name
 from services.engine_api.engine_client import EngineClient
 from services.models.tiny_model import TinyModelSpec, write_tiny_model
-from services.rollout.core import adapter_versions
 from services.sync.app import SyncService
 from services.sync.core import Engine, Published
 from services.sync.settings import SyncSettings
 from services.weights import SharedDir
-from services.weights.adapter_load import AdapterLoad, MergedLoad, superseded
+from services.weights.adapter_load import AdapterLoad, MergedLoad, adapter_versions, superseded
 from tests.harness.engines import EngineStates, serving_engine
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Versions 1..3 of a LoRA run on the tiny model (large steps: the outputs move)."""
+    """Versions 1..4 of a LoRA run on the tiny model (large steps: the outputs move)."""
     from services.trainer.settings import ModelConfig, OptimConfig, TrainConfig
     from services.trainer.trainer import Trainer
     from services.weights.adapter import LoraSettings
@@ -56,7 +56,7 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     t = Trainer.from_pretrained(model_dir, cfg)
     root = tmp_path_factory.mktemp("synclora") / "weights"
     out = {}
-    for v in (1, 2, 3):
+    for v in (1, 2, 3, 4):
         t.train_step(random_batch(seed=v))
         out[v] = root / adapter_name(v)
         t.save_weights(out[v])
@@ -135,6 +135,13 @@ def test_sync_loads_each_version_as_an_adapter_and_unloads_superseded_ones(
             # a retried load of a version the engine has already is a success
             await svc.update(e, Published(3, AdapterLoad(SharedDir(str(adapters[3]))), 0, True))
             assert e.failures == 0
+            # a restarted sync knows nothing it loaded: it reads the engine's adapters
+            # (/v1/models) at its first load there and unloads the superseded ones
+            again = SyncService(Ctx(), SyncSettings(lora_keep=2, update_timeout_s=30))  # type: ignore[arg-type]
+            e = Engine("engine-0", url, 3, time.time())
+            again.reg.engines[e.engine_id] = e
+            await again.update(e, Published(4, AdapterLoad(SharedDir(str(adapters[4]))), 0, True))
+            assert adapter_versions(await c.request("GET", "/v1/models")) == {3, 4}
 
     run_async(body(), timeout_s=180)
 

@@ -8,9 +8,10 @@ from pydantic import ValidationError
 from proto.messages import WeightsPublished
 from proto.weight_version import adapter_name, parse_adapter_name
 from services.engine_api.engine_client import GenerateResult
-from services.rollout.core import adapter_made, adapter_versions, sample_versions
+from services.rollout.core import adapter_made, sample_versions
 from services.trainer.settings import ModelConfig, TrainConfig, TrainerSettings
 from services.weights.adapter import AdapterError, LoraSettings, module_of, parse_config
+from services.weights.adapter_load import adapter_versions
 
 TASK = {"source": {"type": "arithmetic"}}
 
