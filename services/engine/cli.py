@@ -28,6 +28,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (default 30000; 0 = any free port)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on admin endpoints")
     p.add_argument("--weight-version", help="initial weight version (default 'default')")
+    # SGLang's four LoRA flags, same names ([engine] enable_lora, ... in the run file).
+    p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank a load accepts")
+    p.add_argument("--lora-target-modules", nargs="+", help="layers adapters may target")
+    p.add_argument("--max-loras-per-batch", type=int, help="distinct adapters per batch (8)")
     p.add_argument("--print-config", action="store_true", help="print resolved settings, exit")
     return p
 
@@ -41,6 +46,10 @@ def settings_from(args: argparse.Namespace) -> EngineSettings:
             "port": args.port,
             "api_key": args.api_key,
             "weight_version": args.weight_version,
+            "enable_lora": args.enable_lora,
+            "max_lora_rank": args.max_lora_rank,
+            "lora_target_modules": args.lora_target_modules,
+            "max_loras_per_batch": args.max_loras_per_batch,
         }.items()
         if value is not None
     }

@@ -135,9 +135,8 @@ class Loras:
         async with self.lock():
             ref = self.registry.get(name)
             if ref is None:
-                message = f"LoRA with name {name} does not exist. Loaded LoRAs: " + keys_repr(
-                    self.registry
-                )
+                keys = keys_repr(self.registry, self.caps.lora_registry_keys)
+                message = f"LoRA with name {name} does not exist. Loaded LoRAs: {keys}"
                 return self.answer(False, message, backend=False)
             del self.registry[name]  # new requests naming it are refused from now on
             while self.in_use.get(ref.lora_id, 0) > 0:  # SGLang's wait_for_unload
@@ -168,10 +167,10 @@ class Loras:
             if name is not None and ref is None:
                 raise LoraError(
                     f"The following requested LoRA adapters are not loaded: {name}\n"
-                    f"Loaded adapters: {keys_repr(self.registry)}."
+                    f"Loaded adapters: {keys_repr(self.registry, self.caps.lora_registry_keys)}."
                 )
-            if ref is not None:
-                self.registry.move_to_end(ref.name)
+            if ref is not None and self.caps.lora_registry_keys == "odict_keys":
+                self.registry.move_to_end(ref.name)  # LRU order from 0.5.6
             ids.append(None if ref is None else ref.lora_id)
         for lora_id in ids:
             if lora_id is not None:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 
 from services.engine_api.sglang_api import (
     NEWEST_READ,
@@ -14,7 +14,7 @@ from services.engine_api.sglang_api import (
     UnsupportedEngine,
     fmt_release,
 )
-from services.engine_api.sglang_launcher import LORA_TARGET_MODULES, LoraServing
+from services.engine_api.sglang_launcher import EngineLoraSettings
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -24,8 +24,9 @@ def _sglang_env_bool(name: str, default: bool) -> bool:
     return default if value is None else value.strip().lower() in ("1", "true", "yes", "y")
 
 
-class EngineSettings(TaskServiceSettings):
-    """The CPU engine: which model, where to listen, how much to batch."""
+class EngineSettings(TaskServiceSettings, EngineLoraSettings):
+    """The CPU engine: which model, where to listen, how much to batch, which LoRA
+    adapters it may serve (`EngineLoraSettings`, shared with the SGLang launcher)."""
 
     section: ClassVar[str] = "engine"
 
@@ -78,60 +79,6 @@ class EngineSettings(TaskServiceSettings):
         description="/health and /health_generate answer 503 when no token came for this long "
         "(e.g. while generation is paused). Default: SGLANG_HEALTH_CHECK_TIMEOUT, else 20.",
     )
-
-    enable_lora: bool = Field(
-        False,
-        description="Serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter and "
-        "/generate's lora_path (SGLang's --enable-lora). Needs max_lora_rank and "
-        "lora_target_modules, as SGLang does when it starts with no --lora-paths.",
-    )
-    max_lora_rank: int | None = Field(
-        None, ge=1, description="Largest adapter rank a load accepts (--max-lora-rank)."
-    )
-    lora_target_modules: list[str] | None = Field(
-        None,
-        description="Layers adapters may target (--lora-target-modules), e.g. "
-        "['q_proj', 'v_proj'] or ['all']; an adapter targeting others is refused.",
-    )
-    max_loras_per_batch: int = Field(
-        8,
-        ge=1,
-        description="Most distinct adapters in one running batch, the base model counting "
-        "as one (--max-loras-per-batch, SGLang's default 8); others wait their turn.",
-    )
-
-    @field_validator("lora_target_modules")
-    @classmethod
-    def _known_targets(cls, v: list[str] | None) -> list[str] | None:
-        bad = [m for m in v or [] if m not in LORA_TARGET_MODULES]
-        if bad:
-            raise ValueError(
-                f"unknown target module {bad[0]!r}; one of {list(LORA_TARGET_MODULES)}"
-            )
-        if v and "all" in v and len(v) > 1:
-            raise ValueError(
-                "If 'all' is specified in --lora-target-modules, it should be the only module "
-                "specified."
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _lora_complete(self) -> EngineSettings:
-        if self.enable_lora and not (self.max_lora_rank and self.lora_target_modules):
-            raise ValueError(
-                "When no initial --lora-paths is provided, you need to specify both "
-                "--max-lora-rank and --lora-target-modules for LoRA initialization."
-            )
-        return self
-
-    @property
-    def lora(self) -> LoraServing | None:
-        """The LoRA serving limits, or None when LoRA is off."""
-        if not self.enable_lora or self.max_lora_rank is None or not self.lora_target_modules:
-            return None
-        return LoraServing(
-            self.max_lora_rank, tuple(self.lora_target_modules), self.max_loras_per_batch
-        )
 
     @field_validator("sglang_version")
     @classmethod

@@ -5,8 +5,9 @@ moved between the releases a deployment may run. This table was written
 from the `sglang` wheels on PyPI, 0.5.4 (the image the GPU overlay pinned)
 through 0.5.23 (the newest 0.5.x when written), reading
 `srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
-`srt/managers/tokenizer_manager.py`, `srt/managers/scheduler*.py` and
-`srt/utils/auth.py` of each:
+`srt/managers/tokenizer_manager.py`, `srt/managers/scheduler*.py`,
+`srt/utils/auth.py` and, for LoRA, `srt/lora/lora_registry.py` and
+`lora_manager.py` of each:
 
 | since  | what changed (file)                                                        |
 |--------|----------------------------------------------------------------------------|
@@ -20,7 +21,9 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` makes `/health` cheap;    |
 |        | a `/generate` naming an adapter unloaded earlier loads it again from its   |
 |        | path (`lora_ref_cache`); a never-loaded name: "Got LoRA adapter that has   |
-|        | never been loaded" (before: "... are not loaded", lora_registry.acquire)   |
+|        | never been loaded" (before: "... are not loaded", lora_registry.acquire);  |
+|        | the LoRA registry is an OrderedDict (messages print `odict_keys`, before   |
+|        | `dict_keys`)                                                               |
 | 0.5.8  | `/v1/loads` (entrypoints/v1_loads.py)                                      |
 | 0.5.10 | a request id already in flight is refused (400 "Duplicate request ...");  |
 |        | a lora_path without --enable-lora is refused (400), no longer ignored      |
@@ -190,6 +193,12 @@ class Capabilities:
         """A `/generate` naming an adapter that was loaded once and since unloaded loads it
         again from its path (`_resolve_lora_path`); an unknown name is "never been loaded"."""
         return self.at_least(0, 5, 6)
+
+    @property
+    def lora_registry_keys(self) -> str:
+        """How the LoRA registry's messages print its names: an OrderedDict's keys from
+        0.5.6 (LRU order), a dict's before."""
+        return "odict_keys" if self.at_least(0, 5, 6) else "dict_keys"
 
     @property
     def lora_refused_when_disabled(self) -> bool:

@@ -35,6 +35,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 LORA_TARGET_MODULES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -60,6 +63,73 @@ class LoraServing:
             "--lora-target-modules", *self.target_modules,
             "--max-loras-per-batch", str(self.max_per_batch),
         ]  # fmt: skip
+
+
+class EngineLoraSettings(BaseModel):
+    """The run file's `[engine]` LoRA keys, one set for both engines: the CPU engine's
+    settings have them (services/engine/settings.py), and `flywheel up` reads them for
+    the SGLang engines it starts (`from_run_file`)."""
+
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter and "
+        "/generate's lora_path (SGLang's --enable-lora). Needs max_lora_rank and "
+        "lora_target_modules, as SGLang does when it starts with no --lora-paths.",
+    )
+    max_lora_rank: int | None = Field(
+        None, ge=1, description="Largest adapter rank a load accepts (--max-lora-rank)."
+    )
+    lora_target_modules: list[str] | None = Field(
+        None,
+        description="Layers adapters may target (--lora-target-modules), e.g. "
+        "['q_proj', 'v_proj'] or ['all']; an adapter targeting others is refused.",
+    )
+    max_loras_per_batch: int = Field(
+        8,
+        ge=1,
+        description="Most distinct adapters in one running batch, the base model counting "
+        "as one (--max-loras-per-batch, SGLang's default 8); others wait their turn.",
+    )
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str] | None) -> list[str] | None:
+        bad = [m for m in v or [] if m not in LORA_TARGET_MODULES]
+        if bad:
+            raise ValueError(
+                f"unknown target module {bad[0]!r}; one of {list(LORA_TARGET_MODULES)}"
+            )
+        if v and "all" in v and len(v) > 1:
+            raise ValueError(
+                "If 'all' is specified in --lora-target-modules, it should be the only module "
+                "specified."
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _lora_complete(self) -> EngineLoraSettings:
+        if self.enable_lora and not (self.max_lora_rank and self.lora_target_modules):
+            raise ValueError(
+                "enable_lora needs max_lora_rank and lora_target_modules (SGLang: When no "
+                "initial --lora-paths is provided, you need to specify both --max-lora-rank "
+                "and --lora-target-modules for LoRA initialization.)"
+            )
+        return self
+
+    @property
+    def lora(self) -> LoraServing | None:
+        """The LoRA serving limits, or None when LoRA is off."""
+        if not self.enable_lora or self.max_lora_rank is None or not self.lora_target_modules:
+            return None
+        return LoraServing(
+            self.max_lora_rank, tuple(self.lora_target_modules), self.max_loras_per_batch
+        )
+
+    @classmethod
+    def from_run_file(cls, doc: dict[str, Any]) -> EngineLoraSettings:
+        """These keys of a parsed run file's `[engine]` table (the rest is the CPU engine's)."""
+        table = doc.get("engine") or {}
+        return cls.model_validate({k: v for k, v in table.items() if k in cls.model_fields})
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from proto.weight_version import INITIAL, to_engine
-from services.engine_api.sglang_launcher import SGLangOptions, command
+from services.engine_api.sglang_launcher import EngineLoraSettings, SGLangOptions, command
+from services.runtime.settings import read_run_file
 from services.stack.settings import StackSettings
 
 ORDER = ("engine", "rollout", "sync", "trainer", "buffer")
@@ -69,6 +70,8 @@ def engine_spec(
             mem_fraction_static=s.engine_mem_fraction,
             api_key=key,
             enable_metrics=True,
+            # The run file's [engine] LoRA keys, which the CPU engine reads itself.
+            lora=EngineLoraSettings.from_run_file(read_run_file(config)).lora,
             extra_args=tuple(s.engine_args),
         )
         return tuple(command(opts)), {**_visible(gpus), "HF_HUB_OFFLINE": "1"}, gpus

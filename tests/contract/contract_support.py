@@ -23,6 +23,13 @@ sent once the case's request is pending in the engine (a weight update
 waiting on the in-flight generation); each must answer as
 `given.during_response` says (same rules as `response`, no `vary`).
 `{weights_dir}` in a request stands for a valid weights directory.
+
+LoRA: `given.lora` starts the engine with these LoRA settings (enable_lora,
+max_lora_rank, lora_target_modules, max_loras_per_batch; a fresh engine per
+case, since SGLang remembers every adapter name it ever loaded);
+`given.adapters` names adapters loaded from `{adapter_dir}` before the
+request, `given.unloaded` those unloaded again. `{adapter_dir}` is a rank-4
+PEFT adapter on q_proj and v_proj, `{big_adapter_dir}` a rank-16 one.
 """
 
 from __future__ import annotations
@@ -90,14 +97,16 @@ def load_cases() -> list[Case]:
     return cases
 
 
-def substitute(value: Any, weights_dir: str) -> Any:
-    """The request with `{weights_dir}` replaced."""
+def substitute(value: Any, places: dict[str, str]) -> Any:
+    """The request with its placeholders (`{weights_dir}`, `{adapter_dir}`, ...) replaced."""
     if isinstance(value, str):
-        return value.replace("{weights_dir}", weights_dir)
+        for place, real in places.items():
+            value = value.replace(place, real)
+        return value
     if isinstance(value, list):
-        return [substitute(v, weights_dir) for v in value]
+        return [substitute(v, places) for v in value]
     if isinstance(value, dict):
-        return {k: substitute(v, weights_dir) for k, v in value.items()}
+        return {k: substitute(v, places) for k, v in value.items()}
     return value
 
 

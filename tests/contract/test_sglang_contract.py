@@ -23,6 +23,7 @@ from services.models.tiny_model import TinyModelSpec, write_tiny_model
 from services.weights import write_weights_dir
 from tests.contract.contract_support import Case, check_body, compare, load_cases, substitute
 from tests.harness.engines import serving
+from tests.harness.lora import write_adapter
 
 CASES = load_cases()
 ENGINE_CASES = [c for c in CASES if c.engine]
@@ -48,7 +49,10 @@ class Engines:
         for key in ("api_key", "health_generation", "health_check_timeout_s"):
             if key in g:
                 options[key] = g[key]
+        options.update(g.get("lora", {}))
         key = tuple(sorted((k, str(v)) for k, v in options.items()))
+        if "lora" in g or "adapters" in g:
+            key += (("case", case.id),)  # SGLang remembers every name it loaded
         if key not in self.states:
             self.states[key] = create_state(load_settings(EngineSettings, **options))
         return self.states[key]
@@ -69,6 +73,21 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("contract") / "v4"
     write_weights_dir(out, lambda tmp: write_tiny_model(tmp, TinyModelSpec(seed=4)))
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, weights_dir: str) -> Any:
+    """What the fixtures' placeholders stand for on this machine."""
+    out = tmp_path_factory.mktemp("adapters")
+    return {
+        "{weights_dir}": weights_dir,
+        "{adapter_dir}": str(write_adapter(out / "r4", model_dir, r=4)),
+        "{big_adapter_dir}": str(write_adapter(out / "r16", model_dir, r=16)),
+    }
+
+
+CLIENT_PLACES = {"{weights_dir}": "/models/flywheel-v4", "{adapter_dir}": "/adapters/r4",
+                 "{big_adapter_dir}": "/adapters/r16"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +116,26 @@ async def until(cond: Any, what: str, timeout_s: float = 20.0) -> None:
 
 
 async def prepare(
-    s: aiohttp.ClientSession, url: str, case: Case, auth: dict[str, str], state: Any
+    s: aiohttp.ClientSession,
+    url: str,
+    case: Case,
+    auth: dict[str, str],
+    state: Any,
+    places: dict[str, str],
 ) -> Any:
-    """`given`: a slowed in-flight generation, then a pause; returns the in-flight task."""
+    """`given`: adapters, a slowed in-flight generation, then a pause; returns the
+    in-flight task."""
     task = None
     g = case.given
+    for name in g.get("adapters", []):
+        body = {"lora_name": name, "lora_path": places["{adapter_dir}"]}
+        status, answer = await send(s, url, {"method": "POST", "path": "/load_lora_adapter",
+                                             "body": body}, auth)  # fmt: skip
+        assert status == 200, answer
+    for name in g.get("unloaded", []):
+        status, answer = await send(s, url, {"method": "POST", "path": "/unload_lora_adapter",
+                                             "body": {"lora_name": name}}, auth)  # fmt: skip
+        assert status == 200, answer
     if "in_flight" in g:
         await send(s, url, {"method": "POST", "path": "/slow_down",
                             "body": {"forward_sleep_time": 0.05}}, auth)  # fmt: skip
@@ -150,7 +184,7 @@ async def send_during(
 
 @pytest.mark.parametrize("case", ENGINE_CASES, ids=[c.id for c in ENGINE_CASES])
 def test_cpu_engine_answers_like_sglang(
-    case: Case, engines: Engines, weights_dir: str, run_async: Any
+    case: Case, engines: Engines, places: dict[str, str], run_async: Any
 ) -> None:
     from services.engine.app import build_app
 
@@ -160,10 +194,10 @@ def test_cpu_engine_answers_like_sglang(
 
     async def body() -> None:
         async with serving(build_app(state)) as url, aiohttp.ClientSession() as s:
-            task = await prepare(s, url, case, auth, state)
+            task = await prepare(s, url, case, auth, state, places)
             try:
                 t0 = time.monotonic()
-                asked = asyncio.create_task(send(s, url, substitute(case.request, weights_dir)))
+                asked = asyncio.create_task(send(s, url, substitute(case.request, places)))
                 during = await send_during(s, url, case, auth, state, asked)
                 status, answer = await asked
                 took = time.monotonic() - t0
@@ -212,8 +246,8 @@ def replay_app(case: Case, seen: list[tuple[str, str, Any]]) -> web.Application:
     return app
 
 
-def check_sent(case: Case, seen: list[tuple[str, str, Any]], weights_dir: str) -> None:
-    want = substitute(case.request, weights_dir)
+def check_sent(case: Case, seen: list[tuple[str, str, Any]], places: dict[str, str]) -> None:
+    want = substitute(case.request, places)
     sent = [b for m, p, b in seen if (m, p) == (want["method"], want["path"])]
     assert sent, f"{case.id}: the client never sent {want['method']} {want['path']}: {seen}"
     for k, v in (want.get("body") or {}).items():
@@ -228,10 +262,10 @@ def version_in(body: dict[str, Any]) -> int | None:
     return None if text is None else int(text)
 
 
-async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None:
+async def run_client_call(c: EngineClient, case: Case, places: dict[str, str]) -> None:
     spec = case.client or {}
     call = spec["call"]
-    req = substitute(case.request, weights_dir)
+    req = substitute(case.request, places)
     body = req.get("body") or {}
     if call == "detect":
         caps = await c.detect()
@@ -244,7 +278,7 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
     elif call == "generate":
         results = await c.generate(
             body["input_ids"], sampling_params=body["sampling_params"], rid=body["rid"],
-            return_logprob=body.get("return_logprob", True),
+            return_logprob=body.get("return_logprob", True), lora_path=body.get("lora_path"),
         )  # fmt: skip
         assert len(results) == len(spec["results"])
         for r, want in zip(results, spec["results"], strict=True):
@@ -253,13 +287,17 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
             assert r.finish_type == want["finish_type"]
             assert r.weight_version == want["weight_version"]
             assert [[s.version, s.start, s.end] for s in r.weight_versions] == want["spans"]
-    elif call in ("generate_error", "detect_error", "update_error"):
+    elif call in ("generate_error", "detect_error", "update_error", "lora_error"):
         with pytest.raises(EngineHTTPError) as err:
             if call == "generate_error":
                 await c.generate(body["input_ids"], sampling_params=body["sampling_params"],
-                                 rid=body.get("rid"))  # fmt: skip
+                                 rid=body.get("rid"), lora_path=body.get("lora_path"))  # fmt: skip
             elif call == "detect_error":
                 await c.detect()
+            elif call == "lora_error" and req["path"] == "/load_lora_adapter":
+                await c.load_lora_adapter(body["lora_name"], body["lora_path"])
+            elif call == "lora_error":
+                await c.unload_lora_adapter(body["lora_name"])
             else:
                 await c.update_weights_from_disk(body["model_path"], version_in(body))
         assert err.value.status == spec["status"]
@@ -267,6 +305,10 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
             assert err.value.message == spec["message"]
         if "message_prefix" in spec:
             assert err.value.message.startswith(spec["message_prefix"])
+    elif call == "load_lora":
+        await c.load_lora_adapter(body["lora_name"], body["lora_path"])
+    elif call == "unload_lora":
+        await c.unload_lora_adapter(body["lora_name"])
     elif call == "health":
         assert await c.health() is spec["ok"]
     elif call == "pause":
@@ -284,14 +326,12 @@ async def run_client_call(c: EngineClient, case: Case, weights_dir: str) -> None
 
 @pytest.mark.parametrize("case", CLIENT_CASES, ids=[c.id for c in CLIENT_CASES])
 def test_client_reads_sglang_answers(case: Case, run_async: Any) -> None:
-    weights_dir = "/models/flywheel-v4"
-
     async def body() -> None:
         seen: list[tuple[str, str, Any]] = []
         async with serving(replay_app(case, seen)) as url, EngineClient(url, retries=0) as c:
-            await run_client_call(c, case, weights_dir)
+            await run_client_call(c, case, CLIENT_PLACES)
         if (case.client or {}).get("call") not in ("detect", "detect_error"):
-            check_sent(case, seen, weights_dir)
+            check_sent(case, seen, CLIENT_PLACES)
 
     run_async(body(), timeout_s=30)
 

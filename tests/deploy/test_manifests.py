@@ -381,3 +381,47 @@ def test_dockerfile_installs_bubblewrap() -> None:
     from tests.deploy.deploy_support import ROOT
 
     assert re.search(r"apt-get install .*\bbubblewrap\b", (ROOT / "Dockerfile").read_text())
+
+
+def _lora_args(objs: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The SGLang engine's LoRA flags as rendered, and those the run file's [engine] asks for
+    (what `flywheel up` would pass: sglang_launcher.EngineLoraSettings)."""
+    from services.engine_api.sglang_launcher import EngineLoraSettings
+
+    rollout = find(objs, "Deployment", "rollout")["spec"]["template"]["spec"]
+    args = next(c for c in rollout["containers"] if c["name"] == "engine").get("args", [])
+    given = args[args.index("--enable-lora") :] if "--enable-lora" in args else []
+    lora = EngineLoraSettings.from_run_file(run_file(objs)).lora
+    return given, lora.flags() if lora else []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_sglang_lora_flags_follow_the_run_file(overlay: str) -> None:
+    objs = objects(overlay)
+    rollout = find(objs, "Deployment", "rollout")["spec"]["template"]["spec"]
+    engine = next(c for c in rollout["containers"] if c["name"] == "engine")
+    if not engine["image"].startswith("lmsysorg/sglang"):
+        pytest.skip("the CPU engine reads [engine] from the run file itself")
+    given, wanted = _lora_args(objs)
+    assert given == wanted
+
+
+def test_the_lora_component_turns_the_gpu_overlay_to_adapters(tmp_path: Path) -> None:
+    """components/sglang-lora on the gpu overlay, with the run file's [engine] keys it names:
+    SGLang gets exactly the flags `flywheel up` would give it."""
+    gpu = K8S / "overlays" / "gpu"
+    lora = ('\n[engine]\nenable_lora = true\nmax_lora_rank = 16\nlora_target_modules = '
+            '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]\n'
+            'max_loras_per_batch = 4\n')  # fmt: skip
+    (tmp_path / "run.toml").write_text((gpu / "run.toml").read_text() + lora)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(gpu, tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "sglang-lora", tmp_path)],
+        "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
+                                "files": ["run.toml"]}],
+    }))  # fmt: skip
+    out = run([tool("kubectl"), "kustomize", str(tmp_path)])
+    assert out.returncode == 0, out.stderr
+    given, wanted = _lora_args([d for d in yaml.safe_load_all(out.stdout) if d])
+    assert given and given == wanted

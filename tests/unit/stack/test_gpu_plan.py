@@ -68,6 +68,23 @@ def test_dry_run_hides_the_engine_api_key(tmp_path: Path, capsys: pytest.Capture
     assert "FLYWHEEL_SYNC_ENGINE_API_KEY=***" in out
 
 
+def test_sglang_engines_get_the_run_files_lora_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The [engine] LoRA keys the CPU engine reads become SGLang's four flags."""
+    config = tmp_path / "run.toml"
+    lora = ('\n[engine]\nenable_lora = true\nmax_lora_rank = 16\n'
+            'lora_target_modules = ["q_proj", "v_proj"]\nmax_loras_per_batch = 4\n')  # fmt: skip
+    config.write_text(GPU_EXAMPLE.read_text() + lora)
+    assert flywheel(["up", "--dry-run", "-c", str(config)]) == 0
+    engine = blocks(capsys.readouterr().out)["engine-0"]
+    want = ("--enable-lora --max-lora-rank 16 --lora-target-modules q_proj v_proj "
+            "--max-loras-per-batch 4")  # fmt: skip
+    assert want in engine, engine
+    assert flywheel(["up", "--dry-run", "-c", str(GPU_EXAMPLE)]) == 0
+    assert "--enable-lora" not in capsys.readouterr().out
+
+
 def test_cpu_engines_take_no_gpu_and_get_the_key(tmp_path: Path) -> None:
     s = StackSettings(run_dir=tmp_path, model=tmp_path / "m", engines=1, engine_api_key="k",
                       trainer_gpus=[0])  # fmt: skip
