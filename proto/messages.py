@@ -299,7 +299,9 @@ class WeightsPublished(Message):
     version: Version
     step: int = Field(ge=0)
     uri: str = Field(min_length=1, description="Where it is (per transport: proto/README.md).")
-    format: Literal["hf-safetensors"] = "hf-safetensors"
+    # "peft-lora": the version is a LoRA adapter of the run's base model (PEFT's layout),
+    # which engines load by name (proto/weight_version.adapter_name) beside the base.
+    format: Literal["hf-safetensors", "peft-lora"] = "hf-safetensors"
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size_bytes: int = Field(ge=0)
     published_at: float = 0.0

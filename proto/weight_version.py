@@ -54,6 +54,18 @@ def parse_name(name: str) -> int | None:
     return int(digits) if name.startswith("v") and digits.isdigit() else None
 
 
+# ── as a LoRA adapter's name on an engine ─────────────────────────────────────────
+def adapter_name(version: int) -> str:
+    """The name a version's LoRA adapter is loaded under (`/load_lora_adapter`'s
+    `lora_name`, `/generate`'s `lora_path`): its directory name, `v000012`."""
+    return dir_name(version)
+
+
+def parse_adapter_name(name: str) -> int | None:
+    """The version an adapter name stands for, None for a name Flywheel did not give."""
+    return parse_name(name) if len(name) == 7 else None
+
+
 # ── to and from an engine (SGLang's free-text weight_version) ───────────────────
 def to_engine(version: int) -> str:
     """What Flywheel sends an engine as `weight_version`: the decimal number."""

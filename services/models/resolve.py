@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from services.runtime.errors import ConfigError
+from services.weights.adapter import ADAPTER_CONFIG
 
 # How the hub spells a model id: one namespace, one name (huggingface_hub's validator's rule).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
@@ -45,12 +46,13 @@ def resolve_model(ref: str | Path, *, key: str = "[stack] model") -> Path:
     """The model directory `ref` names; ModelNotFoundError (one line naming `key`) if none.
 
     A directory wins over a hub id of the same spelling (`models/x` next to
-    the run file is that directory). A directory must hold a `config.json`.
+    the run file is that directory). A directory must hold a `config.json` (a model) or an
+    `adapter_config.json` (a LoRA adapter: services/models/adapters.py loads it on its base).
     """
     text = str(ref)
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file() and not (path / ADAPTER_CONFIG).is_file():
             raise ModelNotFoundError(
                 f"{key} = {text!r} has no config.json: not a Hugging Face model directory; "
                 f"{HOW_TO_GET_ONE}",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from proto.messages import (
@@ -78,6 +78,12 @@ def sample_versions(r: GenerateResult, before: int) -> tuple[int, int, tuple[Ver
         return spans[0].version, spans[-1].version, spans
     last = r.weight_version
     return min(before, last), last, ()
+
+
+def adapter_made(r: GenerateResult, version: int) -> GenerateResult:
+    """`r`, made with the adapter of `version` from start to end (a request keeps its
+    adapter): the engine's own weight_version is its base's, not what sampled."""
+    return replace(r, weight_version=version, weight_versions=())
 
 
 @dataclass(frozen=True)

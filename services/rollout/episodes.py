@@ -69,11 +69,17 @@ class EpisodeRunner:
         self.max_abort_retries = max_abort_retries
         self.on_abort = on_abort
 
-    async def turn(self, ids: list[int], params: dict[str, Any], rid: str) -> TurnOutput:
+    async def turn(
+        self, ids: list[int], params: dict[str, Any], rid: str, lora_path: str | None = None
+    ) -> TurnOutput:
         for attempt in range(self.max_abort_retries + 1):
             suffix = f":r{attempt}" if attempt else ""
             [r] = await self.client.generate(
-                ids, sampling_params=params, rid=rid + suffix, timeout_s=self.timeout_s
+                ids,
+                sampling_params=params,
+                rid=rid + suffix,
+                timeout_s=self.timeout_s,
+                lora_path=lora_path,
             )
             if not r.aborted:
                 return turn_output(r)
@@ -81,18 +87,29 @@ class EpisodeRunner:
         raise RetryableError(f"{rid}: generation aborted {self.max_abort_retries + 1} times")
 
     async def episode(
-        self, spec: EpisodeSpec, ids: list[int], params: dict[str, Any], rid: str
+        self,
+        spec: EpisodeSpec,
+        ids: list[int],
+        params: dict[str, Any],
+        rid: str,
+        lora_path: str | None = None,
     ) -> Episode:
         async def generate(so_far: list[int], p: dict[str, Any], turn: int) -> TurnOutput:
-            return await self.turn(so_far, p, f"{rid}:t{turn}")
+            return await self.turn(so_far, p, f"{rid}:t{turn}", lora_path)
 
         return await run_episode(spec, generate, self.tools, self.encode, ids, params)
 
     async def run(
-        self, spec: EpisodeSpec, ids: list[int], params: dict[str, Any], rid: str, n: int
+        self,
+        spec: EpisodeSpec,
+        ids: list[int],
+        params: dict[str, Any],
+        rid: str,
+        n: int,
+        lora_path: str | None = None,
     ) -> list[Episode]:
-        """`n` episodes of one prompt, at once (the engine batches their turns)."""
+        """`n` episodes of one prompt, at once (the engine batches their turns), with LoRA
+        adapter `lora_path` (None: the engine's own weights)."""
         one = {**params, "n": 1}
-        return list(
-            await asyncio.gather(*(self.episode(spec, ids, one, f"{rid}:s{i}") for i in range(n)))
-        )
+        eps = (self.episode(spec, ids, one, f"{rid}:s{i}", lora_path) for i in range(n))
+        return list(await asyncio.gather(*eps))

@@ -34,6 +34,13 @@ class RolloutSettings(TaskServiceSettings):
     concurrency: int = Field(
         8, ge=1, le=1024, description="Tasks generated at once (fills the engine's batch)."
     )
+    lora: bool = Field(
+        False,
+        description="The engine serves the run's LoRA versions as named adapters "
+        "([trainer.lora] with [sync] lora_mode = 'adapter'; the engine started with "
+        "enable_lora): sample with the newest adapter loaded there (its /v1/models, SGLang "
+        ">= 0.5.5) as lora_path, and record that adapter's version in every sample.",
+    )
     heartbeat_s: float = Field(1.0, gt=0, description="Engine heartbeat interval.")
     generate_timeout_s: float = Field(600.0, gt=0, description="Limit of one generate call.")
     verifier_timeout_s: float = Field(

@@ -45,6 +45,7 @@ from proto.messages import (
     unpack_i32,
 )
 from proto.subjects import Subjects
+from proto.weight_version import adapter_name
 from services.engine_api.engine_client import (
     EngineClient,
     EngineError,
@@ -54,6 +55,7 @@ from services.engine_api.engine_client import (
 from services.engine_api.sglang_api import UnsupportedEngine
 from services.rollout.core import (
     Origin,
+    adapter_made,
     engine_failure,
     make_group,
     make_sample,
@@ -72,6 +74,7 @@ from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode
 from services.tasks.sandbox import Reward, ToolPool
+from services.weights.adapter_load import adapter_versions
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +131,24 @@ class RolloutWorker:
 
     # generation
     async def engine_version(self) -> int:
-        return await self.client.weight_version()
+        return (await self.served())[0]
 
-    async def generate(self, task: PromptTask, ids: list[int], d: Delivery) -> list[GenerateResult]:
+    async def served(self) -> tuple[int, str | None]:
+        """The version the engine serves and, with `[rollout] lora`, the adapter to name
+        as `lora_path` for it: the newest adapter Flywheel loaded there (sync unloads the
+        superseded ones), else the engine's own weights (None)."""
+        base = await self.client.weight_version()
+        if not self.s.lora:
+            return base, None
+        models = await self.client.request("GET", "/v1/models")
+        newest = max(adapter_versions(models), default=None)
+        if newest is None or newest <= base:
+            return base, None
+        return newest, adapter_name(newest)
+
+    async def generate(
+        self, task: PromptTask, ids: list[int], d: Delivery, lora_path: str | None = None
+    ) -> list[GenerateResult]:
         """`task.n` finished completions; aborted ones are generated again."""
         rid = request_id(task, d.delivered)
         results = await self.client.generate(
@@ -138,6 +156,7 @@ class RolloutWorker:
             sampling_params=sampling_params(task, task.n),
             rid=rid,
             timeout_s=self.s.generate_timeout_s,
+            lora_path=lora_path,
         )
         for attempt in range(self.s.max_abort_retries + 1):
             aborted = [i for i, r in enumerate(results) if r.aborted]
@@ -153,6 +172,7 @@ class RolloutWorker:
                     sampling_params=sampling_params(task, 1),
                     rid=f"{rid}:s{i}:r{attempt + 1}",
                     timeout_s=self.s.generate_timeout_s,
+                    lora_path=lora_path,
                 )
                 results[i] = again[0]
         raise RetryableError(f"task {task.task_id}: generation aborted {attempt + 1} times")
@@ -188,13 +208,19 @@ class RolloutWorker:
             )
 
     async def run_episodes(
-        self, task: PromptTask, ids: list[int], d: Delivery, spec: EpisodeSpec
+        self,
+        task: PromptTask,
+        ids: list[int],
+        d: Delivery,
+        spec: EpisodeSpec,
+        lora_path: str | None = None,
     ) -> list[Episode]:
         if self.episodes is None:
             raise ConfigError("a task has [task.episode] but the worker has no tool sandbox")
         await d.in_progress()  # episodes take several generations
         params = sampling_params(task, 1)
-        return await self.episodes.run(spec, ids, params, request_id(task, d.delivered), task.n)
+        rid = request_id(task, d.delivered)
+        return await self.episodes.run(spec, ids, params, rid, task.n, lora_path)
 
     def count_episode(self, ep: Episode, score: Reward) -> Reward:
         """The episode's figures into the metrics and the sample's reward parts."""
@@ -217,7 +243,7 @@ class RolloutWorker:
 
     async def _on_task(self, task: PromptTask, d: Delivery, received: float) -> None:
         try:
-            before = await self.engine_version()
+            before, lora = await self.served()
             if before < task.min_weight_version:
                 self.metrics.behind.inc()
                 raise RetryableError(
@@ -234,12 +260,14 @@ class RolloutWorker:
                 ) from e
             started = time.time()
             episode = self.scorer.episode(task)
-            episodes = await self.run_episodes(task, ids, d, episode) if episode else None
+            episodes = await self.run_episodes(task, ids, d, episode, lora) if episode else None
             results = (
                 [as_result(e, f"{task.task_id}:e{i}") for i, e in enumerate(episodes)]
                 if episodes is not None
-                else await self.generate(task, ids, d)
+                else await self.generate(task, ids, d, lora)
             )
+            if lora is not None:  # the engine reports its base's version; this is the adapter's
+                results = [adapter_made(r, before) for r in results]
         except EngineError as e:
             raise engine_failure(e, self.s.engine_url, task.task_id) from e
         group_id = f"{task.task_id}:a{task.attempt}"

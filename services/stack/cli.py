@@ -183,12 +183,15 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
     from services.runtime.settings import load_settings
 
     errors = []
+    loaded: dict[str, Any] = {}
     for kind in s.services:
         module, _, name = SETTINGS[kind].partition(":")
         try:
-            load_settings(getattr(importlib.import_module(module), name), config)
+            loaded[kind] = load_settings(getattr(importlib.import_module(module), name), config)
         except ConfigError as e:
             errors.append(str(e).removeprefix("invalid settings:\n").strip())
+    if not errors:
+        errors += lora_mismatches(loaded)
     if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
         try:
             s.task_set().check(data=data)
@@ -202,6 +205,34 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
     for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
         print(f"flywheel up: {line}", file=sys.stderr)
     return EXIT_CONFIG if errors else 0
+
+
+def lora_mismatches(loaded: dict[str, Any]) -> list[str]:
+    """What keeps the services of a `[trainer.lora]` run from agreeing: with `[sync]
+    lora_mode = "adapter"` the engines must serve adapters of that rank and those modules
+    (`[engine]`, for the CPU engine and SGLang's flags alike) and the workers must name them
+    (`[rollout] lora`); otherwise each service would start and the run fail at the first
+    version (an engine refusing the load, or workers sampling the base forever)."""
+    trainer, sync = loaded.get("trainer"), loaded.get("sync")
+    lora = getattr(trainer, "lora", None)
+    if lora is None or sync is None or sync.lora_mode != "adapter":
+        return []
+    out = []
+    engine, rollout = loaded.get("engine"), loaded.get("rollout")
+    if engine is not None:
+        targets = set(engine.lora_target_modules or [])
+        missing = sorted(set(lora.modules) - targets) if "all" not in targets else []
+        if not engine.enable_lora:
+            out.append("[trainer.lora] with [sync] lora_mode = 'adapter' needs [engine] "
+                       "enable_lora = true (and max_lora_rank, lora_target_modules)")  # fmt: skip
+        elif (engine.max_lora_rank or 0) < lora.rank or missing:
+            out.append(f"[engine] max_lora_rank = {engine.max_lora_rank} and "
+                       f"lora_target_modules = {sorted(targets)} cannot serve [trainer.lora] "
+                       f"rank {lora.rank} on {list(lora.modules)}")  # fmt: skip
+    if rollout is not None and not rollout.lora:
+        out.append("[trainer.lora] with [sync] lora_mode = 'adapter' needs [rollout] lora = "
+                   "true: the workers would sample from the base model only")  # fmt: skip
+    return out
 
 
 def with_model(s: StackSettings) -> StackSettings:

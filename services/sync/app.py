@@ -47,6 +47,12 @@ from services.sync.core import Engine, Published, Registry, path_for
 from services.sync.metrics import SyncMetrics
 from services.sync.settings import SyncSettings
 from services.weights import Transports, Wiring
+from services.weights.adapter_load import (
+    AdapterLoad,
+    MergedLoad,
+    loaded_adapters,
+    unload_superseded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +124,10 @@ class SyncService:
 
     async def on_published(self, msg: WeightsPublished, _d: Delivery | None) -> None:
         source = self.weights.for_uri(msg.uri).source(msg.uri, msg.version)
-        p = Published(msg.version, source, msg.published_at or time.time())
+        adapter = msg.format == "peft-lora" and self.s.lora_mode == "adapter"
+        if msg.format == "peft-lora":
+            source = AdapterLoad(source) if adapter else MergedLoad(source)
+        p = Published(msg.version, source, msg.published_at or time.time(), adapter=adapter)
         if self.reg.publish(p):
             self.sizes[msg.version] = msg.size_bytes
             self.metrics.published.set(msg.version)
@@ -133,7 +142,8 @@ class SyncService:
 
     async def _update(self, e: Engine, p: Published) -> None:
         started = time.monotonic()
-        mode = self.s.update_mode
+        # An adapter loads beside the ones serving: nothing to pause.
+        mode = "wait" if p.adapter else self.s.update_mode
         key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
         try:
             client = EngineClient(
@@ -153,6 +163,8 @@ class SyncService:
                 finally:
                     if mode != "wait":
                         await c.continue_generation()
+                if p.adapter and res.success:
+                    await self._adapter_loaded(c, e, p)
             if not res.success:
                 raise EngineError(res.message, e.url)
         except UnsupportedEngine as err:
@@ -180,6 +192,22 @@ class SyncService:
         self.metrics.engine_version.labels(engine=e.engine_id).set(p.version)
         self.metrics.bytes.inc(self.sizes.get(p.version, 0))
         log.info("sync: engine %s serves v%d", e.engine_id, p.version)
+
+    async def _adapter_loaded(self, c: EngineClient, e: Engine, p: Published) -> None:
+        """Count `p` served on `e` at once (the worker sends the newest adapter's name from
+        its next task on), then unload the superseded adapters, which waits for the
+        requests still using them; a failed unload is retried after the next version."""
+        e.adapters.add(p.version)
+        self.reg.succeeded(e, p.version)
+        e.updating = True  # still ours (heartbeats must not move it) until the unloads end
+        self.wake.set()  # the version may be ready everywhere now
+        try:
+            if not e.adapters_read:  # a restarted sync: what an earlier one left loaded
+                e.adapters |= await loaded_adapters(c)
+                e.adapters_read = True
+            e.adapters = await unload_superseded(c, e.adapters, p.version, self.s.lora_keep)
+        except (EngineError, TimeoutError) as err:
+            log.warning("sync: engine %s: superseded adapters not unloaded: %s", e.engine_id, err)
 
     async def resume(self, e: Engine) -> None:
         """Continue generation on an engine met for the first time (idempotent).

@@ -43,6 +43,8 @@ class Engine:
     updating: bool = False
     weights_dir: str | None = None  # engine-local dir of versions its worker received
     downloaded: int | None = None  # newest version complete there
+    adapters: set[int] = field(default_factory=set)  # LoRA versions loaded there
+    adapters_read: bool = False  # `adapters` read from the engine (once per sync process)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Published:
     version: int
     source: WeightsSource  # where each engine loads it from (its transport says)
     published_at: float  # when the trainer announced it (for publish→ready latency)
+    adapter: bool = False  # a LoRA adapter loaded by name beside the others (no pause)
 
 
 @dataclass

@@ -45,6 +45,20 @@ class SyncSettings(TaskServiceSettings):
     tick_s: float = Field(
         0.2, gt=0, description="Reconcile at least this often (events also wake it at once)."
     )
+    lora_mode: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="How engines take a LoRA version ([trainer.lora]): 'adapter' loads it "
+        "as the named adapter v000012 beside the base (/load_lora_adapter; engines started "
+        "with enable_lora), nothing paused; 'merged' folds it into its base model and loads "
+        "that whole (/update_weights_from_disk), for engines that cannot serve adapters "
+        "(sync must read the engine's copy and the base: same host or shared storage).",
+    )
+    lora_keep: int = Field(
+        2,
+        ge=1,
+        description="LoRA adapters kept loaded per engine (the newest and the ones before "
+        "it); older ones are unloaded, SGLang answering once no request uses them.",
+    )
     distributed_address: str = Field(
         "127.0.0.1",
         min_length=1,

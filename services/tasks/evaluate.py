@@ -246,9 +246,18 @@ def report_split(loaded: dict[str, LoadedTask]) -> Split:
 
 
 def load_model(model_dir: str | Path) -> tuple[Any, Any]:
+    """A model directory, or a LoRA adapter directory (its base with the adapter merged in,
+    the base's tokenizer), and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    from services.weights.adapter import is_adapter_dir
+
+    if is_adapter_dir(model_dir):
+        from services.models.adapters import base_of, load_merged
+
+        model, model_dir = load_merged(model_dir), base_of(model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 

@@ -31,6 +31,7 @@ from services.trainer.core.logprobs import (
     token_entropy,
     token_logprobs,
 )
+from services.trainer.lora import head_parameters
 
 MicroBatch = dict[str, torch.Tensor]
 
@@ -115,9 +116,10 @@ def _chunked(
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [N]
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)  # [N, H]
-        rows = chunk_rows(head.weight.shape[0], chunk_mib)
+        weight, bias = head_parameters(head)  # with a LoRA head: W + s·B@A
+        rows = chunk_rows(weight.shape[0], chunk_mib)
         lp, got["entropy"] = chunked_token_stats(
-            flat, head.weight, picked, temperature, bias=head.bias, entropy=entropy, rows=rows
+            flat, weight, picked, temperature, bias=bias, entropy=entropy, rows=rows
         )
         got["logp"] = lp
         return lp  # what the model returns as "logits": the graph's output

@@ -45,9 +45,16 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """AutoModelForCausalLM from a local directory only (never a hub)."""
+    """AutoModelForCausalLM from a local directory only (never a hub); a LoRA adapter
+    directory is its base model with the adapter merged in (services/models/adapters.py)."""
     from transformers import AutoModelForCausalLM
 
+    from services.weights.adapter import is_adapter_dir
+
+    if is_adapter_dir(path):
+        from services.models.adapters import load_merged
+
+        return load_merged(path, dtype=dtype)
     p = _check_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype)
@@ -59,6 +66,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn
 def load_tokenizer(path: str | Path):  # -> transformers.PreTrainedTokenizerBase
     from transformers import AutoTokenizer
 
+    from services.weights.adapter import is_adapter_dir
+
+    if is_adapter_dir(path):  # an adapter's tokenizer is its base's
+        from services.models.adapters import base_of
+
+        path = base_of(path)
     p = _check_dir(path)
     try:
         return AutoTokenizer.from_pretrained(p, local_files_only=True)
@@ -119,9 +132,11 @@ PLAIN_HEAD_MODELS = frozenset(
 
 def check_plain_head(model: torch.nn.Module) -> None:
     """Raise unless the chunked logprobs compute exactly what the model's head does."""
+    from services.trainer.lora import plain_linear
+
     name = type(model).__name__.removeprefix("FSDP")
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    if name not in PLAIN_HEAD_MODELS or not isinstance(head, torch.nn.Linear):
+    if name not in PLAIN_HEAD_MODELS or not plain_linear(head):  # a Linear, or LoRA around one
         raise ModelLoadError(
             f"logprobs='chunked' is verified for {', '.join(sorted(PLAIN_HEAD_MODELS))}; "
             f"{name} may post-process its logits: set [trainer.runtime] logprobs = 'full'",

@@ -82,6 +82,7 @@ class Publisher:
             version=version,
             step=version,
             uri=sent.uri,
+            format="hf-safetensors" if self.trainer.adapter is None else "peft-lora",
             sha256=sha256,
             size_bytes=size,
             published_at=time.time(),

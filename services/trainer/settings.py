@@ -14,11 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.tasks.settings import TaskServiceSettings
 from services.trainer.loggers import LoggerName, WandbMode
 from services.weights import TransportKind
+from services.weights.adapter import LoraSettings, check_transport
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 PolicyLossKind = Literal["ppo", "gspo"]
@@ -215,6 +216,18 @@ class TrainConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraSettings | None = None  # None: full fine-tuning
+
+    @model_validator(mode="after")
+    def _lora_head_logprobs(self) -> TrainConfig:
+        lora = self.lora
+        chunked = self.model.logprobs == "chunked"
+        if lora and "lm_head" in lora.heads and lora.dropout > 0 and chunked:
+            raise ValueError(
+                "[lora] dropout > 0 with heads = ['lm_head'] needs logprobs = 'full': the "
+                "chunked logprobs run the adapted head as one merged matrix, without dropout"
+            )
+        return self
 
 
 class TrainerSettings(TaskServiceSettings):
@@ -255,6 +268,12 @@ class TrainerSettings(TaskServiceSettings):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     runtime: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraSettings | None = Field(
+        None,
+        description="[trainer.lora]: train a LoRA adapter (PEFT) instead of every weight, and "
+        "publish only the adapter per version (weights transports 'disk' or 'nats'); "
+        "absent: full fine-tuning.",
+    )
     eval_every: int = Field(
         0,
         ge=0,
@@ -286,8 +305,14 @@ class TrainerSettings(TaskServiceSettings):
         "'online': streams to the W&B server.",
     )
 
+    @model_validator(mode="after")
+    def _adapters_travel(self) -> TrainerSettings:
+        if self.lora is not None:
+            check_transport(self.weights_transport)  # a ConfigError (a ValueError) says why
+        return self
+
     def train_config(self) -> TrainConfig:
-        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime)
+        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime, lora=self.lora)
 
 
 class SftSettings(TaskServiceSettings):
@@ -316,3 +341,8 @@ class SftSettings(TaskServiceSettings):
         description="Optimizer and LR schedule (total_steps is set to the run's steps).",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraSettings | None = Field(
+        None,
+        description="[sft.lora]: train a LoRA adapter instead of every weight; output_dir then "
+        "holds the adapter (PEFT's layout; `flywheel eval --weights` takes it).",
+    )

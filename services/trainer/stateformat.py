@@ -84,10 +84,22 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+def _options(trainer: Trainer, **kw: Any) -> Any:  # -> StateDictOptions
+    """With a LoRA adapter the frozen base is left out: it is the run's model directory,
+    and the checkpoint holds the adapter and its optimizer state only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trainer.adapter is not None, **kw)
+
+
 def model_optim_state(trainer: Trainer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_options(trainer))
+    if trainer.adapter is not None:  # the adapter only
+        from services.trainer.lora import trained_only
+
+        model_sd = trained_only(trainer.model, model_sd)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -137,7 +149,7 @@ def write_state(tmp: Path, state: dict[str, Any], rng: dict[str, Any], info: Dis
 
 def read_state(trainer: Trainer, path: Path, saved_world_size: int) -> None:
     """Restore `trainer`'s model, optimizer and RNG from checkpoint `path` (every rank)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     distributed = trainer.info.distributed
     fmt = format_of(path)
@@ -146,15 +158,36 @@ def read_state(trainer: Trainer, path: Path, saved_world_size: int) -> None:
         rng = state["rng"]
     else:
         state, rng = _read_dcp(trainer, path, saved_world_size)
+    _check_adapter_keys(trainer, state["model"], path)
     set_state_dict(
         trainer.model,
         trainer.optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
         # A one-file state is the full one: under FSDP2 each rank keeps its shards of it.
-        options=StateDictOptions(full_state_dict=fmt is StateFormat.ONE_FILE and distributed),
+        options=_options(
+            trainer,
+            full_state_dict=fmt is StateFormat.ONE_FILE and distributed,
+            # An adapter's checkpoint has no base weights (checked whole just above).
+            strict=trainer.adapter is None,
+        ),
     )
     _set_rng_state(rng)
+
+
+def _check_adapter_keys(trainer: Trainer, model_state: dict[str, Any], path: Path) -> None:
+    """CheckpointError unless an adapter run's checkpoint holds exactly its adapter (a full
+    fine-tuning checkpoint, or one of another rank or target set, is not resumable)."""
+    if trainer.adapter is None:
+        return
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if set(model_state) != trained:
+        missing, extra = sorted(trained - set(model_state)), sorted(set(model_state) - trained)
+        raise CheckpointError(
+            f"{path} is not a checkpoint of this [trainer.lora] adapter: "
+            f"missing {missing[:3]}, unexpected {extra[:3]}",
+            path=path,
+        )
 
 
 def _read_dcp(

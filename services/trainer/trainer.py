@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from services.trainer import lora
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
     MetricAccumulator,
@@ -70,12 +71,15 @@ class Trainer:
         cfg: TrainConfig,
         info: DistInfo,
         ref_model: torch.nn.Module | None = None,
+        adapter: dict[str, Any] | None = None,
     ):
         self.model, self.tokenizer, self.cfg, self.info = model, tokenizer, cfg, info
         self.ref_model = ref_model
         # Weights go out in the dtype they came in (a bf16 checkpoint: half the bytes to
         # write, hash, send and load; bf16 deltas), whatever the float32 masters train in.
         self.publish_dtype: torch.dtype | None = None
+        # With [trainer.lora]: the adapter's adapter_config.json; its versions are adapters.
+        self.adapter = adapter
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -115,8 +119,15 @@ class Trainer:
         torch.manual_seed(m.seed)
         dtype = compute_dtype(m.precision, info.device)
         attention = attention_for(cfg, info)
+        if cfg.lora is not None:
+            lora.check_base(model_dir)  # engines load the base the adapter names, as it is
+        policy = load_model(model_dir)
+        adapter = None
+        if cfg.lora is not None:  # before sharding: FSDP2 wraps the layers with their adapters
+            policy = lora.apply(policy, cfg.lora)
+            adapter = lora.config_doc(cfg.lora, base=str(Path(model_dir).expanduser().resolve()))
         model = prepare_model(
-            load_model(model_dir),
+            policy,
             info,
             activation_checkpointing=m.activation_checkpointing,
             dtype=dtype,
@@ -126,7 +137,7 @@ class Trainer:
         if cfg.loss.kl_coef > 0:  # frozen: no float32 master copy needed
             frozen = load_model(model_dir, dtype=dtype)
             ref = prepare_model(frozen, info, dtype=dtype, trainable=False, attention=attention)
-        trainer = cls(model, load_tokenizer(model_dir), cfg, info, ref)
+        trainer = cls(model, load_tokenizer(model_dir), cfg, info, ref, adapter)
         trainer.publish_dtype = stored_dtype(model_dir)
         return trainer
 
@@ -336,12 +347,16 @@ class Trainer:
     # ---- weights out -------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded model state on CPU, on rank 0 only (None elsewhere)."""
+        """The unsharded model state on CPU, on rank 0 only (None elsewhere): with an
+        adapter, only the adapter's (the frozen base is the run's model directory)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.adapter is not None
         )
+        sd = get_model_state_dict(self.model, options=options)
+        if self.adapter is not None:
+            sd = lora.trained_only(self.model, sd)
         return sd if self.info.is_main else None  # type: ignore[return-value]
 
     def save_weights(
@@ -351,7 +366,8 @@ class Trainer:
         overwrite: bool = False,
         state_dict: dict[str, torch.Tensor] | None = None,
     ) -> Manifest | None:
-        """Write an HF directory (config, safetensors, generation config, tokenizer) atomically.
+        """Write an HF directory (config, safetensors, generation config, tokenizer) atomically;
+        with an adapter, PEFT's adapter directory instead (services/trainer/lora.py).
 
         Every rank must call it (the gather is a collective); rank 0 writes
         and returns the manifest, the others return None after it is done.
@@ -363,9 +379,14 @@ class Trainer:
         manifest = None
         if self.info.is_main:
             assert sd is not None
-            sd = cast_state(sd, self.publish_dtype)
+            adapter = self.adapter
+            if adapter is None:  # an adapter stays in its masters' float32 (a few MB)
+                sd = cast_state(sd, self.publish_dtype)
 
             def write(tmp: Path) -> None:
+                if adapter is not None:
+                    lora.write_adapter(tmp, lora.adapter_tensors(sd), adapter)
+                    return
                 save = self.model.save_pretrained  # a transformers PreTrainedModel method
                 save(tmp, state_dict=sd, safe_serialization=True)  # type: ignore[operator]
                 self.tokenizer.save_pretrained(tmp)

@@ -57,7 +57,9 @@ def run_sft(settings: SftSettings, log=print) -> dict[str, Any]:
     per_epoch = max(len(train) // settings.batch_size, 1)
     steps = settings.steps or max(math.ceil(settings.epochs * per_epoch), 1)
     cfg = TrainConfig(
-        optim=settings.optim.model_copy(update={"total_steps": steps}), model=settings.model
+        optim=settings.optim.model_copy(update={"total_steps": steps}),
+        model=settings.model,
+        lora=settings.lora,
     )
     trainer = Trainer.from_pretrained(settings.model_dir, cfg, info)
     show = settings.progress if settings.progress is not None else sys.stderr.isatty()

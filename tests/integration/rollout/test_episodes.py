@@ -107,8 +107,10 @@ def test_two_tool_calls_make_one_sample_of_exactly_what_the_engine_saw(
             runner = EpisodeRunner(c, tools, TOK.encode, 30.0, 0, lambda: None)
             engine_turn = runner.turn
 
-            async def recorded(ids: list[int], params: dict[str, Any], rid: str) -> TurnOutput:
-                out = await engine_turn(ids, params, rid)
+            async def recorded(
+                ids: list[int], params: dict[str, Any], rid: str, lora_path: str | None = None
+            ) -> TurnOutput:
+                out = await engine_turn(ids, params, rid, lora_path)
                 turns.append(out)
                 return out
 

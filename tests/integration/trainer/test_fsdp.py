@@ -132,3 +132,33 @@ def test_a_one_process_checkpoint_resumes_under_two_rank_fsdp(tiny_model_dir, tm
     for name, tensor in load_file(tmp_path / "weights" / "model.safetensors").items():
         torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)
     assert (latest_checkpoint(tmp_path / "ckpt") / "state").is_dir()  # FSDP2 keeps DCP
+
+
+@pytest.mark.slow  # torchrun: two ranks, each importing torch
+def test_two_rank_fsdp_trains_a_lora_adapter_as_one_process(tiny_model_dir, tmp_path):
+    """[trainer.lora] under FSDP2: the same step as one process, the version gathered on
+    rank 0 is the adapter alone, and the two ranks' DCP checkpoint (adapter and its AdamW
+    state) resumes in one process."""
+    from services.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings
+
+    cfg = CFG.model_copy(update={"lora": LoraSettings(rank=4, alpha=8, heads=("lm_head",))})
+    _torchrun(tiny_model_dir, tmp_path, cfg)
+    single = Trainer.from_pretrained(tiny_model_dir, cfg)
+    want = single.train_step(random_batch(seed=1))
+    got = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+        assert abs(got[key] - want[key]) < 1e-5, (key, got[key], want[key])
+
+    manifest = verify_weights_dir(tmp_path / "weights")
+    assert {f.name for f in manifest.files} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+    saved = load_file(tmp_path / "weights" / ADAPTER_WEIGHTS)
+    ref = single.model.state_dict()
+    assert len(saved) == 4 * 7 + 2  # 2 layers x 7 modules x (A, B), the head's A and B
+    for name, tensor in saved.items():
+        live = name.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+        torch.testing.assert_close(tensor, ref[live], atol=1e-5, rtol=0, msg=name)
+
+    resumed = Trainer.from_pretrained(tiny_model_dir, cfg)
+    assert load_checkpoint(resumed, latest_checkpoint(tmp_path / "ckpt")) == {"seq": 7}
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, ref[name], atol=1e-5, rtol=0, msg=name)
