@@ -23,7 +23,8 @@ from tests.integration.trainer.trainer_helpers import random_batch
 def _cfg(lora: LoraSettings | None = None, **model) -> TrainConfig:
     return TrainConfig(
         optim=OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", total_steps=6),
-        model=ModelConfig(micro_batch_tokens=100_000, **model),
+        # float32, padded: these tests compare with PEFT's own forward exactly
+        model=ModelConfig(micro_batch_tokens=100_000, **{"precision": "fp32", **model}),
         lora=lora or LoraSettings(rank=4, alpha=8),
     )
 
