@@ -380,8 +380,7 @@ class Trainer:
         if self.info.is_main:
             assert sd is not None
             adapter = self.adapter
-            if adapter is None:  # an adapter stays in its masters' float32 (a few MB)
-                sd = cast_state(sd, self.publish_dtype)
+            sd = cast_state(sd, self.publish_dtype)  # an adapter too: bf16 halves its bytes
 
             def write(tmp: Path) -> None:
                 if adapter is not None:
