@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
         help="fraction of SFT labels that write the carry out of the tens as 0 (58+67=025)",
     )
     p.add_argument(
-        "--rl-steps", type=int, help="RL optimizer steps (default 130; tools: 60; real: 40)"
+        "--rl-steps", type=int, help="RL optimizer steps (default 130; tools: 60; real: 80)"
     )
     p.add_argument(
         "--target-accuracy",

