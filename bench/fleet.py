@@ -133,6 +133,7 @@ async def serve_engines(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from services.engine.app import build_app
+    from services.engine.loras import Loras
     from services.engine.probes import Health
     from services.engine.settings import EngineSettings
     from services.engine.state import EngineState
@@ -148,7 +149,8 @@ async def serve_engines(args: argparse.Namespace) -> None:
         state = EngineState(settings=settings, tokenizer=tok, scheduler=sched,  # type: ignore[arg-type]
                             vocab_size=1 << 16, context_len=4096, model_path="synthetic",
                             started=time.time(), caps=caps,
-                            health=Health(caps, False, 5.0))  # fmt: skip
+                            health=Health(caps, False, 5.0),
+                            lora=Loras(None, caps, sched, None, 1 << 16))  # type: ignore[arg-type]  # fmt: skip
         root.add_subapp(f"/e{i}/", build_app(state))
     runner = web.AppRunner(root, access_log=None)
     await runner.setup()
