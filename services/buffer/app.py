@@ -234,6 +234,7 @@ class BufferService:
             if verdict == Verdict.ACCEPTED:
                 self.pending_seqs[group.group_id] = d.stream_seq
                 self.metrics.staleness.observe(target - group.weight_version)
+            if verdict == Verdict.ACCEPTED or self.asm.last_refill is not None:
                 if self._fill_started is None:
                     self._fill_started = time.monotonic()
                 await self._publish_ready_batches()

@@ -283,6 +283,7 @@ class Assembler:
     def offer(self, group: SampleGroup) -> str:
         """Decide one arriving group; returns a Verdict (or a custom filter's reason)."""
         gid = group.group_id
+        self.last_refill = None
         if gid in self.state.settled:
             # Redelivered. A dropped group gets its drop reason again, so a crash
             # between deciding and dead-lettering cannot lose its dead letter.
