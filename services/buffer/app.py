@@ -133,6 +133,7 @@ class BufferService:
         self.window = StepWindow(per_step=g)
         self.stall = StallWatch(limit=math.ceil(settings.stall_warn_steps * g))
         self.batched_seqs: dict[str, int] = {}  # recent batched group id -> SAMPLES seq
+        self._said_exhausted = False  # "every prompt is retired or resting", said once
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
         self.metrics = BufferMetrics(ctx.registry)
         self.lock = asyncio.Lock()  # one state change (and its persist) at a time
@@ -426,7 +427,8 @@ class BufferService:
             st.cursor = Cursor(*got.cursor)
             for reason, k in got.skipped.items():
                 self.metrics.skipped.labels(reason=reason).inc(k)
-            if got.forced:
+            if got.forced and not self._said_exhausted:
+                self._said_exhausted = True
                 log.warning("buffer: every prompt is retired or resting; drawing them anyway "
                             "([buffer] curriculum_retire_*, flat_rest_steps)")  # fmt: skip
             st.dispatched += n
@@ -445,8 +447,11 @@ class BufferService:
             return None
         if stats is None:  # never seen: drawn as always
             return None
-        u = coin(self.s.seed, epoch, offset)
-        return skip_reason(stats, self.asm.state.next_step, u, self.curriculum)
+        step = self.asm.state.next_step
+        sure = skip_reason(stats, step, 0.0, self.curriculum)  # retired, resting, weight 0
+        if sure is not None:
+            return sure
+        return skip_reason(stats, step, coin(self.s.seed, epoch, offset), self.curriculum)
 
     async def dispatch_loop(self, stop: asyncio.Event) -> None:
         transient = transient_errors()
