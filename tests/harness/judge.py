@@ -6,7 +6,7 @@ to a reply string) and answers in the chat-completions shape SGLang and the
 CPU engine answer in (the CPU engine's own `chat_response`). It can also
 hang (never answer) or answer garbage, counts the requests it received and
 the most it had in flight at once (`tally`, which servers may share), and
-can wait `delay_s` before each answer. Served in the test's event loop
+can take `delay_s` over each answer, `capacity` at a time. Served in the test's event loop
 (`serving`), or on a thread of its own (`in_thread`) for tests whose
 processes are driven synchronously.
 """
@@ -49,9 +49,11 @@ class JudgeServer:
     rule: Callable[[str], str] = lambda text: "score: 5"
     mode: str = "rule"  # "rule", "hang" (never answers) or "garbage"
     delay_s: float = 0.0
+    capacity: int = 0  # answers it works on at once (more wait, as in an engine's queue); 0: any
     requests: int = 0
     tally: Tally = field(default_factory=Tally)  # share one among servers to count a pool
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    _busy: asyncio.Semaphore | None = None
 
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -64,7 +66,7 @@ class JudgeServer:
             if self.mode == "hang":
                 await asyncio.Event().wait()
             if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+                await self._work()
             reply = (
                 "¯\\_(ツ)_/¯ lorem"
                 if self.mode == "garbage"
@@ -77,6 +79,15 @@ class JudgeServer:
                 "weight_version": "0", "finish_reason": {"type": "stop"}}  # fmt: skip
         outs = [{"text": reply, "output_ids": list(range(n)), "meta_info": meta}]
         return web.json_response(oa.chat_response(body, outs, [0], str, "judge"))
+
+    async def _work(self) -> None:
+        if not self.capacity:
+            await asyncio.sleep(self.delay_s)
+            return
+        if self._busy is None:  # made in the server's own event loop
+            self._busy = asyncio.Semaphore(self.capacity)
+        async with self._busy:
+            await asyncio.sleep(self.delay_s)
 
     def app(self) -> web.Application:
         app = web.Application()

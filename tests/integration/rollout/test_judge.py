@@ -19,6 +19,7 @@ test_task_rollout.py runs it) whose task mixes exact_match with a judge.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -88,6 +89,23 @@ def test_pool_spreads_the_load_and_honours_its_concurrency() -> None:
     assert replies == ["score: 5"] * 12
     assert a.requests + b.requests == 12 and min(a.requests, b.requests) >= 4
     assert both.most == 3  # the pool's limit, reached and never passed
+
+
+def test_more_judge_engines_judge_more() -> None:
+    """Engines that answer one request at a time (0.2 s each): 8 requests take about half
+    as long on two as on one, the pool's concurrency being no limit."""
+
+    async def timed(engines: int) -> float:
+        servers = [JudgeServer(delay_s=0.2, capacity=1) for _ in range(engines)]
+        async with contextlib.AsyncExitStack() as stack:
+            urls = [await stack.enter_async_context(serving(s.app())) for s in servers]
+            async with ChatPool(urls, concurrency=8) as pool:
+                t0 = time.monotonic()
+                await asyncio.gather(*(pool.chat(chat_body()) for _ in range(8)))
+                return time.monotonic() - t0
+
+    one, two = asyncio.run(timed(1)), asyncio.run(timed(2))
+    assert one >= 1.6 and two < 0.7 * one, (one, two)
 
 
 def test_a_hung_engine_is_retried_on_another_and_a_hung_pool_fails_in_bounded_time() -> None:
