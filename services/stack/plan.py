@@ -164,19 +164,37 @@ def judge_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) ->
     engines on `[judge] model` (default: the policy's base, `[stack] model`), supervised
     like the rollout engines; their /v1/chat/completions is what the workers ask. They
     serve no weight updates (sync never learns of them: no worker heartbeats them)."""
-    if not s.judged() or s.judge.engines == 0:
+    j = s.judge
+    if not s.judged() or j.engines == 0:
         return []
-    model = s.judge.model or str(s.model)
+    model = j.model or str(s.model)
+    key = j.api_key.get_secret_value() if j.api_key else None
     specs = []
-    for i in range(s.judge.engines):
+    for i in range(j.engines):
         port = free_port()
-        argv = _py("services.engine", "--config", str(config), "--model", model)
-        argv += ("--port", str(port), "--weight-version", "0")
-        env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(s.judge.threads), **_visible(())}
-        if s.judge.api_key:  # by environment, as the rollout engines' key
-            env["FLYWHEEL_ENGINE_API_KEY"] = s.judge.api_key.get_secret_value()
+        gpus: tuple[int, ...] = ()
+        if j.gpus:  # SGLang on GPUs of its own (StackSettings checks the map)
+            gpus = tuple(j.gpus[i])
+            opts = SGLangOptions(
+                model_path=Path(model),
+                port=port,
+                weight_version=to_engine(INITIAL),
+                tp_size=len(gpus),
+                mem_fraction_static=s.engine_mem_fraction,
+                api_key=key,
+                enable_metrics=True,
+            )
+            argv = tuple(command(opts))
+            env = {**_visible(gpus), "HF_HUB_OFFLINE": "1", **environment(opts)}
+        else:
+            argv = _py("services.engine", "--config", str(config), "--model", model)
+            argv += ("--port", str(port), "--weight-version", "0")
+            env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(j.threads), **_visible(())}
+            if key:  # by environment, as the rollout engines' key
+                env["FLYWHEEL_ENGINE_API_KEY"] = key
         url = f"http://127.0.0.1:{port}"
-        specs.append(ProcSpec(f"judge-{i}", "judge", argv, env, f"{url}/health_generate"))
+        specs.append(ProcSpec(f"judge-{i}", "judge", argv, env, f"{url}/health_generate",
+                              None, gpus))  # fmt: skip
     return specs
 
 
@@ -187,7 +205,7 @@ def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
         return p
     n = str(len(cores))
     env = {**p.env, "OMP_NUM_THREADS": n}
-    if (p.kind == "engine" and s.engine == "cpu") or p.kind == "judge":
+    if (p.kind == "engine" and s.engine == "cpu") or (p.kind == "judge" and not p.gpus):
         env["FLYWHEEL_ENGINE_NUM_THREADS"] = n
     if p.kind == "trainer":
         env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] = n

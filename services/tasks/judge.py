@@ -147,6 +147,12 @@ class JudgeSettings(BaseModel):
         "default: [stack] model, the policy's base).",
     )
     threads: int = Field(1, ge=0, description="`flywheel up`: torch threads per CPU judge engine.")
+    gpus: tuple[tuple[int, ...], ...] = Field(
+        (),
+        description="`flywheel up` with [stack] engine = 'sglang': the GPUs of each SGLang "
+        "judge engine, one list per engine (more than one: tensor parallel), e.g. [[6], [7]]; "
+        "none given there: the judge engines are CPU engines.",
+    )
     concurrency: int = Field(
         8,
         ge=1,
