@@ -73,3 +73,30 @@ def test_judge_verdicts_drive_training(tiny_model: Path, tmp_path: Path) -> None
     assert last > first + 0.3, rewards
     # every sample was judged, through the pool: the judge saw each distinct completion
     assert judge.requests > 0
+
+
+def test_flywheel_up_starts_the_judge_engines_and_the_workers_ask_them(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`[judge] engines = 1`: the plan's judge-0 (a CPU engine on the base model) starts
+    first, and the worker, told its URL by the plan, sends it every judge request. (The
+    tiny model is no judge: whether its replies hold a verdict is not the point here.)"""
+    root = tmp_path / "run"
+    cfg = tmp_path / "run.toml"
+    text = config(root, tiny_model, "http://unused:1").replace(
+        'judge]\nurls = ["http://unused:1"]\nengines = 0', "judge]\nengines = 1"
+    )
+    assert "engines = 1\nconcurrency = 8" in text
+    cfg.write_text(text)
+    with NatsServer(store_dir=tmp_path / "nats") as nats, Stack(cfg, nats.url) as st:
+        assert [p for p in st.names if p.startswith("judge")] == ["judge-0"]
+        judge = st.proc("judge-0")
+        with printing_logs_on_failure(st):
+            st.start("judge-0", "engine-0")
+            st.start("rollout-0")
+            st.start("buffer")
+            worker = st.proc("rollout-0")
+            label = f'engine="{judge.url}",outcome="ok"'
+            asked = wait_for(lambda: worker.metric("flywheel_judge_requests_total", label),
+                             timeout_s=120, what="judge requests to judge-0")  # fmt: skip
+    assert asked >= 1
