@@ -10,7 +10,7 @@ asks the 10 again to show the cache (no request reaches the engine).
 SmolLM2-135M is a weak judge: the figures say whether the path is real and
 what a verdict costs on these cores, not how good the verdicts are.
 
-    .venv/bin/python bench/judge.py [--model ~/.cache/flywheel/models/SmolLM2-135M-Instruct]
+    .venv/bin/python bench/judge.py [--parse yes_no|score] [--model <dir>]
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ from services.engine_api.chat_pool import ChatPool  # noqa: E402
 from services.tasks.judge import Judge, JudgeReward  # noqa: E402
 
 MODEL = Path.home() / ".cache/flywheel/models/SmolLM2-135M-Instruct"
-RUBRIC = (
-    "Question: {prompt}\nProposed answer: {completion}\n"
-    "Is the proposed answer correct? Reply with yes or no."
-)
+RUBRICS = {
+    "yes_no": (
+        "Question: {prompt}\nProposed answer: {completion}\n"
+        "Is the proposed answer correct? Reply with yes or no."
+    ),
+    "score": (
+        "Question: {prompt}\nProposed answer: {completion}\n"
+        "Rate the proposed answer's correctness from 0 (wrong) to 10 (right). "
+        "Reply with the number only."
+    ),
+}
 CASES = [  # (prompt, completion, is it right)
     ("What is 2 + 3?", "5", True),
     ("What is 2 + 3?", "7", False),
@@ -101,11 +108,12 @@ async def judge_all(url: str, part: JudgeReward) -> list[tuple[str, str, bool, s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--parse", choices=sorted(RUBRICS), default="yes_no")
     args = ap.parse_args()
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"no model at {args.model}: `make smollm2` imports it")
     part = JudgeReward.model_validate(
-        {"fn": "judge", "rubric": RUBRIC, "parse": "yes_no", "max_tokens": 4}
+        {"fn": "judge", "rubric": RUBRICS[args.parse], "parse": args.parse, "max_tokens": 4}
     )
     log = Path(tempfile.mkdtemp(prefix="judge-bench-")) / "engine.log"
     t0 = time.monotonic()
@@ -122,7 +130,7 @@ def main() -> None:
         print(f"| {prompt} | {completion} | {'yes' if right else 'no'} | {reply!r} | "
               f"{value:g} | {secs:.2f} |")  # fmt: skip
     scored = [(r, v) for _, _, r, _, v, _ in rows if v == v]
-    agree = sum((v == 1.0) == r for r, v in scored)
+    agree = sum((v >= 0.5) == r for r, v in scored)
     lat = sorted(s for *_, s in rows)
     print(
         f"\nscored {len(scored)}/10, agreeing with the truth {agree}/{len(scored)}; "

@@ -77,7 +77,8 @@ class JudgeReward(RewardPart):
     parse: Literal["score", "yes_no"] = Field(
         "score",
         description="How the reply becomes a value: 'score': the number after the last "
-        "'score:' (else the reply's first number), in [0, scale], divided by scale; "
+        "'score:', else the reply if it is only a number ('7', '7/10'), in [0, scale], "
+        "divided by scale; "
         "'yes_no': the reply's first word, yes = 1, no = 0. Anything else: no verdict (the "
         "sample is unscored and dead-lettered as judge_unparsable), never 0.",
     )
@@ -196,7 +197,9 @@ def request(part: JudgeReward, prompt: str, completion: str, answer: str | None)
 
 _NUMBER = r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)"
 _SCORE_AFTER = re.compile(rf"score\W{{0,3}}\s*({_NUMBER})", re.I)
-_FIRST_NUMBER = re.compile(_NUMBER)
+# A reply that is a number and nothing else: "7", "**7**", "7.", "7/10", "7 out of 10".
+_OUT_OF = r"(?:(?:/|out of)\s*\d+(?:\.\d+)?)?"
+_ONLY_NUMBER = re.compile(rf"^[\s*]*({_NUMBER})[\s*]*{_OUT_OF}[\s*.]*$", re.I)
 _YES_NO = re.compile(r"^\W*(yes|no)\b", re.I)
 
 
@@ -205,14 +208,16 @@ def parse_reply(part: JudgeReward, reply: str) -> float | None:
     if part.parse == "yes_no":
         m = _YES_NO.match(reply)
         return None if m is None else float(m.group(1).lower() == "yes")
+    # Only a number the judge gave as its score: a reply that echoes the question
+    # ("2 + 3 ...") holds numbers that are no verdict.
     found = _SCORE_AFTER.findall(reply)
     if found:
         raw = found[-1]
     else:
-        m = _FIRST_NUMBER.search(reply)
+        m = _ONLY_NUMBER.match(reply)
         if m is None:
             return None
-        raw = m.group()
+        raw = m.group(1)
     x = float(raw)
     if not math.isfinite(x) or not 0.0 <= x <= part.scale:
         return None

@@ -66,8 +66,9 @@ def test_request_fills_the_rubric_and_asks_greedily() -> None:
 
 @pytest.mark.parametrize(
     ("reply", "value"),
-    [("7", 0.7), (" 10/10", 1.0), ("Score: 3. Reason: 9 words", 0.3), ("0", 0.0),
-     ("I think 2.5", 0.25), ("score = 8, then Score: 6", 0.6),
+    [("7", 0.7), (" 10/10", 1.0), ("**8** out of 10.", 0.8), ("Score: 3. Reason: 9 words", 0.3),
+     ("0", 0.0), ("score = 8, then Score: 6", 0.6), ("2.5\n", 0.25),
+     ("I think 2.5", None), ("2 + 3", None), ("10 -", None),  # echoes, not verdicts
      ("no number", None), ("", None), ("11", None), ("-1", None), ("score: 12", None)],
 )  # fmt: skip
 def test_score_parser(reply: str, value: float | None) -> None:
