@@ -143,6 +143,8 @@ class ChatPool:
         raise ChatFailed(last.reason, f"{last} ({tries} attempt{'s' * (tries > 1)})")
 
     async def _one(self, i: int, body: dict[str, Any]) -> str:
+        import aiohttp
+
         url = self.urls[i]
         self.loads[i] += 1
         t0 = time.monotonic()
@@ -163,6 +165,9 @@ class ChatPool:
         except ChatFailed:
             outcome = "malformed"
             raise
+        except aiohttp.ClientError as e:  # a broken answer (payload, headers): try another
+            outcome = "unavailable"
+            raise ChatFailed("unavailable", f"{url}: {type(e).__name__}: {e}") from e
         except ValueError as e:  # a body that says it is JSON and is not
             outcome = "malformed"
             raise ChatFailed("malformed", f"{url}: answer is not JSON: {e}") from e

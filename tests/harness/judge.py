@@ -47,7 +47,7 @@ class Tally:
 @dataclass
 class JudgeServer:
     rule: Callable[[str], str] = lambda text: "score: 5"
-    mode: str = "rule"  # "rule", "hang" (never answers) or "garbage"
+    mode: str = "rule"  # "rule", "hang" (never answers), "garbage" or "refuse" (a 400)
     delay_s: float = 0.0
     capacity: int = 0  # answers it works on at once (more wait, as in an engine's queue); 0: any
     requests: int = 0
@@ -65,6 +65,10 @@ class JudgeServer:
         try:
             if self.mode == "hang":
                 await asyncio.Event().wait()
+            if self.mode == "refuse":  # SGLang's ErrorResponse for a request it will not run
+                err = {"object": "error", "message": "bad request", "type": "BadRequestError",
+                       "param": None, "code": 400}  # fmt: skip
+                return web.json_response(err, status=400)
             if self.delay_s:
                 await self._work()
             reply = (

@@ -127,6 +127,19 @@ def test_a_hung_engine_is_retried_on_another_and_a_hung_pool_fails_in_bounded_ti
     assert took < 3.0
 
 
+def test_a_refusal_is_not_retried() -> None:
+    refusing = JudgeServer(mode="refuse")
+
+    async def body() -> ChatFailed:
+        async with serving(refusing.app()) as url, ChatPool([url], retries=3) as pool:
+            with pytest.raises(ChatFailed) as err:
+                await pool.chat(chat_body())
+            return err.value
+
+    err = asyncio.run(body())
+    assert err.reason == "refused" and "400" in str(err) and refusing.requests == 1
+
+
 # ── the rollout worker that judges ──────────────────────────────────────────────
 def digits_rule(text: str) -> str:
     """10 x the share of digits in the completion."""
