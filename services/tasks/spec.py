@@ -209,4 +209,7 @@ class TaskSpec(Strict):
 
     @property
     def correct_part(self) -> str:
-        return self.eval.part or self.reward[0].part_name
+        """The part that decides 'correct': eval.part, else the first one evaluation scores
+        (a judge part is not scored there: scoring.Scorer)."""
+        verifiable = (p.part_name for p in self.reward if not p.external)
+        return self.eval.part or next(verifiable, self.reward[0].part_name)

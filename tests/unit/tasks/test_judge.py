@@ -39,6 +39,14 @@ def test_a_bad_rubric_is_refused_at_start_up(rubric: str, why: str) -> None:
         part(rubric=rubric)
 
 
+def test_evaluation_decides_correct_on_the_first_verifiable_part() -> None:
+    spec = TaskSpec.model_validate({
+        "source": {"type": "arithmetic"},
+        "reward": [{"type": "judge", "rubric": "{completion}"}, {"fn": "exact_match"}],
+    })  # fmt: skip
+    assert spec.correct_part == "exact_match"
+
+
 def test_eval_part_may_not_be_a_judge() -> None:
     with pytest.raises(ValidationError, match="judge part"):
         TaskSpec.model_validate({
