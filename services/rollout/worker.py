@@ -35,8 +35,10 @@ and the newest one it has (services/rollout/weights_fetch.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 from proto.messages import (
@@ -68,7 +70,7 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.runtime.errors import ConfigError, PermanentError, RetryableError
 from services.runtime.lifecycle import ServiceContext
-from services.runtime.msgloop import Delivery, pause, transient_errors
+from services.runtime.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
 from services.runtime.publish import publish
 from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
@@ -111,6 +113,14 @@ class RolloutWorker:
         self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
         self.warned_errors: set[str] = set()  # verifier errors already logged once
         self.episodes: EpisodeRunner | None = None  # set by use_tools: tasks with episodes
+        self.dead_letters = DeadLetterPublisher(
+            ctx.js,
+            run=s.run,
+            service="rollout",
+            max_payload=ctx.max_payload,
+            registry=ctx.registry,
+            subject=self.subjects.tasks,
+        )
 
     def use_tools(self, tools: ToolPool) -> None:
         """Run tasks with `[task.episode]` as episodes, their tool calls in `tools`."""
@@ -197,14 +207,50 @@ class RolloutWorker:
             self.metrics.verifier_errors.inc()
             # One warning per distinct error; repeats are counted, not logged (a broken
             # reward fails every sample: the buffer stops the run on that, not the console).
-            level = logging.DEBUG if r.error in self.warned_errors else logging.WARNING
-            self.warned_errors.add(r.error)
+            seen = r.reason or r.error  # a judge's failures: one warning per reason
+            level = logging.DEBUG if seen in self.warned_errors else logging.WARNING
+            self.warned_errors.add(seen)
             log.log(
                 level,
                 "rollout: task %s: verifier failed: %s (repeats: counted in "
                 "flywheel_rollout_verifier_errors_total)",
                 task.task_id,
                 r.error,
+            )
+
+    async def dead_letter_unscored(
+        self,
+        task: PromptTask,
+        samples: list[Any],
+        scores: list[Reward],
+        results: list[GenerateResult],
+        d: Delivery,
+    ) -> None:
+        """A sample a check outside the sandbox could not score (an LLM judge that hung,
+        failed or answered garbage) goes to `dlq.<reason>` with the judge's reply; the
+        sample itself travels unscored (the buffer leaves it out of the loss). One dead
+        letter per sample and delivery-independent id, so a redelivered task's repeats
+        are stored once."""
+        for sample, score, r in zip(samples, scores, results, strict=True):
+            if score.reason is None:
+                continue
+            what = {
+                "sample_id": sample.sample_id,
+                "task_id": task.task_id,
+                "task_name": task.task_name,
+                "engine_id": self.s.engine_id,
+                "error": score.error,
+                "completion": r.text[:4000],
+            }
+            await self.dead_letters.publish(
+                reason=score.reason,
+                error=score.error or score.reason,
+                subject=self.subjects.tasks,
+                payload=json.dumps(what).encode(),
+                delivered=d.delivered,
+                origin=f"rollout:{sample.sample_id}",
+                where=sample.sample_id,
+                expected=True,
             )
 
     async def run_episodes(
@@ -231,7 +277,7 @@ class RolloutWorker:
             self.metrics.tool_seconds.observe(ep.tool_seconds / ep.tool_calls)
         for why in ep.errors:
             log.debug("rollout: tool call failed: %s", why)
-        return Reward(score.reward, {**score.parts, **ep.parts()}, score.error)
+        return replace(score, parts={**score.parts, **ep.parts()})
 
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
         received = time.time()
@@ -284,6 +330,7 @@ class RolloutWorker:
             self.metrics.tokens.inc(len(r.output_ids))
             if score.error is None:  # a failed check's 0 is no reward (never trained on)
                 self.metrics.reward.observe(score.reward)
+        await self.dead_letter_unscored(task, samples, scores, results, d)
         group = make_group(self.s.run, task, group_id, tuple(samples), self.s.worker_id)
         await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
         self.metrics.groups.inc()

@@ -197,6 +197,10 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
             s.task_set().check(data=data)
         except ConfigError as e:
             errors.append(str(e))
+    if not errors and "rollout" in s.services and s.judged():
+        if not s.judge.urls and not (s.judge.engines and "engine" in s.services):
+            errors.append("[judge] engines = 0 and no urls: a task has a judge reward, and "
+                          "nothing would answer it")  # fmt: skip
     if data:
         try:
             with_model(s)

@@ -112,10 +112,20 @@ class StackSettings(TaskServiceSettings):
                 f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
                 f"{self.trainer_nproc} ranks"
             )
+        judge = self.judge.gpus
+        if judge and self.judge.engines and len(judge) != self.judge.engines:
+            raise ValueError(
+                f"[judge] gpus: {len(judge)} GPU lists for {self.judge.engines} judge engines"
+            )
+        if judge and self.engine != "sglang":
+            raise ValueError("[judge] gpus: only SGLang judge engines use GPUs (engine = 'sglang')")
+        if any(not gpus for gpus in judge):
+            raise ValueError("[judge] gpus: a judge engine has an empty GPU list")
         used = [g for gpus in self.engine_gpus for g in gpus] + list(self.trainer_gpus)
+        used += [g for gpus in judge for g in gpus]
         shared = sorted({g for g in used if used.count(g) > 1})
         if shared:
-            raise ValueError(f"engine_gpus/trainer_gpus: GPU(s) {shared} given twice")
+            raise ValueError(f"engine_gpus/trainer_gpus/[judge] gpus: GPU(s) {shared} given twice")
         return self
 
     @model_validator(mode="after")
@@ -137,4 +147,4 @@ class StackSettings(TaskServiceSettings):
 
     @property
     def gpu_map(self) -> bool:
-        return bool(self.engine_gpus or self.trainer_gpus)
+        return bool(self.engine_gpus or self.trainer_gpus or self.judge.gpus)
