@@ -11,12 +11,15 @@ from typing import Any
 
 from proto.messages import PromptTask
 from proto.streams import consumers_for
+from proto.subjects import Subjects
 from services.engine_api.engine_client import EngineClient
+from services.engine_api.teacher import TeacherPool
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
+from services.runtime.msgloop import DeadLetterPublisher
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
@@ -60,6 +63,19 @@ class PromptTaskScorer:
 
 
 @contextlib.asynccontextmanager
+async def teacher_for(s: RolloutSettings) -> AsyncIterator[TeacherPool | None]:
+    """The teacher's engines ([teacher] urls and those `flywheel up` started), if any."""
+    if s.teacher is None:
+        yield None
+        return
+    urls = [*s.teacher_urls, *s.teacher.urls]
+    if not urls:
+        raise ConfigError("[teacher]: no engines (set urls, or start them with flywheel up)")
+    async with TeacherPool(s.teacher, urls) as pool:
+        yield pool
+
+
+@contextlib.asynccontextmanager
 async def tools_for(tasks: TaskSet, remote: Path | None) -> AsyncIterator[ToolPool | None]:
     """The tool sandbox, if a task has episodes."""
     pool = tool_pool(tasks, remote)
@@ -85,10 +101,21 @@ async def body(ctx: ServiceContext) -> None:
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
         verifier_pool(tasks, timeout_s=s.verifier_timeout_s, remote=s.sandbox_socket) as pool,
         tools_for(tasks, s.sandbox_socket) as tools,
+        teacher_for(s) as teacher,
     ):
         worker = RolloutWorker(ctx, s, c, tokenizer, PromptTaskScorer(Scorer(tasks, pool)))
         if tools is not None:
             worker.use_tools(tools)
+        if teacher is not None:
+            worker.teacher = teacher
+            worker.dead_letters = DeadLetterPublisher(
+                ctx.js,
+                run=s.run,
+                service="rollout",
+                max_payload=ctx.max_payload,
+                registry=ctx.registry,
+                subject=Subjects(s.run).samples,
+            )
         worker.fetcher = WeightsFetcher(
             ctx.js,
             ctx.nc,

@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.tasks.settings import TaskServiceSettings
+from services.trainer.core.distill import DistillConfig
 from services.trainer.loggers import LoggerName, WandbMode
 from services.weights import TransportKind
 from services.weights.adapter import LoraSettings, check_transport
@@ -217,6 +218,7 @@ class TrainConfig(BaseModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraSettings | None = None  # None: full fine-tuning
+    distill: DistillConfig | None = None  # None: no teacher (core/distill.py)
 
     @model_validator(mode="after")
     def _lora_head_logprobs(self) -> TrainConfig:
@@ -274,6 +276,12 @@ class TrainerSettings(TaskServiceSettings):
         "publish only the adapter per version (weights transports 'disk' or 'nats'); "
         "absent: full fine-tuning.",
     )
+    distill: DistillConfig | None = Field(
+        None,
+        description="[trainer.distill]: on-policy distillation, each token's advantage the "
+        "reverse KL to the teacher's logprobs the samples carry ([teacher], "
+        "docs/distillation.md), plus reward_weight times the task's; absent: RL alone.",
+    )
     eval_every: int = Field(
         0,
         ge=0,
@@ -312,7 +320,13 @@ class TrainerSettings(TaskServiceSettings):
         return self
 
     def train_config(self) -> TrainConfig:
-        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime, lora=self.lora)
+        return TrainConfig(
+            loss=self.loss,
+            optim=self.optim,
+            model=self.runtime,
+            lora=self.lora,
+            distill=self.distill,
+        )
 
 
 class SftSettings(TaskServiceSettings):
