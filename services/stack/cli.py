@@ -191,7 +191,7 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
         except ConfigError as e:
             errors.append(str(e).removeprefix("invalid settings:\n").strip())
     if not errors:
-        errors += lora_mismatches(loaded)
+        errors += lora_mismatches(loaded) + distill_mismatches(loaded)
     if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
         try:
             s.task_set().check(data=data)
@@ -233,6 +233,15 @@ def lora_mismatches(loaded: dict[str, Any]) -> list[str]:
         out.append("[trainer.lora] with [sync] lora_mode = 'adapter' needs [rollout] lora = "
                    "true: the workers would sample from the base model only")  # fmt: skip
     return out
+
+
+def distill_mismatches(loaded: dict[str, Any]) -> list[str]:
+    """`[trainer.distill]` trains on the teacher logprobs the workers' `[teacher]` adds: without
+    one, every batch would stop the trainer."""
+    trainer, rollout = loaded.get("trainer"), loaded.get("rollout")
+    if getattr(trainer, "distill", None) is None or rollout is None or rollout.teacher:
+        return []
+    return ["[trainer.distill] needs a [teacher] table: no sample would carry teacher logprobs"]
 
 
 def with_model(s: StackSettings) -> StackSettings:

@@ -17,6 +17,7 @@ its torch threads here, and the supervisor sets the affinity at spawn.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ from services.engine_api.sglang_launcher import (
 from services.runtime.settings import read_run_file
 from services.stack.settings import StackSettings
 
-ORDER = ("engine", "rollout", "sync", "trainer", "buffer")
+ORDER = ("engine", "teacher", "rollout", "sync", "trainer", "buffer")
 SECRET_WORDS = ("PASSWORD", "TOKEN", "KEY", "SECRET")
 
 
@@ -133,6 +134,8 @@ def plan(
                 ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health_generate", None, gpus)
             )
     specs += engines
+    teachers = teacher_specs(s, config, free_port) if "engine" in s.services else []
+    specs += teachers
     if "rollout" in s.services:
         for i, eng in enumerate(engines):
             env = {
@@ -141,6 +144,9 @@ def plan(
                 "FLYWHEEL_ROLLOUT_WORKER_ID": f"rollout-{i}",
                 "FLYWHEEL_ROLLOUT_MODEL": str(s.model),
             }
+            if teachers:
+                urls = [(t.ready_url or "").rsplit("/", 1)[0] for t in teachers]
+                env["FLYWHEEL_ROLLOUT_TEACHER_URLS"] = json.dumps(urls)
             argv = _py("services.rollout", "-c", str(config))
             specs.append(service("rollout", f"rollout-{i}", argv, env, beside=eng.name))
     if "sync" in s.services:
@@ -153,6 +159,28 @@ def plan(
     return sorted((pinned(s, p) for p in specs), key=lambda p: ORDER.index(p.kind))
 
 
+def teacher_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) -> list[ProcSpec]:
+    """The teacher's CPU engines (`[teacher] engines` on its model): engines like the
+    rollout ones, started and restarted alike, never updated (sync knows engines only
+    from rollout workers' heartbeats)."""
+    t = s.teacher
+    if t is None or not t.engines or t.model is None:
+        return []
+    key = t.api_key.get_secret_value() if t.api_key else None  # what the workers send it
+    out = []
+    for i in range(t.engines):
+        port = free_port()
+        argv = _py("services.engine", "--config", str(config), "--model", str(t.model))
+        argv += ("--port", str(port), "--weight-version", "0")
+        env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(t.engine_threads)}
+        if key:
+            env["FLYWHEEL_ENGINE_API_KEY"] = key
+        env.update(_visible(()) if s.gpu_map else {})
+        url = f"http://127.0.0.1:{port}"
+        out.append(ProcSpec(f"teacher-{i}", "teacher", argv, env, f"{url}/health_generate"))
+    return out
+
+
 def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
     """`p` with its `[stack] cpus`: the cores, and torch threads to match them."""
     cores = s.cpus_of(p.name, p.kind)
@@ -160,7 +188,7 @@ def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
         return p
     n = str(len(cores))
     env = {**p.env, "OMP_NUM_THREADS": n}
-    if p.kind == "engine" and s.engine == "cpu":
+    if p.kind == "teacher" or (p.kind == "engine" and s.engine == "cpu"):
         env["FLYWHEEL_ENGINE_NUM_THREADS"] = n
     if p.kind == "trainer":
         env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] = n
