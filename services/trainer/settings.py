@@ -17,7 +17,6 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.tasks.settings import TaskServiceSettings
-from services.trainer.core.distill import DistillConfig
 from services.trainer.loggers import LoggerName, WandbMode
 from services.weights import TransportKind
 from services.weights.adapter import LoraSettings, check_transport
@@ -206,6 +205,30 @@ class ModelConfig(BaseModel):
         ge=1,
         description="torch intra-op threads on CPU (process-wide); None: torch's default. "
         "Small models on a shared CPU run far faster with 1.",
+    )
+
+
+class DistillConfig(BaseModel):
+    """`[trainer.distill]`: the reverse-KL advantage against the samples' teacher logprobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coef: float = Field(
+        1.0, gt=0, le=100, description="Weight of the reverse-KL advantage (tinker's kl coef)."
+    )
+    reward_weight: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="Weight of the task reward's group-relative advantage beside it: 0 is "
+        "distillation alone, 1 mixes it with RL.",
+    )
+    discount: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="0: each token's own reverse KL (the recipe's default); > 0: plus the "
+        "later tokens', discounted by this per token.",
     )
 
 

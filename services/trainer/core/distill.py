@@ -25,31 +25,8 @@ at ratio 1 its gradient is -sum_t w_t A_t ∇logp_t.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class DistillConfig(BaseModel):
-    """`[trainer.distill]`: the reverse-KL advantage against the samples' teacher logprobs."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    coef: float = Field(
-        1.0, gt=0, le=100, description="Weight of the reverse-KL advantage (tinker's kl coef)."
-    )
-    reward_weight: float = Field(
-        0.0,
-        ge=0,
-        le=100,
-        description="Weight of the task reward's group-relative advantage beside it: 0 is "
-        "distillation alone, 1 mixes it with RL.",
-    )
-    discount: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="0: each token's own reverse KL (the recipe's default); > 0: plus the "
-        "later tokens', discounted by this per token.",
-    )
+from services.trainer.settings import DistillConfig
 
 
 def reverse_kl_advantages(

@@ -8,13 +8,9 @@ import torch
 
 from proto.examples import EXAMPLES
 from proto.messages import Sample, TrainBatch
-from services.trainer.core.distill import (
-    DistillConfig,
-    distill_advantages,
-    reverse_kl_advantages,
-)
+from services.trainer.core.distill import distill_advantages, reverse_kl_advantages
 from services.trainer.core.loss import policy_loss
-from services.trainer.settings import LossConfig
+from services.trainer.settings import DistillConfig, LossConfig
 from services.trainer.wire import batch_stats, to_tensor_batch
 
 STUDENT = torch.tensor([-1.0, -2.0, -0.5])
