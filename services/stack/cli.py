@@ -252,7 +252,14 @@ def with_model(s: StackSettings) -> StackSettings:
 
     if not {"engine", "rollout", "trainer"} & set(s.services):
         return s
-    return s.model_copy(update={"model": resolve_model(s.model, key="[stack] model")})
+    update: dict[str, Any] = {"model": resolve_model(s.model, key="[stack] model")}
+    t = s.teacher
+    if t is not None and t.model is not None and t.engines and "engine" in s.services:
+        # the teacher's engines load it here, and every sample records it
+        update["teacher"] = t.model_copy(
+            update={"model": resolve_model(t.model, key="[teacher] model")}
+        )
+    return s.model_copy(update=update)
 
 
 def dry_run(s: StackSettings, config: Path) -> str:
