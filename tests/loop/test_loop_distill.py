@@ -17,6 +17,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ class HungServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.url = ""
-        self.runner = None
+        self.runner: Any = None
 
     async def _start(self) -> str:
         from aiohttp import web
