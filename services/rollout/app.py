@@ -13,6 +13,7 @@ from proto.messages import PromptTask
 from proto.streams import consumers_for
 from services.engine_api.chat_pool import ChatFailed, ChatPool
 from services.engine_api.engine_client import EngineClient
+from services.engine_api.teacher import TeacherPool
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
@@ -113,6 +114,19 @@ async def judge_for(s: RolloutSettings, ctx: ServiceContext) -> AsyncIterator[ju
 
 
 @contextlib.asynccontextmanager
+async def teacher_for(s: RolloutSettings) -> AsyncIterator[TeacherPool | None]:
+    """The teacher's engines ([teacher] urls and those `flywheel up` started), if any."""
+    if s.teacher is None:
+        yield None
+        return
+    urls = [*s.teacher_urls, *s.teacher.urls]
+    if not urls:
+        raise ConfigError("[teacher]: no engines (set urls, or start them with flywheel up)")
+    async with TeacherPool(s.teacher, urls) as pool:
+        yield pool
+
+
+@contextlib.asynccontextmanager
 async def tools_for(tasks: TaskSet, remote: Path | None) -> AsyncIterator[ToolPool | None]:
     """The tool sandbox, if a task has episodes."""
     pool = tool_pool(tasks, remote)
@@ -139,11 +153,14 @@ async def body(ctx: ServiceContext) -> None:
         verifier_pool(tasks, timeout_s=s.verifier_timeout_s, remote=s.sandbox_socket) as pool,
         tools_for(tasks, s.sandbox_socket) as tools,
         judge_for(s, ctx) as judge,
+        teacher_for(s) as teacher,
     ):
         scorer = PromptTaskScorer(Scorer(tasks, pool, judge=judge))
         worker = RolloutWorker(ctx, s, c, tokenizer, scorer)
         if tools is not None:
             worker.use_tools(tools)
+        if teacher is not None:
+            worker.teacher = teacher
         worker.fetcher = WeightsFetcher(
             ctx.js,
             ctx.nc,

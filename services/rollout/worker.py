@@ -17,7 +17,12 @@ keeps `concurrency` tasks in flight so its engine batches them. Per task:
    instead (episodes.py: turns, tool calls in the tool sandbox, observation
    tokens with loss mask 0);
 3. score each completion with the task's environment, under a time limit;
-4. publish the group (its id is deterministic, so a redelivered task's
+4. with a `[teacher]`, ask the teacher's engines for each sample's teacher
+   logprobs (services/engine_api/teacher.py); a sample no teacher engine
+   scores is dead-lettered alone (`teacher_failed`, the sample's bytes) and
+   the group goes on without it (a task none of whose samples was scored is
+   dead-lettered as a whole);
+5. publish the group (its id is deterministic, so a redelivered task's
    group is stored once) and only then let the loop ack the task.
 
 Versions: a sample's tokens may come from several weight versions when an
@@ -41,9 +46,13 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
+from proto import codec
 from proto.messages import (
     EngineHeartbeat,
     PromptTask,
+    Sample,
+    TeacherId,
+    pack_f32,
     unpack_i32,
 )
 from proto.subjects import Subjects
@@ -55,6 +64,7 @@ from services.engine_api.engine_client import (
     GenerateResult,
 )
 from services.engine_api.sglang_api import UnsupportedEngine
+from services.engine_api.teacher import TEACHER_FAILED, TeacherFailed, TeacherPool
 from services.rollout.core import (
     Origin,
     adapter_made,
@@ -121,6 +131,7 @@ class RolloutWorker:
             registry=ctx.registry,
             subject=self.subjects.tasks,
         )
+        self.teacher: TeacherPool | None = None  # set by the app: [teacher] (distillation)
 
     def use_tools(self, tools: ToolPool) -> None:
         """Run tasks with `[task.episode]` as episodes, their tool calls in `tools`."""
@@ -331,10 +342,51 @@ class RolloutWorker:
             if score.error is None:  # a failed check's 0 is no reward (never trained on)
                 self.metrics.reward.observe(score.reward)
         await self.dead_letter_unscored(task, samples, scores, results, d)
+        if self.teacher is not None:
+            await d.in_progress()  # scoring adds a request per sample
+            samples = await self.with_teacher(self.teacher, task, samples)
         group = make_group(self.s.run, task, group_id, tuple(samples), self.s.worker_id)
         await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
         self.metrics.groups.inc()
         self.metrics.task_seconds.observe(time.time() - received)
+
+    # distillation
+    async def with_teacher(
+        self, pool: TeacherPool, task: PromptTask, samples: list[Sample]
+    ) -> list[Sample]:
+        """The samples with their teacher logprobs; one the teacher could not score is
+        dead-lettered (`teacher_failed`) and left out. PermanentError if none is left."""
+        scored = await asyncio.gather(*(self._teach(pool, s) for s in samples))
+        kept = [s for s in scored if s is not None]
+        if not kept:
+            raise PermanentError(
+                f"task {task.task_id}: the teacher scored none of its {len(samples)} samples",
+                reason=TEACHER_FAILED,
+            )
+        return kept
+
+    async def _teach(self, pool: TeacherPool, s: Sample) -> Sample | None:
+        t0 = time.perf_counter()
+        try:
+            got = await pool.score(
+                unpack_i32(s.prompt_ids).tolist(), unpack_i32(s.response_ids).tolist()
+            )
+        except TeacherFailed as e:
+            self.metrics.teacher_failures.inc()
+            if self.dead_letters is not None:
+                await self.dead_letters.publish(
+                    reason=e.reason,
+                    error=str(e),
+                    subject=self.subjects.samples,
+                    payload=codec.encode(s, None),
+                    delivered=0,
+                    origin=f"teacher:{s.sample_id}",
+                    where=s.sample_id,
+                )
+            return None
+        self.metrics.teacher_seconds.observe(time.perf_counter() - t0)
+        who = TeacherId(name=pool.s.name, model=got.model, version=got.version)
+        return s.model_copy(update={"teacher_logprobs": pack_f32(got.logprobs), "teacher": who})
 
     # start-up
     async def wait_for_engine(self, stop: asyncio.Event) -> None:

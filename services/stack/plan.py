@@ -33,7 +33,7 @@ from services.engine_api.sglang_launcher import (
 from services.runtime.settings import read_run_file
 from services.stack.settings import StackSettings
 
-ORDER = ("judge", "engine", "rollout", "sync", "trainer", "buffer")
+ORDER = ("judge", "engine", "teacher", "rollout", "sync", "trainer", "buffer")
 SECRET_WORDS = ("PASSWORD", "TOKEN", "KEY", "SECRET")
 
 
@@ -136,6 +136,8 @@ def plan(
     specs += engines
     judges = judge_specs(s, config, free_port) if "engine" in s.services else []
     specs += judges
+    teachers = teacher_specs(s, config, free_port) if "engine" in s.services else []
+    specs += teachers
     if "rollout" in s.services:
         for i, eng in enumerate(engines):
             env = {
@@ -147,6 +149,9 @@ def plan(
             if judges:  # the judge's engines: those given, and those started here
                 urls = [*s.judge.urls, *((j.ready_url or "").rsplit("/", 1)[0] for j in judges)]
                 env["FLYWHEEL_ROLLOUT_JUDGE__URLS"] = json.dumps(urls)
+            if teachers:
+                urls = [(t.ready_url or "").rsplit("/", 1)[0] for t in teachers]
+                env["FLYWHEEL_ROLLOUT_TEACHER_URLS"] = json.dumps(urls)
             argv = _py("services.rollout", "-c", str(config))
             specs.append(service("rollout", f"rollout-{i}", argv, env, beside=eng.name))
     if "sync" in s.services:
@@ -198,6 +203,28 @@ def judge_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) ->
     return specs
 
 
+def teacher_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) -> list[ProcSpec]:
+    """The teacher's CPU engines (`[teacher] engines` on its model): engines like the
+    rollout ones, started and restarted alike, never updated (sync knows engines only
+    from rollout workers' heartbeats)."""
+    t = s.teacher
+    if t is None or not t.engines or t.model is None:
+        return []
+    key = t.api_key.get_secret_value() if t.api_key else None  # what the workers send it
+    out = []
+    for i in range(t.engines):
+        port = free_port()
+        argv = _py("services.engine", "--config", str(config), "--model", str(t.model))
+        argv += ("--port", str(port), "--weight-version", "0")
+        env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(t.engine_threads)}
+        if key:
+            env["FLYWHEEL_ENGINE_API_KEY"] = key
+        env.update(_visible(()) if s.gpu_map else {})
+        url = f"http://127.0.0.1:{port}"
+        out.append(ProcSpec(f"teacher-{i}", "teacher", argv, env, f"{url}/health_generate"))
+    return out
+
+
 def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
     """`p` with its `[stack] cpus`: the cores, and torch threads to match them."""
     cores = s.cpus_of(p.name, p.kind)
@@ -205,7 +232,11 @@ def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
         return p
     n = str(len(cores))
     env = {**p.env, "OMP_NUM_THREADS": n}
-    if (p.kind == "engine" and s.engine == "cpu") or (p.kind == "judge" and not p.gpus):
+    if (
+        p.kind == "teacher"
+        or (p.kind == "engine" and s.engine == "cpu")
+        or (p.kind == "judge" and not p.gpus)
+    ):
         env["FLYWHEEL_ENGINE_NUM_THREADS"] = n
     if p.kind == "trainer":
         env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] = n

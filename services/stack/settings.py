@@ -7,11 +7,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.engine_api.teacher import TeacherSettings
 from services.tasks.settings import TaskServiceSettings
 
 
 class StackSettings(TaskServiceSettings):
     section: ClassVar[str] = "stack"
+    shared_tables: ClassVar[frozenset[str]] = TaskServiceSettings.shared_tables | {"teacher"}
+    own_tables: ClassVar[dict[str, bool]] = {**TaskServiceSettings.own_tables, "teacher": False}
 
     run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
     model: Path = Field(
@@ -78,6 +81,12 @@ class StackSettings(TaskServiceSettings):
         ("engine", "rollout", "sync", "trainer", "buffer"),
         description="Which services to start here (others run elsewhere, as pods do).",
     )
+    teacher: TeacherSettings | None = Field(
+        None,
+        description="[teacher] (distillation): `flywheel up` starts its `engines` CPU engines "
+        "on its model beside the rollout engines (supervised alike) and gives every rollout "
+        "worker their URLs.",
+    )
     on_failure: Literal["restart", "stop"] = Field(
         "restart", description="When a service dies: restart it, or stop the whole run."
     )
@@ -126,6 +135,19 @@ class StackSettings(TaskServiceSettings):
         shared = sorted({g for g in used if used.count(g) > 1})
         if shared:
             raise ValueError(f"engine_gpus/trainer_gpus/[judge] gpus: GPU(s) {shared} given twice")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_engines(self) -> StackSettings:
+        t = self.teacher
+        if t is not None and t.engines and self.engine == "sglang":
+            raise ValueError(
+                "teacher.engines: `flywheel up` starts CPU teacher engines only; with engine = "
+                "'sglang' start the teacher's SGLang servers yourself and list them in [teacher] "
+                "urls (engines = 0)"
+            )
+        if t is not None and t.engines and t.model is None:
+            raise ValueError("teacher.engines: the teacher's engines need [teacher] model")
         return self
 
     @model_validator(mode="after")

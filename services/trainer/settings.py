@@ -208,6 +208,30 @@ class ModelConfig(BaseModel):
     )
 
 
+class DistillConfig(BaseModel):
+    """`[trainer.distill]`: the reverse-KL advantage against the samples' teacher logprobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coef: float = Field(
+        1.0, gt=0, le=100, description="Weight of the reverse-KL advantage (tinker's kl coef)."
+    )
+    reward_weight: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="Weight of the task reward's group-relative advantage beside it: 0 is "
+        "distillation alone, 1 mixes it with RL.",
+    )
+    discount: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="0: each token's own reverse KL (the recipe's default); > 0: plus the "
+        "later tokens', discounted by this per token.",
+    )
+
+
 class TrainConfig(BaseModel):
     """Everything `Trainer` needs besides the model directory."""
 
@@ -217,6 +241,7 @@ class TrainConfig(BaseModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraSettings | None = None  # None: full fine-tuning
+    distill: DistillConfig | None = None  # None: no teacher (core/distill.py)
 
     @model_validator(mode="after")
     def _lora_head_logprobs(self) -> TrainConfig:
@@ -274,6 +299,12 @@ class TrainerSettings(TaskServiceSettings):
         "publish only the adapter per version (weights transports 'disk' or 'nats'); "
         "absent: full fine-tuning.",
     )
+    distill: DistillConfig | None = Field(
+        None,
+        description="[trainer.distill]: on-policy distillation, each token's advantage the "
+        "reverse KL to the teacher's logprobs the samples carry ([teacher], "
+        "docs/distillation.md), plus reward_weight times the task's; absent: RL alone.",
+    )
     eval_every: int = Field(
         0,
         ge=0,
@@ -312,7 +343,13 @@ class TrainerSettings(TaskServiceSettings):
         return self
 
     def train_config(self) -> TrainConfig:
-        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime, lora=self.lora)
+        return TrainConfig(
+            loss=self.loss,
+            optim=self.optim,
+            model=self.runtime,
+            lora=self.lora,
+            distill=self.distill,
+        )
 
 
 class SftSettings(TaskServiceSettings):

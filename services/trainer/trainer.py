@@ -25,6 +25,7 @@ import torch
 from services.trainer import lora
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
+    BatchError,
     MetricAccumulator,
     TensorBatch,
     collate,
@@ -33,6 +34,7 @@ from services.trainer.core.batching import (
     shard_for_ranks,
     split_groups,
 )
+from services.trainer.core.distill import distill_advantages
 from services.trainer.core.loss import LossOutput, policy_loss, sample_weights
 from services.trainer.core.packing import collate_packed, plan_packed
 from services.trainer.core.schedule import lr_multiplier
@@ -227,13 +229,29 @@ class Trainer:
             per_token = {
                 "loss_mask": m,
                 "weights": m * float(w[i]),
-                "advantages": torch.full_like(m, float(adv[i])),
+                "advantages": self._advantages(batch, i, float(adv[i]), m),
                 "rollout_logprobs": batch.rollout_logprobs[i].float(),
             }
             if version is not None and batch.token_versions is not None:
                 per_token["same_version"] = (batch.token_versions[i] == version).float()
             rows.append(layout_sample(batch.prompt_ids[i], batch.response_ids[i], per_token))
         return rows
+
+    def _advantages(self, batch: TensorBatch, i: int, task: float, m: torch.Tensor) -> torch.Tensor:
+        """Sample i's per-token advantages [R]: the task's, or with [trainer.distill] the
+        reverse KL to its teacher's logprobs beside it (core/distill.py)."""
+        cfg = self.cfg.distill
+        if cfg is None:
+            return torch.full_like(m, task)
+        teacher = batch.teacher_logprobs[i] if batch.teacher_logprobs is not None else None
+        if teacher is None:
+            raise BatchError(
+                "[trainer.distill] is set but the sample carries no teacher logprobs: give "
+                "the rollout workers a [teacher] table (docs/distillation.md)",
+                sample=i,
+                field="teacher_logprobs",
+            )
+        return distill_advantages(task, batch.rollout_logprobs[i].float(), teacher, m, cfg)
 
     def _sft_rows(self, examples: list[SftExample]) -> list[Row]:
         # Target position j predicts token j + 1, so the mask shifts by one.
