@@ -37,6 +37,8 @@ from tests.harness.up import flywheel
 RUN = "replayed"
 STEPS = 3
 S = Subjects(RUN)
+REWARD = {"fn": "format", "pattern": "[0-9]"}  # a digit anywhere
+OTHER = '{fn = "format", pattern = "[a-z]"}'  # rescore: a letter anywhere
 pytestmark = pytest.mark.slow
 
 
@@ -44,7 +46,8 @@ def config_text(root: Path, model: Path) -> str:
     return run_file(
         RUN,
         stack=stack_table(root, model, engines=1, embedded_nats=True),
-        task={"source": {"type": "arithmetic", "digits": 1}},
+        # a reward that varies within a group even for an untrained model: the steps move
+        task={"source": {"type": "arithmetic", "digits": 1}, "reward": REWARD},
         buffer={"samples_per_prompt": 4, "groups_per_step": 2, "max_new_tokens": 4,
                 "max_staleness": 1, "oversample": 0.0, "filter_zero_variance": False},
         rollout={"concurrency": 4, "heartbeat_s": 0.3, "weights_poll_s": 0.5},
@@ -82,6 +85,8 @@ def recorded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         published = messages(nats.url, RUN, "WEIGHTS", S.weights_published, WeightsPublished)
     for v in range(1, STEPS + 1):
         assert (published_dir(root / "weights", RUN, v) / "model.safetensors").is_file(), v
+    # training moved the weights at every step (else equal weights would prove little)
+    assert len({weights(root, v) for v in range(1, STEPS + 1)}) == STEPS
     yield Recorded(root, config, groups, batches, len(published))
 
 
@@ -173,16 +178,17 @@ def test_rescore_with_the_run_reward_reproduces_it_and_another_reward_replaces_i
     n = sum(len(g.samples) for g in recorded.groups)
     assert len(lines) == n
     assert all(ln["new_reward"] == ln["old_reward"] for ln in lines), text
-    # another reward: 1 for a completion with a digit in it
-    other = recorded.root / "rescore-digit.jsonl"
+    assert any(ln["old_reward"] == 1.0 for ln in lines)  # the run's reward varied
+    # another reward: 1 for a completion with a letter in it
+    other = recorded.root / "rescore-letter.jsonl"
     code, text = replay("rescore", "-c", str(recorded.config), "--out", str(other),
-                        "--reward", '{fn = "format", pattern = "[0-9]"}')  # fmt: skip
+                        "--reward", OTHER)  # fmt: skip
     assert code == 0, text
     pq_rows = {r["sample_id"]: r for r in _export_rows(recorded)}
     lines = [json.loads(ln) for ln in other.read_text().splitlines()]
     assert len(lines) == n
     for ln in lines:
-        want = 1.0 if re.search("[0-9]", pq_rows[ln["sample_id"]]["completion"]) else 0.0
+        want = 1.0 if re.search("[a-z]", pq_rows[ln["sample_id"]]["completion"]) else 0.0
         assert ln["new_reward"] == want, ln
     summary = json.loads(text.splitlines()[0])
     assert (
