@@ -66,9 +66,10 @@ def write(rows: list[dict[str, Any]], parquet: Path | None, dataset: Path | None
         done.append(f"{parquet} ({t.num_rows} rows, Parquet)")
     if dataset is not None:
         try:
-            from datasets import Dataset
+            from datasets import Dataset, disable_progress_bars
         except ImportError as e:
             raise ConfigError("--dataset needs `datasets`: pip install 'flywheel[datasets]'") from e
+        disable_progress_bars()  # one line per file written is enough
         Dataset(t).save_to_disk(str(dataset))
         done.append(f"{dataset} ({t.num_rows} rows, datasets.load_from_disk)")
     return done

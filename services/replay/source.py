@@ -12,6 +12,7 @@ server, handed in by services/cli.py because no service imports the stack).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -96,4 +97,9 @@ async def connected(rec: RecordedRun, url: str) -> Any:
     try:
         yield nc.jetstream()
     finally:
-        await nc.close()
+        quiet = logging.getLogger("services.runtime.nats_conn")
+        level, quiet.level = quiet.level, logging.ERROR  # our own close is no "disconnected"
+        try:
+            await nc.close()
+        finally:
+            quiet.setLevel(level)

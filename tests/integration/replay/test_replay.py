@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
 from tests.harness.stack import Stack, printing_logs_on_failure, stack_table
 from tests.harness.streams import messages
-from tests.harness.up import flywheel
+from tests.harness.up import QUIET_ENV, flywheel
 
 RUN = "replayed"
 STEPS = 3
@@ -208,7 +211,7 @@ def _export_rows(recorded: Recorded) -> list[dict[str, object]]:
 
 
 def test_a_trimmed_or_holed_batch_stream_is_refused_naming_the_first_missing_sequence(
-    recorded: Recorded, tmp_path: Path
+    recorded: Recorded, tmp_path: Path, tiny_model: Path
 ) -> None:
     """A copy of the stopped run (its store), trimmed as max_age would and holed by hand."""
     root = tmp_path / "copy"
@@ -228,6 +231,23 @@ def test_a_trimmed_or_holed_batch_stream_is_refused_naming_the_first_missing_seq
         assert f"stream {stream} is missing sequence 1: the stream now starts at sequence 2" in text
         assert "history_max_age_s" in text
         assert not (root / "replay" / "weights").exists()  # refused before training
+        # the trainer in replay mode, without the command's check first: the same refusal
+        code, text = replay_trainer(config, nats.url, tiny_model, tmp_path / "direct")
+        assert code == 2, text
+        assert f"stream {stream} is missing sequence 1: the stream now starts at sequence 2" in text
+        assert not (tmp_path / "direct" / "weights").exists()
+
+
+def replay_trainer(config: Path, url: str, model: Path, out: Path) -> tuple[int, str]:
+    """`python -m services.trainer` with `[trainer] replay = true`, as replay train runs it."""
+    env = {**os.environ, **QUIET_ENV, "FLYWHEEL_TRAINER_REPLAY": "true",
+           "FLYWHEEL_TRAINER_NATS__URL": url, "FLYWHEEL_TRAINER_MODEL": str(model),
+           "FLYWHEEL_TRAINER_METRICS_PORT": "0",
+           "FLYWHEEL_TRAINER_WEIGHTS_ROOT": str(out / "weights"),
+           "FLYWHEEL_TRAINER_CHECKPOINT_DIR": str(out / "checkpoints")}  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "services.trainer", "-c", str(config)], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    return p.returncode, p.stdout + p.stderr
 
 
 async def _edit(url: str, stream: str, *, delete: int = 0, keep_from: int = 0) -> None:
