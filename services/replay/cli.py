@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-c", "--config", type=Path, required=True, help="the run's run file")
     common.add_argument("--nats", help="NATS URL holding the run's streams (default: see docs)")
+    common.add_argument(
+        "--print-config", action="store_true", help="print the resolved [replay] settings, exit"
+    )
     t = sub.add_parser("train", parents=[common], help="re-train on the recorded batches")
     t.add_argument("--out", type=Path, help="replay directory (default: [replay] out_dir)")
     t.add_argument("--steps", type=int, help="steps to train (default: as many as the run did)")
@@ -60,12 +63,17 @@ def main(argv: list[str], hooks: Hooks | None = None) -> int:
 def _run(args: argparse.Namespace, hooks: Hooks) -> int:
     from services.replay.rescore import reward_overrides
 
-    if args.what == "export" and args.parquet is None and args.dataset is None:
-        print("flywheel replay export: give --parquet FILE and/or --dataset DIR", file=sys.stderr)
-        return 2
     rec = recorded_run(args.config)
     if args.what == "rescore" and args.reward is not None:
         rec = recorded_run(args.config, **reward_overrides(rec, args.reward))
+    if args.print_config:
+        from services.runtime.settings import render
+
+        print(render(rec.settings))
+        return 0
+    if args.what == "export" and args.parquet is None and args.dataset is None:
+        print("flywheel replay export: give --parquet FILE and/or --dataset DIR", file=sys.stderr)
+        return 2
     with nats_url(rec, args.nats, hooks) as url:
         if args.what == "train":
             from services.replay.retrain import train_main

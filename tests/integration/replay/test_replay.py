@@ -195,7 +195,7 @@ def test_rescore_with_the_run_reward_reproduces_it_and_another_reward_replaces_i
     lines = [json.loads(ln) for ln in other.read_text().splitlines()]
     assert len(lines) == n
     for ln in lines:
-        want = 1.0 if re.search("[a-z]", pq_rows[ln["sample_id"]]["completion"]) else 0.0
+        want = 1.0 if re.search("[a-z]", str(pq_rows[ln["sample_id"]]["completion"])) else 0.0
         assert ln["new_reward"] == want, ln
     summary = json.loads(text.splitlines()[0])
     assert (
