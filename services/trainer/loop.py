@@ -35,6 +35,7 @@ from services.trainer.batches import Batch, BatchReader
 from services.trainer.heldout import HeldOut, eval_line
 from services.trainer.metrics import Recorder
 from services.trainer.publishing import Publisher
+from services.trainer.replay import RecordedBatches
 from services.trainer.settings import TrainerSettings
 from services.trainer.state import reconcile_rows
 from services.trainer.step import StepResult, step
@@ -49,7 +50,9 @@ class RLLoop:
 
     def __init__(self, ctx: ServiceContext, s: TrainerSettings, trainer: Trainer, seq: int):
         self.ctx, self.s, self.trainer = ctx, s, trainer
-        self.reader = BatchReader(ctx, s.run, seq + 1)
+        self.reader: BatchReader | RecordedBatches = (
+            RecordedBatches(ctx, s.run, seq + 1) if s.replay else BatchReader(ctx, s.run, seq + 1)
+        )  # replay: the recorded run's batches (flywheel replay train), then the end
         self.recorder = Recorder(ctx.registry, s)
         self.publisher = Publisher(ctx, s, trainer, self.recorder.metrics)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up

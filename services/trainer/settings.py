@@ -290,6 +290,13 @@ class TrainerSettings(TaskServiceSettings):
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps (None: run until stopped)."
     )
+    replay: bool = Field(
+        False,
+        description="Re-train a recorded run (`flywheel replay train` sets it): read the run's "
+        "BATCHES stream from the start as recorded (services/trainer/replay.py), stop after "
+        "its last batch, announce nothing (no WeightsPublished, no dead letters, no streams "
+        "created). Point weights_root, checkpoint_dir and metrics_file elsewhere.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     runtime: ModelConfig = Field(default_factory=ModelConfig)
