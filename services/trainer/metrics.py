@@ -35,7 +35,14 @@ GAUGES = {
     "reward_mean": "Mean reward of the last batch.",
     "kl_ref": "KL to the reference model (configured estimator), last step.",
     "approx_kl": "Approximate KL between the policy and the old policy.",
-    "entropy": "Mean token entropy of the last step.",
+    "entropy": "Mean token entropy (nats) of the policy over the last step's loss tokens, "
+    "from the trainer's own forward at the sampling temperature (a collapse shows as a fall).",
+    "entropy_coef": "Entropy bonus weight the last step used (fixed, or the adaptive "
+    "controller's).",
+    "clip_cov_frac": "Clip-Cov: share of the last step's loss tokens whose policy-gradient "
+    "term was dropped.",
+    "kl_cov_frac": "KL-Cov: share of the last step's loss tokens given the |logp - old| "
+    "penalty.",
     "clip_frac_low": "Fraction of tokens clipped below.",
     "clip_frac_high": "Fraction of tokens clipped above.",
     "ratio": "Mean importance ratio.",
