@@ -41,8 +41,7 @@ GAUGES = {
     "controller's).",
     "clip_cov_frac": "Clip-Cov: share of the last step's loss tokens whose policy-gradient "
     "term was dropped.",
-    "kl_cov_frac": "KL-Cov: share of the last step's loss tokens given the |logp - old| "
-    "penalty.",
+    "kl_cov_frac": "KL-Cov: share of the last step's loss tokens given the |logp - old| penalty.",
     "clip_frac_low": "Fraction of tokens clipped below.",
     "clip_frac_high": "Fraction of tokens clipped above.",
     "ratio": "Mean importance ratio.",
@@ -101,6 +100,18 @@ class TrainerMetrics:
             "weights_changed_fraction",
             "Fraction of the last version's elements whose published bits changed (nats-delta).",
         )
+        self.eval_in_flight = m.gauge(
+            "eval_in_flight", "1 while a held-out evaluation runs beside training, else 0."
+        )
+        self.evals_skipped = m.counter(
+            "evals_skipped",
+            "Due held-out evaluations skipped because a newer version fell due while one ran.",
+        )
+        self.blocked = m.gauge(
+            "blocked_fraction",
+            "Fraction of wall time since start the loop spent waiting, after a step's compute, "
+            "for the previous step's saving, announcing and recording.",
+        )
         self.weights_publish_s = m.gauge(
             "weights_publish_seconds", "Time to make the last version reachable (encode + send)."
         )
@@ -124,6 +135,7 @@ class Recorder:
         self.started = time.time()
         self.waited = 0.0
         self.busy = 0.0
+        self.blocked = 0.0  # part of busy: waiting for the previous step's publish and record
         self.loggers = open_loggers(
             s.loggers,
             run=s.run,
@@ -137,10 +149,13 @@ class Recorder:
     def close(self) -> None:
         self.loggers.close()
 
-    def timed(self, waited_s: float, busy_s: float) -> None:
-        """One step's wait for its batch, and its work after that (for the idle fraction)."""
+    def timed(self, waited_s: float, busy_s: float, blocked_s: float = 0.0) -> None:
+        """One step's wait for its batch, its work after that (for the idle fraction), and
+        the part of that work spent waiting for the previous step's publish and record."""
         self.waited += waited_s
         self.busy += busy_s
+        self.blocked += blocked_s
+        self.metrics.blocked.set(self.blocked / max(self.waited + self.busy, 1e-9))
 
     def row(self, batch: TrainBatch, r: StepResult, waited: float) -> dict[str, Any]:
         """Step `r.step`'s metrics row; the gauges follow it."""
