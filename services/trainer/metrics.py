@@ -1,11 +1,12 @@
 """What the trainer reports: Prometheus metrics, and one metrics row per trained step.
 
-A step's row (the batch's reward, lengths and staleness, the step's loss
-and timings, its held-out evaluation when there was one) goes to the
-Prometheus gauges and to every configured logger (loggers.py: the metrics
-file, TensorBoard, W&B). The row is written last in a step's publishing,
-so a row means its step is checkpointed (state.reconcile_rows relies on
-that after a crash).
+A step's row (the batch's reward, lengths and staleness, the step's loss,
+entropy and timings) goes to the Prometheus gauges and to every configured
+logger (loggers.py: the metrics file, TensorBoard, W&B). The row is written
+last in a step's publishing, so a row means its step is checkpointed
+(state.reconcile_rows relies on that after a crash). A held-out evaluation
+writes a row of its own when it ends (evaluating.py), for the version it
+evaluated and without a `batch_id`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from proto.messages import TrainBatch
 from services.runtime.metrics import MetricSet
-from services.trainer.heldout import eval_line, reward_parts
+from services.trainer.heldout import reward_parts
 from services.trainer.loggers import open_loggers
 from services.trainer.settings import TrainerSettings
 from services.trainer.wire import batch_stats
@@ -216,9 +217,17 @@ class Recorder:
             waited,
             r.compute_s,
             r.publish_s,
+            entropy_line(row),
             mismatch_line(row),
-            eval_line(row),
         )
+
+
+def entropy_line(row: dict[str, Any]) -> str:
+    """` entropy 0.412` when the step measured it, with ` (bonus 0.0123)` while it has one."""
+    if "entropy" not in row:
+        return ""
+    coef = row.get("entropy_coef", 0.0)
+    return f" entropy {row['entropy']:.3f}" + (f" (bonus {coef:.4f})" if coef > 0 else "")
 
 
 def mismatch_line(row: dict[str, Any]) -> str:
