@@ -79,12 +79,12 @@ def main() -> None:
     model = write_tiny_model(Path("/tmp/tiny-exploration"), TinyModelSpec())
     for label, loss in RUNS.items():
         for precision in ("bf16", "fp32"):
-            cfg = TrainConfig(
+            train = TrainConfig(
                 loss=LossConfig(old_logprobs="recompute", **loss),
                 optim=OptimConfig(lr=2e-3),
                 model=ModelConfig(precision=precision),
             )
-            trainer = Trainer.from_pretrained(model, cfg, DistInfo(device=DEV))
+            trainer = Trainer.from_pretrained(model, train, DistInfo(device=DEV))
             rows, t0 = [], time.perf_counter()
             for s in range(STEPS):
                 m = trainer.train_step(_collapsing_batch(s))
