@@ -176,6 +176,15 @@ class LossConfig(BaseModel):
         False, description="Give zero loss weight to completions cut off by the length limit."
     )
 
+    @model_validator(mode="after")
+    def _adaptive_start(self) -> LossConfig:
+        if self.entropy_control == "adaptive" and self.entropy_coef > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_control = 'adaptive' starts at entropy_coef = {self.entropy_coef}, "
+                f"above entropy_coef_max = {self.entropy_coef_max}"
+            )
+        return self
+
     @field_validator("clip_cov_band")
     @classmethod
     def _cov_band(cls, band: tuple[float, float]) -> tuple[float, float]:

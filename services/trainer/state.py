@@ -225,8 +225,10 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
     trainer.scheduler.load_state_dict(doc["scheduler"])
     trainer.step = int(doc["step"])
     trainer.weight_version = int(doc["weight_version"])
-    # Checkpoints from before the adaptive entropy control: the configured starting value.
-    trainer.entropy_coef = float(doc.get("entropy_coef", trainer.cfg.loss.entropy_coef))
+    # The adaptive controller goes on from where it was (checkpoints from before it: the
+    # configured start); a fixed weight is the run file's, whatever the last run used.
+    if trainer.cfg.loss.entropy_control == "adaptive":
+        trainer.entropy_coef = float(doc.get("entropy_coef", trainer.cfg.loss.entropy_coef))
     return dict(doc["input_position"])
 
 

@@ -107,3 +107,7 @@ def test_a_checkpoint_restores_the_coefficient(tiny_model_dir, tmp_path, from_sn
     for g, w in zip(got, want[k:], strict=True):
         assert g["entropy_coef"] == w["entropy_coef"]
         assert abs(g["loss"] - w["loss"]) < 1e-6
+    # a run file that switches to a fixed weight gets that weight, not the checkpoint's
+    fixed = Trainer.from_pretrained(tiny_model_dir, _cfg(entropy_coef=0.01))
+    load_checkpoint(fixed, ckpt)
+    assert fixed.entropy_coef == 0.01

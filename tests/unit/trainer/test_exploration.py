@@ -177,3 +177,6 @@ def test_settings_bound_the_controls():
         LossConfig(entropy_control="auto")
     with pytest.raises(ValidationError):
         LossConfig(entropy_coef_max=0.0)
+    with pytest.raises(ValidationError, match="above entropy_coef_max"):
+        LossConfig(entropy_control="adaptive", entropy_coef=0.1, entropy_coef_max=0.05)
+    assert LossConfig(entropy_coef=0.1).entropy_coef == 0.1  # a fixed weight has no ceiling
