@@ -35,7 +35,12 @@ from services.trainer.core.batching import (
     split_groups,
 )
 from services.trainer.core.distill import distill_advantages
-from services.trainer.core.loss import LossOutput, policy_loss, sample_weights
+from services.trainer.core.loss import (
+    LossOutput,
+    next_entropy_coef,
+    policy_loss,
+    sample_weights,
+)
 from services.trainer.core.packing import collate_packed, plan_packed
 from services.trainer.core.schedule import lr_multiplier
 from services.trainer.distributed import DistInfo, all_reduce, barrier
@@ -102,6 +107,9 @@ class Trainer:
         )
         self.step = 0
         self.weight_version = 0
+        # The entropy bonus weight of the next step: fixed, or moved after each step by the
+        # adaptive controller (core/loss.next_entropy_coef); checkpoints keep it (state.py).
+        self.entropy_coef = cfg.loss.entropy_coef
         self.watch = Stopwatch()  # an RL step's time by stage (its metrics' time_*_s)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.forward_spec = forward_spec(cfg, info)
@@ -148,9 +156,12 @@ class Trainer:
     def train_step(self, batch: TensorBatch) -> dict[str, float]:
         """Train on one RL batch: `optim.minibatches` optimizer steps over its groups.
 
-        Returns batch-level metrics (the mean over mini-batches; same on all ranks).
+        Returns batch-level metrics (the mean over mini-batches; same on all ranks), with
+        `entropy_coef` the bonus weight this step used; the adaptive entropy controller
+        then moves it for the next step (metrics are the same on every rank, so is it).
         """
         batch.validate()
+        coef = self.entropy_coef
         parts = split_groups(batch, self.cfg.optim.minibatches)
         # Only the first mini-batch sees the weights of version `self.step` (the mismatch).
         results = [
@@ -162,6 +173,8 @@ class Trainer:
             k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys
         }
         merged["lr"] = results[-1]["lr"]
+        merged["entropy_coef"] = coef
+        self.entropy_coef = next_entropy_coef(coef, merged.get("entropy"), self.cfg.loss)
         timings = self.watch.take()  # summed over the mini-batches, not averaged
         return {**merged, **timings, "step": self.step, "minibatches": len(results)}
 
@@ -179,10 +192,12 @@ class Trainer:
         return self._accumulate_and_step(micro, lambda mb: self._rl_loss(mb, t, entropy))
 
     def _wants_entropy(self) -> bool:
-        """Entropy costs a pass over every chunk of logits: only as a bonus or when logged."""
+        """Entropy costs a pass over every chunk of logits: only as a bonus, for the adaptive
+        controller (it reads every step's), or when logged."""
         every = self.cfg.model.entropy_every
         logged = every > 0 and (self.step + 1) % every == 0  # self.step + 1: the step trained
-        return self.cfg.loss.entropy_coef > 0 or logged
+        adaptive = self.cfg.loss.entropy_control == "adaptive"
+        return self.entropy_coef > 0 or adaptive or logged
 
     def sft_step(self, examples: list[SftExample]) -> dict[str, float]:
         """One optimizer step of token-mean negative log-likelihood over `examples`."""
@@ -302,8 +317,8 @@ class Trainer:
     def _rl_loss(self, mb: MicroBatch, temperature: float, entropy: bool = True) -> LossOutput:
         dev = self.info.device
         logp, ent = self._token_stats(self.model, mb, temperature, entropy)  # [B, T']
-        if ent is not None and self.cfg.loss.entropy_coef == 0:
-            ent = ent.detach()
+        if ent is not None and self.entropy_coef == 0:
+            ent = ent.detach()  # a metric (or the controller's reading): no backward through it
         on = {k: v.to(dev) for k, v in mb.items()}
         old = (
             on["old_logprobs"]
@@ -322,6 +337,7 @@ class Trainer:
             entropy=ent,
             segment_ids=on.get("seq_ids"),
             same_version=on.get("same_version"),
+            entropy_coef=self.entropy_coef,
         )
 
     def _sft_loss(self, mb: MicroBatch) -> LossOutput:
