@@ -26,7 +26,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 # Importing a module registers the sources and rewards it defines.
-from services.tasks import arithmetic, reasoning_gym, rewards, sources, verifiers_env  # noqa: F401
+from services.tasks import (  # noqa: F401
+    arithmetic,
+    reasoning_gym,
+    rewards,
+    sources,
+    verifiers_env,
+    verifiers_v1,
+)
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.registry import (
     REWARDS,

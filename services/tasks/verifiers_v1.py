@@ -319,7 +319,7 @@ def make_client(**kw: Any) -> FlywheelClient:
     import verifiers.v1 as vf
 
     cls = type("FlywheelVerifiersClient", (FlywheelClient, vf.Client), {})
-    return cls(**kw)  # type: ignore[no-any-return]
+    return cls(**kw)
 
 
 def _response(dialect: Any, answer: dict[str, Any], turns: list[Turn]) -> Any:
@@ -502,4 +502,3 @@ def as_episode(trace: Any, calls: list[Turn]) -> tuple[Episode, int]:
         all_spans=False,
     )
     return ep, len(branches) - 1
-
