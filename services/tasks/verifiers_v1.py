@@ -91,7 +91,10 @@ class VerifiersV1Rewards(RewardPart):
     'verifiers-v1'): the rollout worker's episode computes it, not the verifier sandbox."""
 
     own_source: ClassVar[str | None] = "verifiers-v1"
-    calls_code: ClassVar[bool] = True
+    # Never runs in the verifier sandbox: the env's rewards run inside its episode, in
+    # the rollout worker's process (docs/verifiers.md says so), so the sandbox rule
+    # (bubblewrap or insecure-allow) has nothing to decide here.
+    calls_code: ClassVar[bool] = False
 
     fn: Literal["verifiers-v1"]
 
