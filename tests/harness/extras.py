@@ -23,3 +23,14 @@ def require_verifiers() -> ModuleType:
         except ImportError as e:
             pytest.fail(f"the verifiers extra is not installed (make test-verifiers): {e}")
     return pytest.importorskip("verifiers")
+
+
+def require_verifiers_v1() -> ModuleType:
+    """`verifiers.v1` (verifiers>=0.3.1); skip without it (0.2.x has none), fail where required."""
+    require_verifiers()
+    if os.environ.get("FLYWHEEL_VERIFIERS_TESTS") == "required":
+        try:
+            return importlib.import_module("verifiers.v1")
+        except ImportError as e:
+            pytest.fail(f"verifiers.v1 is missing (the extra wants >=0.3.1): {e}")
+    return pytest.importorskip("verifiers.v1")

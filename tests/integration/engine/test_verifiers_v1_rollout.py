@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from tests.harness import REPO
 from tests.harness.engines import EngineProcess
-from tests.harness.extras import require_verifiers
+from tests.harness.extras import require_verifiers_v1
 
-require_verifiers()
+require_verifiers_v1()
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 5}
 

@@ -40,9 +40,9 @@ from services.runtime.settings import NatsSettings
 from services.stack.localdev.nats_server import NatsServer
 from tests.harness import REPO
 from tests.harness.engines import EngineStates, serving_engine
-from tests.harness.extras import require_verifiers
+from tests.harness.extras import require_verifiers_v1
 
-require_verifiers()
+require_verifiers_v1()
 
 TASK = {"source": {"type": "verifiers-v1", "taskset": "fw-recall-v1", "args": {"num_tasks": 3}}}
 NAME = "verifiers-v1:fw-recall-v1"

@@ -16,7 +16,7 @@ from services.tasks.settings import TaskServiceSettings
 from services.tasks.spec import TaskSpec
 from services.tasks.verifiers_v1 import V1Rows, VerifiersV1Source, load_env
 from tests.harness import REPO
-from tests.harness.extras import require_verifiers
+from tests.harness.extras import require_verifiers_v1
 from tests.unit.tasks.test_spec import settings
 
 ENVS = REPO / "tests" / "fixtures" / "verifiers_v1"
@@ -38,8 +38,14 @@ def test_the_envs_rewards_are_the_default_and_need_a_v1_source(tmp_path: Path) -
         TaskSpec.model_validate({"source": {"type": "arithmetic"}, "reward": "verifiers-v1"})
 
 
+def test_held_out_evaluation_of_a_v1_env_is_refused_at_start_up() -> None:
+    src = {"type": "verifiers-v1", "taskset": "fw-add-v1"}
+    with pytest.raises(ValueError, match="training source only"):
+        TaskSpec.model_validate({"source": src, "eval": {"source": src}})
+
+
 def test_rows_are_the_tasksets_tasks() -> None:
-    require_verifiers()
+    require_verifiers_v1()
     add = V1Rows(VerifiersV1Source(type="verifiers-v1", taskset="fw-add-v1", args={"num_tasks": 3}))
     assert len(add) == 3
     row = add.row(2)
@@ -53,7 +59,7 @@ def test_rows_are_the_tasksets_tasks() -> None:
 
 
 def test_every_seat_runs_locally_on_flywheels_loop() -> None:
-    require_verifiers()
+    require_verifiers_v1()
     env = load_env(VerifiersV1Source(type="verifiers-v1", taskset="fw-recall-v1").key())
     assert type(env).__name__ == "RecallEnv"  # the taskset's own Env
     seat = env.config.agent
@@ -61,7 +67,7 @@ def test_every_seat_runs_locally_on_flywheels_loop() -> None:
 
 
 def test_a_bad_taskset_id_fails_at_start_up_naming_it() -> None:
-    require_verifiers()
+    require_verifiers_v1()
     src = VerifiersV1Source(type="verifiers-v1", taskset="no-such-taskset")
     with pytest.raises(ConfigError, match="no-such-taskset"):
         src.check("[task] source", data=False)
