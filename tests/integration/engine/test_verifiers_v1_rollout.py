@@ -45,7 +45,7 @@ def test_a_single_turn_episode_is_the_engines_tokens_scored_by_the_rubric(
     run_async: Any, engine: EngineProcess
 ) -> None:
     src = VerifiersV1Source(type="verifiers-v1", taskset="fw-add-v1", args={"num_tasks": 2})
-    tok = AutoTokenizer.from_pretrained(engine.model_dir)
+    tok: Any = AutoTokenizer.from_pretrained(engine.model_dir)
     prompt = tok.apply_chat_template(
         [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}],
         add_generation_prompt=True,
@@ -67,7 +67,7 @@ def test_a_multi_turn_episode_keeps_every_turn_and_masks_the_envs(
     run_async: Any, engine: EngineProcess
 ) -> None:
     src = VerifiersV1Source(type="verifiers-v1", taskset="fw-recall-v1")
-    tok = AutoTokenizer.from_pretrained(engine.model_dir)
+    tok: Any = AutoTokenizer.from_pretrained(engine.model_dir)
     for s in _run(run_async, engine, src, 2):
         ep = s.episode
         assert s.error is None, s.error
