@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from tests.harness import REPO
@@ -81,3 +82,17 @@ def test_a_multi_turn_episode_keeps_every_turn_and_masks_the_envs(
         assert {lp for _, lp, m in pairs if not m} == {0.0}  # the env's tokens: no logprob
         assert s.parts["verifiers.dropped_branches"] == 0.0
         assert 0.0 <= s.reward <= 1.0 and s.reward == s.parts["verifiers.repeated"]
+        # The sample is the very sequence the engine saw: the model's own logprobs of it,
+        # recomputed in one pass, are the engine's on every policy token of every turn.
+        got = torch.tensor(ep.logprobs)
+        policy = torch.tensor(ep.loss_mask, dtype=torch.bool)
+        assert torch.allclose(got[policy], _recomputed(engine, ep)[policy], atol=1e-4, rtol=0)
+
+
+def _recomputed(engine: EngineProcess, ep: Any) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    ids = ep.prompt_ids + ep.response_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]  # temperature 1.0
+    logp = torch.log_softmax(logits, -1)[len(ep.prompt_ids) - 1 : -1]
+    return logp.gather(-1, torch.tensor(ep.response_ids)[:, None]).squeeze(-1)
