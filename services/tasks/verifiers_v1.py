@@ -35,6 +35,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import re
 import sys
 import uuid
 from collections.abc import Callable, Mapping
@@ -114,12 +115,24 @@ class VerifiersV1Rewards(RewardPart):
 
 
 # ── loading ────────────────────────────────────────────────────────────────────
+MIN_VERSION = (0, 3, 1)  # 0.2.1 ships an early `verifiers.v1`, 0.3.0 another Client API
+
+
+def version_of(text: str) -> tuple[int, ...]:
+    """'0.3.1' -> (0, 3, 1); a pre-release or local suffix is ignored ('0.4.0rc1': (0, 4, 0))."""
+    return tuple(int(re.sub(r"\D.*", "", part) or 0) for part in text.split(".")[:3])
+
+
 def _vf() -> Any:
-    require("verifiers", "source type 'verifiers-v1'", "verifiers")
-    try:
-        import verifiers.v1 as vf
-    except ImportError as e:  # verifiers 0.2.x has no v1
-        raise ConfigError(f"source type 'verifiers-v1' needs verifiers>=0.3.1: {e}") from e
+    verifiers = require("verifiers", "source type 'verifiers-v1'", "verifiers")
+    installed = str(getattr(verifiers, "__version__", "0"))
+    if version_of(installed) < MIN_VERSION:
+        raise ConfigError(
+            f"source type 'verifiers-v1' needs verifiers>=0.3.1 (installed: {installed}): "
+            "pip install 'flywheel[verifiers]'"
+        )
+    import verifiers.v1 as vf
+
     _register_harness()
     _route_clients()
     _quick_exit()

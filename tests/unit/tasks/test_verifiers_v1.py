@@ -71,3 +71,15 @@ def test_a_bad_taskset_id_fails_at_start_up_naming_it() -> None:
     src = VerifiersV1Source(type="verifiers-v1", taskset="no-such-taskset")
     with pytest.raises(ConfigError, match="no-such-taskset"):
         src.check("[task] source", data=False)
+
+
+def test_an_older_verifiers_is_named_with_the_release_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    require_verifiers_v1()
+    import verifiers
+
+    monkeypatch.setattr(verifiers, "__version__", "0.2.1")  # it ships another verifiers.v1
+    src = VerifiersV1Source(type="verifiers-v1", taskset="fw-add-v1", args={"num_tasks": 5})
+    with pytest.raises(ConfigError, match=r"verifiers>=0\.3\.1 \(installed: 0\.2\.1\)"):
+        src.check("[task] source", data=False)
