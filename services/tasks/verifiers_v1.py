@@ -1,9 +1,10 @@
-"""Environments written for verifiers' v1 API (0.3.x: Taskset / Harness / Env), as tasks.
+"""Environments written for verifiers' v1 API (>=0.3.1: Taskset / Harness / Env), as tasks.
 
 `source = { type = "verifiers-v1", taskset = "my-taskset", args = {...} }`
-loads the taskset as `vf-eval`/`uv run eval` does (`verifiers.v1.load_taskset`:
-the module `my_taskset`, its exported Taskset) and, for a multi-agent or
-multi-turn env, `env = "my-env"` (its exported `Env`). Each of the taskset's
+loads the taskset as verifiers' `eval` does (`verifiers.v1.load_environment`:
+the module `my_taskset`, its exported Taskset, and its exported `Env` where
+it has one: a multi-turn or multi-agent env; else SingleAgentEnv);
+`env = "my-env"` pairs a reusable Env instead. Each of the taskset's
 tasks is one Flywheel row (its prompt, for the buffer's records); a rollout
 worker runs the env's episodes on it itself (`V1Runner`), because in v1 the
 env drives the turns and scores the finished trace with the task's
