@@ -25,6 +25,7 @@ from services.tasks.prompts import readable
 from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.tasks.taskset import TaskSet
+from services.tasks.verifiers_v1 import VerifiersV1Source
 
 
 def load_tokenizer(model: Path | None) -> Any:
@@ -56,6 +57,10 @@ class PromptTaskScorer:
 
     def episode(self, task: PromptTask) -> EpisodeSpec | None:
         return self.scorer.spec(task.task_name).episode
+
+    def verifiers_v1(self, task: PromptTask) -> VerifiersV1Source | None:
+        src = self.scorer.spec(task.task_name).source
+        return src if isinstance(src, VerifiersV1Source) else None
 
     async def score_group(
         self, task: PromptTask, completions: list[tuple[str, int]]
@@ -188,6 +193,7 @@ async def body(ctx: ServiceContext) -> None:
                 batch=s.concurrency,
             )
         finally:
+            await worker.close()
             await heartbeat
             await fetch
 

@@ -86,6 +86,7 @@ from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode
 from services.tasks.sandbox import Reward, ToolPool
+from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from services.weights.adapter_load import adapter_versions
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class PromptTaskScoring(Protocol):
     def chat_template(self, task: PromptTask) -> bool: ...
 
     def episode(self, task: PromptTask) -> EpisodeSpec | None: ...
+
+    def verifiers_v1(self, task: PromptTask) -> VerifiersV1Source | None: ...
 
     async def score_group(
         self, task: PromptTask, completions: list[tuple[str, int]]
@@ -132,6 +135,7 @@ class RolloutWorker:
             subject=self.subjects.tasks,
         )
         self.teacher: TeacherPool | None = None  # set by the app: [teacher] (distillation)
+        self.v1: V1Runner | None = None  # verifiers v1 envs' episodes, made on first use
 
     def use_tools(self, tools: ToolPool) -> None:
         """Run tasks with `[task.episode]` as episodes, their tool calls in `tools`."""
@@ -316,6 +320,10 @@ class RolloutWorker:
                     f"cannot tokenize task {task.task_id}: {e}", reason="bad_task"
                 ) from e
             started = time.time()
+            v1 = self.scorer.verifiers_v1(task)
+            if v1 is not None:
+                await self.on_v1_task(task, d, received, v1, before, lora)
+                return
             episode = self.scorer.episode(task)
             episodes = await self.run_episodes(task, ids, d, episode, lora) if episode else None
             results = (
@@ -387,6 +395,62 @@ class RolloutWorker:
         self.metrics.teacher_seconds.observe(time.perf_counter() - t0)
         who = TeacherId(name=pool.s.name, model=got.model, version=got.version)
         return s.model_copy(update={"teacher_logprobs": pack_f32(got.logprobs), "teacher": who})
+
+    async def on_v1_task(
+        self,
+        task: PromptTask,
+        d: Delivery,
+        received: float,
+        src: VerifiersV1Source,
+        before: int,
+        lora: str | None,
+    ) -> None:
+        """A verifiers v1 task: its env runs `n` episodes through the engine's /v1 chat
+        route and scores them (services/tasks/verifiers_v1.py); each is one sample."""
+        if lora is not None:
+            raise ConfigError("verifiers-v1 tasks do not run on LoRA adapters yet")
+        if self.v1 is None:
+            key = self.s.engine_api_key
+            self.v1 = V1Runner(
+                self.s.engine_url,
+                str(self.s.model),
+                self.s.generate_timeout_s,
+                self.s.max_abort_retries,
+                self.metrics.aborted.inc,
+                key.get_secret_value() if key else None,
+            )
+        await d.in_progress()  # episodes take several generations
+        started = time.time()
+        try:
+            out = await self.v1.run(src, task.index, task.n, sampling_params(task, 1))
+        except EngineError as e:
+            raise engine_failure(e, self.s.engine_url, task.task_id) from e
+        group_id = f"{task.task_id}:a{task.attempt}"
+        origin = Origin(self.s.engine_id, before, started)
+        samples = []
+        for i, v in enumerate(out):
+            r = as_result(v.episode, f"{task.task_id}:e{i}")
+            score = Reward(v.reward, v.parts, v.error)
+            self.count_error(task, score)
+            ep = v.episode
+            samples.append(
+                make_sample(task, group_id, i, ep.prompt_ids, r, score, origin, ep.loss_mask)
+            )
+            self.metrics.samples.labels(finish=r.finish_type).inc()
+            self.metrics.tokens.inc(sum(v.episode.loss_mask))
+            self.metrics.episode_turns.observe(v.episode.turns)
+            if score.error is None:
+                self.metrics.reward.observe(score.reward)
+        group = make_group(self.s.run, task, group_id, tuple(samples), self.s.worker_id)
+        await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
+        self.metrics.groups.inc()
+        self.metrics.task_seconds.observe(time.time() - received)
+
+    async def close(self) -> None:
+        """What the worker opened itself (the v1 runner's env servers)."""
+        if self.v1 is not None:
+            await self.v1.aclose()
+            self.v1 = None
 
     # start-up
     async def wait_for_engine(self, stop: asyncio.Event) -> None:

@@ -33,6 +33,7 @@ from services.tasks import (  # noqa: F401
     rewards,
     sources,
     verifiers_env,
+    verifiers_v1,
 )
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.registry import (
