@@ -178,6 +178,19 @@ class TaskSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _unsandboxed_env(self) -> TaskSpec:
+        """A verifiers v1 env scores its episodes in the rollout worker's own process (its
+        rewards read the whole trace, which only the episode has), outside the sandbox and
+        next to the worker's credentials: the run file must say it accepts that."""
+        if self.source.kind == "verifiers-v1" and self.sandbox != "insecure-allow":
+            raise ValueError(
+                "a verifiers-v1 source runs the environment's rewards in the rollout worker's "
+                "process, outside the sandbox (docs/verifiers.md): set "
+                'sandbox = "insecure-allow" in this [task] to accept that'
+            )
+        return self
+
+    @model_validator(mode="after")
     def _reward_fits(self) -> TaskSpec:
         kind = self.source.kind
         if not self.reward:

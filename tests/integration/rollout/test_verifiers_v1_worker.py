@@ -44,7 +44,10 @@ from tests.harness.extras import require_verifiers_v1
 
 require_verifiers_v1()
 
-TASK = {"source": {"type": "verifiers-v1", "taskset": "fw-recall-v1", "args": {"num_tasks": 3}}}
+TASK = {
+    "source": {"type": "verifiers-v1", "taskset": "fw-recall-v1", "args": {"num_tasks": 3}},
+    "sandbox": "insecure-allow",  # a v1 env scores in the worker's process
+}
 NAME = "verifiers-v1:fw-recall-v1"
 
 

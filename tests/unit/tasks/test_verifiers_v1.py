@@ -22,6 +22,7 @@ from tests.unit.tasks.test_spec import settings
 ENVS = REPO / "tests" / "fixtures" / "verifiers_v1"
 RUN = (
     '[task]\nsource = { type = "verifiers-v1", taskset = "fw-add-v1", args = { num_tasks = 3 } }\n'
+    'sandbox = "insecure-allow"\n'
 )
 
 
@@ -41,7 +42,17 @@ def test_the_envs_rewards_are_the_default_and_need_a_v1_source(tmp_path: Path) -
 def test_held_out_evaluation_of_a_v1_env_is_refused_at_start_up() -> None:
     src = {"type": "verifiers-v1", "taskset": "fw-add-v1"}
     with pytest.raises(ValueError, match="training source only"):
-        TaskSpec.model_validate({"source": src, "eval": {"source": src}})
+        TaskSpec.model_validate(
+            {"source": src, "eval": {"source": src}, "sandbox": "insecure-allow"}
+        )
+
+
+def test_a_v1_env_outside_the_sandbox_must_be_accepted_in_the_run_file() -> None:
+    """Its rewards run in the rollout worker's process: never by default."""
+    src = {"type": "verifiers-v1", "taskset": "fw-add-v1"}
+    with pytest.raises(ValueError, match='sandbox = "insecure-allow"'):
+        TaskSpec.model_validate({"source": src})
+    assert TaskSpec.model_validate({"source": src, "sandbox": "insecure-allow"})
 
 
 def test_rows_are_the_tasksets_tasks() -> None:
