@@ -20,7 +20,8 @@ def test_the_seed_reaches_the_buffer_the_engines_and_the_trainer(tmp_path: Path)
     assert load_settings(EngineSettings, rf).random_seed == 3
     trainer = load_settings(TrainerSettings, rf)
     assert trainer.runtime.seed == 3
-    assert trainer.optim.lr == 4e-5  # the rest of the run file is untouched
+    base = load_settings(TrainerSettings, CONFIG)
+    assert trainer.optim == base.optim and trainer.loss == base.loss  # the rest untouched
 
 
 def test_without_a_seed_the_run_file_keeps_its_own(tmp_path: Path) -> None:
