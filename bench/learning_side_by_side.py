@@ -153,11 +153,15 @@ def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop `flywheel up` as Ctrl-C does (it stops its services), then harder if it hangs."""
-    for sig, wait in ((signal.SIGINT, 120), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    """Stop `flywheel up` with SIGINT to it alone (it stops its services, then its NATS,
+    in order), then its whole process group harder if it hangs."""
+    steps = ((lambda: os.kill(proc.pid, signal.SIGINT), 120),
+             (lambda: os.killpg(proc.pid, signal.SIGTERM), 30),
+             (lambda: os.killpg(proc.pid, signal.SIGKILL), 10))  # fmt: skip
+    for send, wait in steps:
         if proc.poll() is not None:
             return
-        os.killpg(proc.pid, sig)
+        send()
         try:
             proc.wait(wait)
         except subprocess.TimeoutExpired:
