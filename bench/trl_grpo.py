@@ -8,19 +8,23 @@ file's `[task]` training rows, formatted as the buffer formats them), same
 reward (the task's reward functions, `services.tasks.rewards.score`,
 called in process), the same held-out evaluation (the one evaluation
 function, `services.tasks.evaluate`, on `[task.eval]`, every
-`eval_every` steps) and the same hyper-parameters, read at run time from the
-demo's run file (`configs/demo.toml`): prompts per step, samples per prompt,
-temperature, max_new_tokens, lr, PPO clip, grad clip. Mapping onto
-`GRPOConfig` (TRL 1.x):
+`eval_every` steps) and the same hyper-parameters, as the services resolve
+the run file (its keys, else the settings classes' defaults: `demo_hparams`),
+set on `GRPOConfig` (TRL 1.x) by `trl_alike`:
 
 - one optimizer step per generation round: per_device_train_batch_size =
   prompts × samples, gradient_accumulation_steps = 1, num_iterations = 1
   (Flywheel's trainer also takes one step per batch);
 - loss_type = "dapo" is TRL's name for Flywheel's default aggregation
   `token-mean` (sum of token losses / active tokens of the batch);
-  scale_rewards = "group" is GRPO's (r - mean) / std; beta = 0 (no KL, as
-  the demo); constant lr, no warm-up, AdamW defaults, fp32 and no
-  gradient checkpointing (TRL defaults to bf16 and checkpointing), as the demo.
+  scale_rewards = "group" is GRPO's (r - mean) / std; beta = the run's
+  kl_coef (0 by default, TRL's too); the run's lr schedule, warm-up and
+  AdamW settings; no gradient checkpointing (TRL defaults to it); bf16
+  only where Flywheel's trainer computes in bf16 (TRL defaults to bf16);
+  mask_truncated_completions = the run's drop_truncated.
+
+bench/results_learning.md ("TRL side by side") lists every TRL default
+that differs from Flywheel's and what is done about it.
 
 Not the same, by construction: TRL has no zero-variance filtering (such
 groups get zero advantage and add only to the token count; `SignalCount`
@@ -42,7 +46,6 @@ import argparse
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +55,92 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 
 def demo_hparams(config: Path) -> dict[str, Any]:
-    """The demo's GRPO hyper-parameters, with the services' defaults where the file is silent."""
-    doc = tomllib.loads(config.read_text())
-    buf, tr = doc.get("buffer", {}), doc.get("trainer", {})
-    optim, loss = tr.get("optim", {}), tr.get("loss", {})
+    """The run's GRPO hyper-parameters as the services resolve them: the run file's keys,
+    the settings classes' defaults where it is silent (a user's file that sets no lr
+    trains at the trainer's default, and so does TRL here)."""
+    from services.buffer.settings import BufferSettings
+    from services.runtime.settings import load_settings
+    from services.trainer.settings import TrainerSettings
+
+    buf = load_settings(BufferSettings, config)
+    tr = load_settings(TrainerSettings, config)
+    o, loss = tr.optim, tr.loss
     return {
-        "prompts_per_step": int(buf["groups_per_step"]),
-        "samples_per_prompt": int(buf["samples_per_prompt"]),
-        "temperature": float(buf.get("temperature", 1.0)),
-        "max_new_tokens": int(buf["max_new_tokens"]),
-        "lr": float(optim["lr"]),
-        "eps_low": float(loss.get("eps_low", 0.2)),
-        "eps_high": float(loss.get("eps_high", loss.get("eps_low", 0.2))),
-        "grad_clip": float(optim.get("grad_clip", 1.0)),
-        "eval_every": int(tr.get("eval_every", 5)),
+        "prompts_per_step": buf.groups_per_step,
+        "samples_per_prompt": buf.samples_per_prompt,
+        "temperature": buf.temperature,
+        "top_p": buf.top_p,
+        "max_new_tokens": buf.max_new_tokens,
+        "lr": o.lr,
+        "warmup_steps": o.warmup_steps,
+        "schedule": o.schedule,
+        "weight_decay": o.weight_decay,
+        "betas": list(o.betas),
+        "adam_eps": o.eps,
+        "minibatches": o.minibatches,
+        "eps_low": loss.eps_low,
+        "eps_high": loss.eps_high,
+        "grad_clip": o.grad_clip,
+        "kl_coef": loss.kl_coef,
+        "entropy_coef": loss.entropy_coef,
+        "advantage": loss.advantage,
+        "batch_normalize_advantages": loss.batch_normalize_advantages,
+        "aggregation": loss.aggregation,
+        "policy_loss": loss.policy_loss,
+        "drop_truncated": loss.drop_truncated,
+        "precision": tr.runtime.precision,
+        "eval_every": tr.eval_every or 5,
+        "filter_zero_variance": buf.filter_zero_variance,
+    }
+
+
+# Flywheel's loss keys -> GRPOConfig's (TRL 1.16): set alike wherever TRL has the same thing.
+LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
+             "seq-mean-token-sum-norm": "dr_grpo"}  # fmt: skip
+SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}  # rloo: TRL has no leave-one-out baseline
+
+
+def trl_alike(hp: dict[str, Any]) -> dict[str, Any]:
+    """The GRPOConfig keys that make TRL train as Flywheel's run file says (see
+    bench/results_learning.md, "TRL side by side", for each default that differs)."""
+    import torch
+
+    from services.trainer.model import compute_dtype
+
+    bf16 = compute_dtype(hp["precision"], torch.device("cpu")) == torch.bfloat16
+    return {
+        "num_generations": hp["samples_per_prompt"],
+        "num_iterations": 1,  # TRL's μ: Flywheel takes each batch once
+        "steps_per_generation": hp["minibatches"],  # minibatches > 1: optimizer steps per batch
+        "max_completion_length": hp["max_new_tokens"],
+        "temperature": hp["temperature"],
+        "top_p": hp["top_p"],
+        "top_k": 0,
+        "learning_rate": hp["lr"],
+        "lr_scheduler_type": "cosine" if hp["schedule"] == "cosine" else "constant",
+        "warmup_steps": hp["warmup_steps"],
+        "weight_decay": hp["weight_decay"],
+        "adam_beta1": hp["betas"][0],
+        "adam_beta2": hp["betas"][1],
+        "adam_epsilon": hp["adam_eps"],
+        "optim": "adamw_torch",
+        "max_grad_norm": hp["grad_clip"] or 0.0,
+        "epsilon": hp["eps_low"],
+        "epsilon_high": hp["eps_high"],
+        "beta": hp["kl_coef"],
+        "entropy_coef": hp["entropy_coef"],
+        "loss_type": LOSS_TYPE[hp["aggregation"]],
+        "scale_rewards": (
+            "batch"
+            if hp["batch_normalize_advantages"]
+            else SCALE_REWARDS.get(hp["advantage"], "group")
+        ),
+        "importance_sampling_level": "sequence" if hp["policy_loss"] == "gspo" else "token",
+        "mask_truncated_completions": hp["drop_truncated"],
+        "gradient_checkpointing": False,  # TRL's default True; Flywheel's does not recompute
+        "bf16": bf16,  # TRL's default True; Flywheel's 'auto': bf16 on a native-bf16 CPU only
+        "fp16": False,
+        "disable_dropout": False,  # both train in train() mode: dropout as the model says
     }
 
 
@@ -143,7 +218,10 @@ def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float 
         def evaluate(self, step: int, model: Any, tok: Any) -> float:
             t = time.perf_counter()
             acc = evaluator(model, tok).pass_at_1
-            self.eval_s += time.perf_counter() - t
+            if not self.t0:  # the step-0 evaluation: RL time (and its evaluations) start after it
+                self.t0 = time.perf_counter()
+            else:
+                self.eval_s += time.perf_counter() - t
             row = {"step": step, "elapsed": time.perf_counter() - self.t0, "eval_accuracy": acc,
                    "samples": step * per_step, "eval_s": self.eval_s}  # fmt: skip
             self.rows.append(row)
@@ -160,9 +238,7 @@ def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float 
             evaluator.__exit__(None, None, None)
 
         def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
-            self.t0 = time.perf_counter()
-            self.evaluate(0, model, processing_class)
-            self.t0 = time.perf_counter()  # RL time starts after the step-0 evaluation
+            self.evaluate(0, model, processing_class)  # at elapsed 0: RL time starts after it
 
         def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
             step = state.global_step
@@ -200,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-out", type=Path, help="append one JSON row per evaluation")
     p.add_argument("--lr", type=float, help="override the demo's lr (diagnostics only)")
     p.add_argument("--output-dir", default="/tmp/flywheel-trl-grpo", help="TRL's output_dir")
+    p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, sampling)")
     args = p.parse_args(argv)
 
     import torch
@@ -222,31 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=True,
         per_device_train_batch_size=per_step,  # completions per device step
         gradient_accumulation_steps=1,
-        num_generations=hp["samples_per_prompt"],
-        num_iterations=1,
-        max_completion_length=hp["max_new_tokens"],
-        temperature=hp["temperature"],
-        top_p=1.0,
-        top_k=0,
-        learning_rate=hp["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        optim="adamw_torch",
-        max_grad_norm=hp["grad_clip"],
-        epsilon=hp["eps_low"],
-        epsilon_high=hp["eps_high"],
-        beta=0.0,
-        loss_type="dapo",
-        scale_rewards="group",
+        **trl_alike(hp),
         max_steps=100_000,  # the callback stops on time or target
         logging_steps=hp["eval_every"],
         save_strategy="no",
         report_to="none",
-        gradient_checkpointing=False,  # TRL defaults to True; Flywheel's demo does not recompute
-        bf16=False,
-        fp16=False,
-        seed=0,
+        seed=args.seed,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )  # fmt: skip

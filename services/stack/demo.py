@@ -96,6 +96,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rl-seconds", type=float, help="stop RL after this many seconds")
     p.add_argument("--max-staleness", type=int, help="override [buffer] max_staleness")
     p.add_argument(
+        "--seed",
+        type=int,
+        help="the RL run's seeds: [buffer] seed (prompt shuffle), [engine] random_seed "
+        "(sampling), [trainer.runtime] seed (default: the run file's, else 0)",
+    )
+    p.add_argument(
         "--cpus",
         nargs="+",
         metavar="ROLE=CORES",
@@ -172,6 +178,7 @@ def run_file(
     model: Path,
     staleness: int | None,
     cpus: list[tuple[str, str]] | None = None,
+    seed: int | None = None,
 ) -> Path:
     """The stack's run file: the config with this run's paths (and overrides) filled in."""
     doc: dict[str, Any] = tomllib.loads(config.read_text())
@@ -184,9 +191,21 @@ def run_file(
     trainer["metrics_file"] = str(run_dir / "metrics.jsonl")
     if staleness is not None:
         doc.setdefault("buffer", {})["max_staleness"] = staleness
+    if seed is not None:
+        with_seed(doc, seed)
     out = run_dir / "run.toml"
     out.write_text(dump_toml(doc))
     return out
+
+
+def with_seed(doc: dict[str, Any], seed: int) -> None:
+    """Every seed of the RL run set to `seed`: the buffer's prompt shuffle (and curriculum
+    coins), the engines' shared sampler (the workers send no per-request seed) and the
+    trainer's torch RNG. The task's rows and the SFT warm start keep theirs: one seed
+    changes how the same task is sampled and trained, not the task."""
+    doc.setdefault("buffer", {})["seed"] = seed
+    doc.setdefault("engine", {})["random_seed"] = seed
+    doc.setdefault("trainer", {}).setdefault("runtime", {})["seed"] = seed
 
 
 def toml_value(v: Any) -> str:
@@ -318,7 +337,7 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     before, split = held_out_accuracy(tasks, start, args.eval_size)
     print(f"flywheel demo: {split} accuracy before RL: {before:.3f} ({time.time() - t0:.0f}s)",
           flush=True)  # fmt: skip
-    rf = run_file(config, run_dir, start, args.max_staleness, args.cpus)
+    rf = run_file(config, run_dir, start, args.max_staleness, args.cpus, args.seed)
     settings = load_settings(StackSettings, rf)
     print(f"flywheel demo: RL for {args.rl_steps} steps through the stack ({rf})", flush=True)
     started = time.time()

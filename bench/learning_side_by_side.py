@@ -1,0 +1,299 @@
+"""TRL's GRPOTrainer and Flywheel on the same run, back to back, one plot (issue #35, item 4).
+
+    .venv/bin/python bench/learning_side_by_side.py -c configs/demo-real.toml \
+        --seconds 900 --target 0.7                      # both, 900 s each, Flywheel first
+    .venv/bin/python bench/learning_side_by_side.py -c configs/examples/ticket-routing.toml \
+        --seconds 1200 --target 0.5 --first trl
+    .venv/bin/python bench/learning_side_by_side.py --seconds 60 --out-dir runs/sbs-smoke  # smoke
+
+Same model (the run file's `[stack] model`), task (its `[task]`: prompts as
+the buffer formats them, the reward called as the workers call it), the
+same held-out evaluation (the validation split, every `eval_every` steps,
+services/tasks/evaluate.py) and the same hyper-parameters as the services
+resolve them (bench/trl_grpo.py `demo_hparams`, `trl_alike`), on the same
+machine one after the other, each given the same wall-clock budget:
+
+- Flywheel: `flywheel up -c <the run file, with this run's paths>` (its
+  engines, workers, buffer, trainer and sync as the run file places them);
+  this script notes when each metrics row lands. Its clock starts when the
+  trainer's step-0 evaluation is written (generation starts after it: the
+  buffer waits for a ready trainer) and the stack is stopped (SIGINT) after
+  `--seconds` on that clock.
+- TRL: bench/trl_grpo.py in a subprocess, one process, `--trl-threads`
+  torch threads (default: the threads the Flywheel run uses, engines ×
+  engine_threads + the trainer's cpu_threads); its clock starts after its
+  step-0 evaluation, it stops after `--seconds`.
+
+Both curves are validation pass@1 against seconds since that start, the
+evaluations included in the seconds (each pays for its own). Written to
+DIR: side_by_side.png (both curves in one plot), side_by_side.json (every
+point and figure), side_by_side.md (the table for bench/results_learning.md),
+the runs' own files under DIR/flywheel and DIR/trl.
+
+Figures: trained samples/s (samples in optimizer steps / budget seconds;
+Flywheel's buffer trains only groups with a reward spread, TRL trains every
+group, so "with signal/s" counts TRL's samples in groups with a spread);
+time to target (the first evaluation ≥ `--target`; quantised to
+`eval_every` steps); the ratios Flywheel / TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import status_rate  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "configs" / "demo-real.toml"
+
+
+@dataclass
+class Side:
+    name: str
+    ok: bool = False
+    steps: int = 0
+    samples: int = 0
+    signal_fraction: float = 1.0  # trained samples in groups whose rewards differ
+    curve: list[tuple[float, float, int]] = field(default_factory=list)  # seconds, acc, step
+    generated_per_s: float | None = None
+    load: tuple[float, float] = (0.0, 0.0)
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    seconds: float | None = None  # RL seconds the rates are over (None: the budget)
+
+    def per_s(self, budget: float) -> float:
+        return self.samples / (self.seconds or budget)
+
+    def signal_per_s(self, budget: float) -> float:
+        return self.per_s(budget) * self.signal_fraction
+
+    def time_to(self, target: float) -> float | None:
+        return next((t for t, acc, _ in self.curve if acc >= target), None)
+
+
+def env() -> dict[str, str]:
+    """The subprocesses' environment: the repo root importable (a reward by import path
+    such as configs.examples.ticket_routing resolves from there, as in a user's shell
+    with PYTHONPATH=.)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
+def run_threads(config: Path) -> int:
+    """Torch threads the Flywheel run uses: engines × engine_threads + the trainer's."""
+    from services.runtime.settings import load_settings
+    from services.stack.settings import StackSettings
+    from services.trainer.settings import TrainerSettings
+
+    s = load_settings(StackSettings, config)
+    trainer = load_settings(TrainerSettings, config).runtime.cpu_threads or 1
+    return s.engines * max(s.engine_threads, 1) + trainer
+
+
+def model_of(config: Path, model: str | None) -> Path:
+    from services.models.resolve import resolve_model
+    from services.runtime.settings import load_settings
+    from services.stack.settings import StackSettings
+
+    return resolve_model(model or load_settings(StackSettings, config).model, key="--model")
+
+
+def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int) -> Side:
+    from services.stack.demo import fresh_run_dir, run_file
+
+    side = Side("Flywheel")
+    run_dir = (out / "flywheel").resolve()
+    fresh_run_dir(run_dir)
+    rf = run_file(config, run_dir, model, None, None, seed)
+    metrics = run_dir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "services", "up", "-c", str(rf), "--quiet"]
+    print(f"side_by_side: flywheel: {' '.join(cmd[2:])}", flush=True)
+    load0, t_wall = os.getloadavg()[0], time.monotonic()
+    log = (out / "flywheel.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    seen, t0, rows = 0, None, []
+    while proc.poll() is None:
+        time.sleep(0.5)
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        now = time.monotonic()
+        for line in lines[seen:]:
+            if line.strip():
+                row = json.loads(line)
+                t0 = now if t0 is None else t0  # the step-0 evaluation's row: RL starts
+                rows.append((now - t0, row))
+        seen = len(lines)
+        if t0 is not None and now - t0 >= seconds:
+            break
+    stop(proc)
+    log.close()
+    side.wall_s, side.load = time.monotonic() - t_wall, (load0, os.getloadavg()[0])
+    kept = [(t, r) for t, r in rows if t <= seconds]
+    side.curve = [(round(t, 1), float(r["eval_accuracy"]), int(r["step"]))
+                  for t, r in kept if "eval_accuracy" in r]  # fmt: skip
+    trained = [r for _, r in kept if "samples" in r]
+    side.steps = max((int(r["step"]) for r in trained), default=0)
+    side.samples = int(sum(r["samples"] for r in trained))
+    side.generated_per_s = status_rate(run_dir / "status.log")
+    side.ok = t0 is not None
+    if not side.ok:
+        side.notes.append(f"no metrics row; see {out / 'flywheel.log'}")
+    return side
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop `flywheel up` with SIGINT to it alone (it stops its services, then its NATS,
+    in order), then its whole process group harder if it hangs."""
+    steps = ((lambda: os.kill(proc.pid, signal.SIGINT), 120),
+             (lambda: os.killpg(proc.pid, signal.SIGTERM), 30),
+             (lambda: os.killpg(proc.pid, signal.SIGKILL), 10))  # fmt: skip
+    for send, wait in steps:
+        if proc.poll() is not None:
+            return
+        send()
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_trl(config: Path, model: Path, out: Path, seconds: float, threads: int, seed: int) -> Side:
+    side = Side("TRL GRPOTrainer")
+    dest = out / "trl"
+    dest.mkdir(parents=True, exist_ok=True)
+    metrics = dest / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ROOT / "bench" / "trl_grpo.py"), "-c", str(config),
+           "--model", str(model), "--seconds", str(seconds), "--threads", str(threads),
+           "--metrics-out", str(metrics), "--output-dir", str(dest / "trl-out"),
+           "--seed", str(seed)]  # fmt: skip
+    print(f"side_by_side: trl: {' '.join(cmd[1:])}", flush=True)
+    load0, t_wall = os.getloadavg()[0], time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, check=False)
+    side.wall_s, side.load = time.monotonic() - t_wall, (load0, os.getloadavg()[0])
+    (out / "trl.log").write_text(p.stdout + p.stderr)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"steps"')]
+    if p.returncode != 0 or not lines:
+        side.notes.append(f"trl_grpo.py exited {p.returncode}; see {out / 'trl.log'}")
+        return side
+    s = json.loads(lines[-1])
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    # the end-of-budget evaluation lands just past the budget: it is the budget's last point
+    side.curve = [(round(r["elapsed"], 1), float(r["eval_accuracy"]), int(r["step"]))
+                  for r in rows]  # fmt: skip
+    side.steps, side.samples = int(s["steps"]), int(s["samples"])
+    side.signal_fraction = float(s["signal_fraction"])
+    # TRL checks the budget at a step's end, so its last step may end past it: its rates
+    # are over its own RL seconds (evaluations included, as Flywheel's), not the budget
+    side.seconds = max(float(s["rl_seconds"]), 1e-9)
+    side.generated_per_s = side.samples / side.seconds
+    if side.seconds > seconds:
+        side.notes.append(f"its last step ended at {side.seconds:.0f} s (budget {seconds:.0f} s)")
+    side.ok = True
+    return side
+
+
+def plot(sides: list[Side], target: float | None, title: str, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for s in sides:
+        if s.curve:
+            ax.plot([c[0] for c in s.curve], [c[1] for c in s.curve], "o-", label=s.name)
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target}")
+    ax.set_xlabel("seconds since the step-0 evaluation (evaluations included)")
+    ax.set_ylabel("validation pass@1 (greedy)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or not b else f"{a / b:.2f}x"
+
+
+def report(sides: list[Side], budget: float, target: float | None, command: str) -> str:
+    fw, trl = sides if sides[0].name == "Flywheel" else sides[::-1]
+
+    def f(x: float | None, spec: str = ".0f") -> str:
+        return "not reached" if x is None else format(x, spec)
+
+    lines = [f"`{command}`", "",
+             "| | steps | trained samples/s | with signal/s | generated samples/s | "
+             "validation first → last | time to target s | load 1-min |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in (fw, trl):
+        acc = f"{s.curve[0][1]:.3f} → {s.curve[-1][1]:.3f}" if s.curve else "—"
+        ttt = f(s.time_to(target)) if target is not None else "—"
+        gen = f(s.generated_per_s, ".2f") if s.generated_per_s is not None else "—"
+        lines.append(f"| {s.name} | {s.steps} | {s.per_s(budget):.2f} | "
+                     f"{s.signal_per_s(budget):.2f} | {gen} | {acc} | {ttt} | "
+                     f"{s.load[0]:.1f} → {s.load[1]:.1f} |")  # fmt: skip
+    t_fw = fw.time_to(target) if target is not None else None
+    t_trl = trl.time_to(target) if target is not None else None
+    lines += ["",
+              f"Flywheel / TRL: trained samples/s {ratio(fw.per_s(budget), trl.per_s(budget))} "
+              f"(target ≥ 1.3x), with signal/s "
+              f"{ratio(fw.signal_per_s(budget), trl.signal_per_s(budget))}, time to target "
+              f"{ratio(t_fw, t_trl)} (target ≤ 0.7x). Budget {budget:.0f} s each."]  # fmt: skip
+    for s in (fw, trl):
+        lines += [f"- {s.name}: {n}" for n in s.notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-c", "--config", type=Path, default=DEFAULT_CONFIG, help="the run file")
+    p.add_argument("--model", help="model directory (default: the run file's [stack] model)")
+    p.add_argument("--seconds", type=float, default=900.0, help="wall-clock budget of each")
+    p.add_argument("--target", type=float, help="validation pass@1 for time to target")
+    p.add_argument("--first", choices=("flywheel", "trl"), default="flywheel")
+    p.add_argument("--trl-threads", type=int, help="TRL's torch threads (default: Flywheel's)")
+    p.add_argument("--seed", type=int, default=0, help="both runs' seed")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "side-by-side")
+    args = p.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    model = model_of(args.config, args.model)
+    threads = args.trl_threads or run_threads(args.config)
+    runs = {
+        "flywheel": lambda: run_flywheel(args.config, model, args.out_dir, args.seconds, args.seed),
+        "trl": lambda: run_trl(args.config, model, args.out_dir, args.seconds, threads, args.seed),
+    }
+    order = [args.first, *(k for k in runs if k != args.first)]
+    sides = [runs[k]() for k in order]
+    command = "bench/learning_side_by_side.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    png = plot(sides, args.target, f"{model.name}, {args.config.name}: TRL and Flywheel",
+               args.out_dir / "side_by_side.png")  # fmt: skip
+    md = report(sides, args.seconds, args.target, command.strip())
+    (args.out_dir / "side_by_side.md").write_text(md)
+    doc = {"command": command.strip(), "config": str(args.config), "model": str(model),
+           "seconds": args.seconds, "target": args.target, "trl_threads": threads,
+           "order": order, "sides": [asdict(s) for s in sides],
+           "load_median": statistics.median([x for s in sides for x in s.load])}  # fmt: skip
+    (args.out_dir / "side_by_side.json").write_text(json.dumps(doc, indent=2))
+    print(md, end="")
+    print(f"side_by_side: {png}, {args.out_dir / 'side_by_side.json'}", flush=True)
+    return 0 if all(s.ok for s in sides) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
