@@ -13,6 +13,7 @@ own state, here.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -97,6 +98,14 @@ def _load(ref: str) -> Callable[[list[str]], int]:
     return getattr(importlib.import_module(module), func)
 
 
+def _import_from_cwd() -> None:
+    """The working directory on sys.path, as `python -m` puts it there: a run file's
+    `"my_rewards:fn"` resolves the same in this command as in the services `flywheel up`
+    starts (`python -m services.<name>` in this directory). A console script does not."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -109,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.models.progress import quiet_progress_bars
 
     quiet_progress_bars()  # here and in every process this command starts
+    _import_from_cwd()
     return int(_load(COMMANDS[name][0])(rest) or 0)
 
 
