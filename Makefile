@@ -1,7 +1,7 @@
-# Flywheel — the targets the README names.
+# Flywheel — the targets the README and the guides in docs/ name.
 #   make setup   create .venv (torch CPU wheel first, then the project + dev tools)
 #   make test    lint + the whole test suite (what CI runs)
-#   make test-fast  the edit-test loop: unit + integration, no stack start-ups (< 2 min)
+#   make test-fast  the edit-test loop: unit + integration, no stack start-ups
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
