@@ -72,12 +72,14 @@ test-verifiers: setup tools
 # keeps the two equal), with the tokenizers and huggingface_hub it requires, installed without
 # dependencies into a directory laid over .venv (PYTHONPATH first): the engine's and trainer's
 # tests on it. The newest in the range is what setup installs and every other target runs.
-# Measured on 2 shared cores: ~16 s to install, ~4 min of tests.
-TRANSFORMERS_LOWEST := 5.0.0
-LOWEST_PINS := transformers==$(TRANSFORMERS_LOWEST) "huggingface_hub>=1.3,<2" tokenizers==0.22.2
+# Not the SFT learning test: it trains for a 45 s budget, so what it learns depends on the
+# load, not the release. Measured on 2 shared cores: ~16 s to install, 3-5 min of tests.
+TRANSFORMERS_LOWEST := 4.56.0
+LOWEST_PINS := transformers==$(TRANSFORMERS_LOWEST) "huggingface_hub>=0.34,<1" tokenizers==0.22.2
 DEPS_DIR := $(VENV)/deps-lowest
 DEPS_TESTS := tests/unit/engine tests/unit/trainer tests/integration/trainer/test_sft.py \
-	tests/integration/trainer/test_trainer.py tests/integration/engine/test_engine_server.py
+	tests/integration/trainer/test_trainer.py tests/integration/engine/test_engine_server.py \
+	--deselect tests/integration/trainer/test_sft.py::test_sft_learns_arithmetic
 test-deps: setup
 	test -d $(DEPS_DIR)/transformers-$(TRANSFORMERS_LOWEST).dist-info || \
 		$(PY) -m pip install -q --no-deps --target $(DEPS_DIR) $(LOWEST_PINS)
