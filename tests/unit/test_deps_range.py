@@ -1,8 +1,9 @@
 """The dependency ranges pyproject.toml declares are the ones tested.
 
-`make test-deps` runs the engine's and trainer's tests on the lowest transformers the
-range allows: the Makefile's TRANSFORMERS_LOWEST must be that lower bound, or raising
-the bound would leave the old release tested. Every runtime dependency has an upper
+`make test-deps` runs the engine's, trainer's and runtime's tests on the lowest
+transformers and nats-py the ranges allow: the Makefile's TRANSFORMERS_LOWEST and
+NATS_PY_LOWEST must be those lower bounds, or raising one would leave the old release
+tested. Every runtime dependency has an upper
 bound (the next major: a release nobody has read must not be installed silently).
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import re
 import tomllib
+
+import pytest
 
 from tests.harness import REPO
 
@@ -30,12 +33,16 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(parts + [0] * (3 - len(parts)))
 
 
-def test_make_test_deps_tests_the_lower_bound_of_transformers() -> None:
-    spec = dependencies()["transformers"]
+LOWEST = [("transformers", "TRANSFORMERS_LOWEST"), ("nats-py", "NATS_PY_LOWEST")]
+
+
+@pytest.mark.parametrize(("package", "variable"), LOWEST)
+def test_make_test_deps_tests_the_lower_bound(package: str, variable: str) -> None:
+    spec = dependencies()[package]
     lower = re.search(r">=\s*([0-9.]+)", spec)
     assert lower is not None, spec
-    make = re.search(r"^TRANSFORMERS_LOWEST := (\S+)$", (REPO / "Makefile").read_text(), re.M)
-    assert make is not None, "Makefile: TRANSFORMERS_LOWEST"
+    make = re.search(rf"^{variable} := (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert make is not None, f"Makefile: {variable}"
     assert release(make.group(1)) == release(lower.group(1)), (make.group(1), spec)
 
 
