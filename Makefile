@@ -5,7 +5,7 @@
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
-#   make test-verifiers  the `verifiers` extra installed, and its tests (CI runs it)
+#   make test-verifiers  the `verifiers` extra installed, and its tests: v1 and legacy envs (CI)
 #   make test-deps  engine, trainer and runtime tests on the lowest transformers and nats-py
 #   make test-long  the learning runs too long for make test (CI runs all but the real model's)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
@@ -63,7 +63,9 @@ test-long: setup tools smollm2
 
 # The `verifiers` extra and its tests (they skip without it; here they must run).
 # Not in setup: it brings ~30 packages (MCP, agents SDKs) nothing else needs.
-VERIFIERS_TESTS := tests/unit/tasks/test_verifiers.py tests/integration/engine/test_verifiers_rollout.py
+VERIFIERS_TESTS := tests/unit/tasks/test_verifiers.py tests/integration/engine/test_verifiers_rollout.py \
+	tests/unit/tasks/test_verifiers_v1.py tests/integration/engine/test_verifiers_v1_rollout.py \
+	tests/integration/rollout/test_verifiers_v1_worker.py
 test-verifiers: setup tools
 	$(PY) -m pip install -q -e '.[verifiers]'
 	FLYWHEEL_VERIFIERS_TESTS=required $(PY) -m pytest -q $(VERIFIERS_TESTS)

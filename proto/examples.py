@@ -22,6 +22,7 @@ from proto.messages import (
     Sample,
     SampleGroup,
     SamplingParams,
+    TeacherId,
     TrainBatch,
     VersionSpan,
     WeightsChunk,
@@ -60,6 +61,11 @@ def sample(index: int = 0) -> Sample:
             else ()
         ),
         engine_id="engine-0",
+        # sample 1 was scored by a teacher (on-policy distillation, schema 1.2)
+        teacher_logprobs=pack_f32([-0.25, -2.0, -0.5]) if index else None,
+        teacher=TeacherId(name="smollm2-rl", model="/models/smollm2-rl", version=7)
+        if index
+        else None,
         queued_at=1700000000.0,
         started_at=1700000000.25,
         finished_at=1700000001.5,

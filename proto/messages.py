@@ -27,7 +27,7 @@ from proto.weight_version import Version, VersionSpan
 from proto.wirecost import WireCost
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # 1.1: Sample.weight_version_spans
+SCHEMA_MINOR = 2  # 1.1: Sample.weight_version_spans; 1.2: Sample.teacher_logprobs, teacher
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 I32 = np.dtype("<i4")
@@ -88,7 +88,7 @@ class CrossFieldError(ValueError):
         self.field = field
 
 
-def _check_finite(logprobs: bytes) -> None:
+def _check_finite(logprobs: bytes, field: str = "logprobs") -> None:
     """Every logprob finite. One NaN or infinity, even on a token the loss mask drops
     (weight 0 · NaN = NaN), turns a train step's loss and every parameter into NaN, so
     it is refused where it enters: the sample (the buffer dead-letters its group, the
@@ -96,7 +96,7 @@ def _check_finite(logprobs: bytes) -> None:
     lp = unpack_f32(logprobs)
     if lp.size and not np.isfinite(lp).all():
         bad = int(np.flatnonzero(~np.isfinite(lp))[0])
-        raise CrossFieldError("logprobs", f"logprob of response token {bad} is {float(lp[bad])}")
+        raise CrossFieldError(field, f"logprob of response token {bad} is {float(lp[bad])}")
 
 
 Id = Annotated[str, Field(min_length=1, max_length=512)]
@@ -180,6 +180,16 @@ class PromptTask(Message):
         return self
 
 
+class TeacherId(BaseModel):
+    """Which teacher scored a sample (on-policy distillation, since schema 1.2)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: Id = Field(description="The run file's [teacher] name.")
+    model: str = Field(min_length=1, max_length=1024, description="The teacher's model.")
+    version: Version = Field(0, description="The weight version its engine served.")
+
+
 class Sample(Message):
     """One completion with everything the trainer and the accounting need."""
 
@@ -213,6 +223,16 @@ class Sample(Message):
         "is never trained on: the buffer leaves it out of its group).",
     )
 
+    teacher_logprobs: PackedF32 | None = Field(
+        None,
+        description="The teacher's logprob of each response token (on-policy distillation: "
+        "log p_teacher(token | the tokens before it)); None when no teacher scored it. Since "
+        "schema 1.2; a 1.1 reader ignores it (and trains on the task reward alone).",
+    )
+    teacher: TeacherId | None = Field(
+        None, description="The teacher that gave teacher_logprobs (since schema 1.2)."
+    )
+
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
         n = len(self.response_ids) // 4
@@ -231,6 +251,15 @@ class Sample(Message):
                 self.weight_version_spans, n, self.weight_version, self.weight_version_last
             )
         _check_finite(self.logprobs)
+        if self.teacher_logprobs is not None:
+            if len(self.teacher_logprobs) // 4 != n:
+                raise CrossFieldError(
+                    "teacher_logprobs",
+                    f"teacher_logprobs has {len(self.teacher_logprobs) // 4} entries, expected {n}",
+                )
+            if self.teacher is None:
+                raise CrossFieldError("teacher", "teacher_logprobs without the teacher's identity")
+            _check_finite(self.teacher_logprobs, "teacher_logprobs")
         return self
 
     @property

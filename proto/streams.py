@@ -38,7 +38,8 @@ class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     retention: Retention = "limits"
-    max_age_s: float = 7 * DAY
+    max_age_s: float = 7 * DAY  # 0: kept for ever
+    max_bytes: int = -1  # -1: no size limit (the oldest messages go first past it)
     duplicate_window_s: float = 2 * 3600
     max_msg_size: int = -1  # -1: the server's max_payload
     max_msgs_per_subject: int = -1
@@ -74,12 +75,22 @@ def max_deliveries_subject(stream: str, consumer: str) -> str:
     return f"{MAX_DELIVERIES_PREFIX}.{stream}.{consumer}"
 
 
-def streams_for(run: str) -> list[StreamSpec]:
+HISTORY_MAX_AGE_S = 7 * DAY
+"""How long SAMPLES and BATCHES keep a message by default: a run's recording, which
+`flywheel replay` reads back (deployments choose: `[nats] history_max_age_s`)."""
+
+
+def streams_for(
+    run: str, *, history_max_age_s: float = HISTORY_MAX_AGE_S, history_max_bytes: int = -1
+) -> list[StreamSpec]:
+    """The run's streams; SAMPLES and BATCHES keep `history_max_age_s` (0: for ever) and
+    at most `history_max_bytes` each (-1: no limit), the oldest messages going first."""
     s = Subjects(run)
+    age, size = history_max_age_s, history_max_bytes
     return [
         StreamSpec(stream_name(run, "TASKS"), (s.tasks,), retention="workqueue"),
-        StreamSpec(stream_name(run, "SAMPLES"), (s.samples,)),
-        StreamSpec(stream_name(run, "BATCHES"), (s.batches,)),
+        StreamSpec(stream_name(run, "SAMPLES"), (s.samples,), max_age_s=age, max_bytes=size),
+        StreamSpec(stream_name(run, "BATCHES"), (s.batches,), max_age_s=age, max_bytes=size),
         StreamSpec(stream_name(run, "WEIGHTS"), (s.weights_all,)),
         StreamSpec(
             stream_name(run, "ENGINES"),

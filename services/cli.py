@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.stack.inspect:eval_main",
         "test-split pass@1 / pass@k of a run's weights (validation if none)",
     ),
+    "replay": (
+        "services.cli:replay_main",
+        "a recorded run read back: re-train on its batches, re-score or export its samples",
+    ),
     "init-model": (
         "services.trainer.cli:init_model_main",
         "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
@@ -61,6 +65,17 @@ def status_main(argv: list[str]) -> int:
     from services.stack.inspect import status_main as status
 
     return status(argv, buffer_status=read_status)
+
+
+def replay_main(argv: list[str]) -> int:
+    """`flywheel replay`, with the stack's NATS store and trainer process and the buffer's
+    task finder (services/stack/replaying.py, services/buffer/replaying.py)."""
+    from services.buffer.replaying import task_finder
+    from services.replay.cli import main
+    from services.replay.source import Hooks
+    from services.stack.replaying import open_store, trainer_process
+
+    return main(argv, Hooks(open_store, trainer_process, task_finder))
 
 
 def _usage() -> str:

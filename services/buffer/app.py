@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import Counter
 
 from proto.codec import decode
 from proto.errors import ProtocolError
@@ -44,18 +46,31 @@ from proto.messages import (
 from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
 from services.buffer.admission import Policy, admission
+from services.buffer.collapse import StallWatch, StepWindow, is_flat
 from services.buffer.core import (
     Assembler,
     BufferState,
+    Cursor,
     FailureWatch,
     PromptTaskMaker,
     Verdict,
-    advance,
     group_failure,
     make_filters,
+    position_of,
     scored_part,
     task_id,
     unscored,
+)
+from services.buffer.curriculum import (
+    Difficulty,
+    PromptKey,
+    PromptStats,
+    coin,
+    difficulty,
+    draw,
+    observe,
+    params_of,
+    skip_reason,
 )
 from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
@@ -102,12 +117,23 @@ class BufferService:
             max_oversample=settings.max_oversample,
             margin=settings.oversample_margin,
         )
+        g = settings.groups_per_step
         self.asm = Assembler(
             self.policy,
             BufferState(),
             make_filters(settings),
             min_scored=settings.min_scored_per_group,
+            refill_max=math.floor(settings.refill_max_share * g),
+            refill_max_staleness=settings.refill_max_staleness,
         )
+        # the curriculum (durable: restored from the bucket) and collapse made visible
+        self.curriculum = params_of(settings)
+        self.prompts: dict[PromptKey, PromptStats] = {}
+        self.census: Counter[str] = Counter()
+        self.window = StepWindow(per_step=g)
+        self.stall = StallWatch(limit=math.ceil(settings.stall_warn_steps * g))
+        self.batched_seqs: dict[str, int] = {}  # recent batched group id -> SAMPLES seq
+        self._said_exhausted = False  # "every prompt is retired or resting", said once
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
         self.metrics = BufferMetrics(ctx.registry)
         self.lock = asyncio.Lock()  # one state change (and its persist) at a time
@@ -132,6 +158,8 @@ class BufferService:
             log.info("buffer: fresh start")
             return
         state = self.asm.state = rec.state
+        self.prompts = rec.prompts
+        self.census = Counter(str(difficulty(s, self.curriculum)) for s in rec.prompts.values())
         # Steps before this one began no later than now: none is forgotten for keep_settled_s.
         self._step_starts = {state.next_step: time.monotonic()}
         for gid, seq in rec.pending:
@@ -178,6 +206,14 @@ class BufferService:
         self.metrics.ready_version.set(st.ready_version)
         self.metrics.batches_ahead.set(max(0, st.next_step - st.ready_version))
         self.metrics.epoch.set(st.cursor.epoch)
+        shown = self.window.shown()
+        self.metrics.flat_share.set(shown.flat_share)
+        self.metrics.distinct.set(shown.distinct_mean)
+        self.metrics.group_samples.set(shown.group_size)
+        self.metrics.untrainable.set(self.stall.streak.groups)
+        for d in Difficulty:
+            if d is not Difficulty.UNSEEN:
+                self.metrics.prompts.labels(difficulty=str(d)).set(self.census[str(d)])
 
     # handlers
     async def on_group(self, group: SampleGroup, d: Delivery) -> None:
@@ -191,6 +227,7 @@ class BufferService:
             if self.asm.state.answered > answered:  # decided now, not a redelivered drop
                 self._record(group.group_id, d.stream_seq if verdict == Verdict.ACCEPTED else None)
                 self.metrics.unscored_samples.inc(unscored(group))
+                self._learn(group, verdict)
             tokens = sum(s.num_response_tokens for s in group.samples)
             self.metrics.group_tokens.labels(verdict=str(verdict)).inc(tokens)
             self.metrics.filter_rate.set(self.asm.rate)
@@ -198,6 +235,7 @@ class BufferService:
             if verdict == Verdict.ACCEPTED:
                 self.pending_seqs[group.group_id] = d.stream_seq
                 self.metrics.staleness.observe(target - group.weight_version)
+            if verdict == Verdict.ACCEPTED or self.asm.last_refill is not None:
                 if self._fill_started is None:
                     self._fill_started = time.monotonic()
                 await self._publish_ready_batches()
@@ -220,6 +258,44 @@ class BufferService:
                 expected=True,  # counted on the status line, not a warning per group
             )
 
+    def _learn(self, group: SampleGroup, verdict: str) -> None:
+        """What one decided group says of its prompt and of the policy (the curriculum,
+        refills, the per-step figures, a stall)."""
+        refill = self.asm.last_refill
+        if refill is not None:  # the flat group's slot: a recent group trains again
+            self.pending_seqs[refill.group_id] = self.batched_seqs[refill.group_id]
+            self.metrics.refilled.inc()
+        if verdict != Verdict.UNSCORED:
+            self._observe_prompt(group)
+            self.window.add(scored_part(group))
+        self.stall.observe(group, trainable=verdict == Verdict.ACCEPTED)
+        line = self.stall.stalled(self.s.groups_per_step)
+        if line is not None:
+            self.metrics.stalls.inc()
+            log.warning("buffer: %s", line)
+
+    def _observe_prompt(self, group: SampleGroup) -> None:
+        """The group's prompt's pass rate (and rest), stored with the group's decision."""
+        pos = position_of(group.task_id)
+        if pos is None:
+            return
+        try:
+            key = self.task_maker.key(*pos)
+        except IndexError:  # a position past this dataset (its run file changed)
+            return
+        old = self.prompts.get(key)
+        scored = [s.reward for s in group.samples if s.verifier_error is None]
+        new = observe(old, scored, step=self.asm.state.next_step, params=self.curriculum)
+        if new is None or new == old:
+            return
+        if old is not None:
+            self.census[str(difficulty(old, self.curriculum))] -= 1
+        self.census[str(difficulty(new, self.curriculum))] += 1
+        if new.rest_until > (old.rest_until if old else 0) and is_flat(group):
+            self.metrics.rested.inc()
+        self.prompts[key] = new
+        self.store.prompt(key, new)
+
     async def _publish_ready_batches(self) -> None:
         """Store the batch, then publish it (module docstring: why in this order). Taken
         batches wait in `unpublished` until published: a failed KV write or publish leaves
@@ -229,6 +305,11 @@ class BufferService:
             self.unpublished.append((step, time.time(), groups))
             seqs = [self.pending_seqs[g.group_id] for g in groups]
             self.store.batch(step, self.unpublished[-1][1], seqs)
+            # what a refill could still take (core.Assembler.recent), by SAMPLES sequence
+            recent = {g.group_id for g in self.asm.recent}
+            known = {**self.batched_seqs}
+            known.update((g.group_id, q) for g, q in zip(groups, seqs, strict=True))
+            self.batched_seqs = {gid: q for gid, q in known.items() if gid in recent}
         await self.store.flush()
         published = bool(self.unpublished)
         while self.unpublished:
@@ -237,6 +318,7 @@ class BufferService:
             self.unpublished.pop(0)
             for g in groups:
                 self.pending_seqs.pop(g.group_id, None)
+            self.window.closed()
             self.metrics.batches.inc()
             if self._fill_started is not None:
                 self.metrics.batch_fill.observe(time.monotonic() - self._fill_started)
@@ -338,16 +420,38 @@ class BufferService:
             n = admission(st.ready_version, a.filled, st.in_flight, self.policy, a.rate, a.evidence)
             if n == 0:
                 return 0
-            cursor, taken = advance(st.cursor, len(self.task_maker), n)
-            for epoch, offset in taken:
+            got = draw((st.cursor.epoch, st.cursor.offset), len(self.task_maker), n, self._skip)
+            for epoch, offset in got.taken:
                 if not await self._dispatch_one(epoch, offset):
                     st.answered += 1  # its dead letter is its answer: no group comes
-            st.cursor = cursor
+            st.cursor = Cursor(*got.cursor)
+            for reason, k in got.skipped.items():
+                self.metrics.skipped.labels(reason=reason).inc(k)
+            if got.forced and not self._said_exhausted:
+                self._said_exhausted = True
+                log.warning("buffer: every prompt is retired or resting; drawing them anyway "
+                            "([buffer] curriculum_retire_*, flat_rest_steps)")  # fmt: skip
             st.dispatched += n
             self.store.head(self._head())
             await self.persist()
         self.metrics.dispatched.inc(n)
         return n
+
+    def _skip(self, epoch: int, offset: int) -> str | None:
+        """Why the curriculum passes over this position now (None: draw it)."""
+        if not self.prompts:
+            return None
+        try:
+            stats = self.prompts.get(self.task_maker.key(epoch, offset))
+        except IndexError:
+            return None
+        if stats is None:  # never seen: drawn as always
+            return None
+        step = self.asm.state.next_step
+        sure = skip_reason(stats, step, 0.0, self.curriculum)  # retired, resting, weight 0
+        if sure is not None:
+            return sure
+        return skip_reason(stats, step, coin(self.s.seed, epoch, offset), self.curriculum)
 
     async def dispatch_loop(self, stop: asyncio.Event) -> None:
         transient = transient_errors()

@@ -20,6 +20,7 @@ import importlib
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -68,6 +69,15 @@ def task_id(run: str, epoch: int, position: int) -> str:
     return f"{run}:e{epoch}:i{position}"
 
 
+_POSITION = re.compile(r":e(\d+):i(\d+)$")
+
+
+def position_of(tid: str) -> tuple[int, int] | None:
+    """`(epoch, position)` of a task id `task_id` made (None: not one of ours)."""
+    m = _POSITION.search(tid)
+    return (int(m[1]), int(m[2])) if m else None
+
+
 class PromptTaskMaker:
     """The PromptTask (the unit of work) at a dataset position: a row of one of the run's
     tasks, formatted by its spec.
@@ -89,8 +99,7 @@ class PromptTaskMaker:
     ) -> None:
         self.run, self.loaded, self.seed, self.n, self.sampling = run, loaded, seed, n, sampling
         self.order = TrainOrder.build(loaded)
-        self._epoch = -1
-        self._slots: list[int] = []
+        self._slots: dict[int, list[int]] = {}  # epoch -> its order; the two newest kept
 
     def __len__(self) -> int:
         return len(self.order)
@@ -116,11 +125,18 @@ class PromptTaskMaker:
             created_at=now,
         )
 
+    def key(self, epoch: int, offset: int) -> tuple[str, int]:
+        """The prompt at `offset` of `epoch`: its task's name and row (the curriculum's key)."""
+        return self.order.item(epoch, self._slot(epoch, offset))
+
     def _slot(self, epoch: int, offset: int) -> int:
-        if epoch != self._epoch:
-            self._slots = epoch_order(self.seed, epoch, len(self.order))
-            self._epoch = epoch
-        return self._slots[offset]
+        # Two epochs are kept: groups of the last epoch still arrive while the next
+        # is dispatched, and each look-up of another epoch would reshuffle the dataset.
+        if epoch not in self._slots:
+            self._slots[epoch] = epoch_order(self.seed, epoch, len(self.order))
+            for old in sorted(e for e in self._slots if e != epoch)[:-1]:
+                del self._slots[old]
+        return self._slots[epoch][offset]
 
 
 # ── group assembly ────────────────────────────────────────────────────────────
@@ -232,6 +248,15 @@ class Assembler:
     filter_rate: FilterRate | None = None  # default: learned over 8 batches of groups
     forgotten_below: int = 0  # settled ids of steps before this one are forgotten
     min_scored: int | None = None  # [buffer] min_scored_per_group
+    # Refill ([buffer] refill_max_share): a flat group's slot is filled by a recent
+    # group that had a reward spread and already trained, at most `refill_max` per
+    # batch, each recent group at most once, its version w >= s - refill_max_staleness.
+    refill_max: int = 0
+    refill_max_staleness: int = 2
+    recent: deque[SampleGroup] = field(default_factory=deque)  # batched, with a spread
+    refilled: dict[int, int] = field(default_factory=dict)  # step -> refills going into it
+    refill_ids: set[str] = field(default_factory=set)  # pending groups that are refills
+    last_refill: SampleGroup | None = None  # what the last offer refilled (the adapter's seq)
 
     def __post_init__(self) -> None:
         if self.filter_rate is None:
@@ -258,6 +283,7 @@ class Assembler:
     def offer(self, group: SampleGroup) -> str:
         """Decide one arriving group; returns a Verdict (or a custom filter's reason)."""
         gid = group.group_id
+        self.last_refill = None
         if gid in self.state.settled:
             # Redelivered. A dropped group gets its drop reason again, so a crash
             # between deciding and dead-lettering cannot lose its dead letter.
@@ -268,8 +294,10 @@ class Assembler:
         self.state.answered += 1
         scored = scored_part(group)
         reason = self._drop_reason(group, scored)
-        if self.filter_rate is not None:  # a stale group passed the filters
-            self.filter_rate.observe(reason is not None and reason != Verdict.STALE)
+        self.last_refill = self._refill() if reason == Verdict.ZERO_VARIANCE else None
+        if self.filter_rate is not None:  # a stale group passed the filters; a refill fills
+            filtered = reason is not None and reason != Verdict.STALE
+            self.filter_rate.observe(filtered and self.last_refill is None)
         if reason is not None:
             self.state.settled[gid] = (self.state.next_step, reason)
             return reason
@@ -295,10 +323,41 @@ class Assembler:
             return None
         groups, self.pending = self.pending[:g], self.pending[g:]
         step = self.state.next_step
+        self.refilled.pop(step, None)
         for grp in groups:
             self.state.settled[grp.group_id] = (step, Verdict.ACCEPTED)
+            if grp.group_id in self.refill_ids:  # a refill is not kept: twice at most
+                self.refill_ids.discard(grp.group_id)
+            elif self.refill_max > 0 and zero_variance(grp) is None:
+                self.recent.append(grp)
         self.state.next_step += 1
+        self._prune_recent()
         return step, groups
+
+    def _refill(self) -> SampleGroup | None:
+        """A recent group for the slot a flat group leaves empty (None: none may)."""
+        target = self.target_step()
+        if self.refill_max <= 0 or self.refilled.get(target, 0) >= self.refill_max:
+            return None
+        floor = target - self.refill_max_staleness
+        for i in range(len(self.recent) - 1, -1, -1):  # the newest first
+            grp = self.recent[i]
+            if grp.weight_version >= floor and grp.group_id not in self._pending_ids():
+                del self.recent[i]
+                self.pending.append(grp)
+                self.refill_ids.add(grp.group_id)
+                self.refilled[target] = self.refilled.get(target, 0) + 1
+                return grp
+        return None
+
+    def _pending_ids(self) -> set[str]:
+        return {p.group_id for p in self.pending}
+
+    def _prune_recent(self) -> None:
+        """Keep the groups a refill could still take (and at most 4 batches of them)."""
+        floor = self.state.next_step - self.refill_max_staleness
+        keep = [grp for grp in self.recent if grp.weight_version >= floor]
+        self.recent = deque(keep[-4 * self.policy.groups_per_step :])
 
     def task_dead_lettered(self) -> None:
         """A task ended in the dead-letter queue without a group: it is answered."""

@@ -43,3 +43,50 @@ class BufferMetrics:
             "Time from a batch's first accepted group to its publication.",
             (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
+        # flat groups, the curriculum, collapse made visible (docs/learning.md)
+        self.flat_share = m.gauge(
+            "flat_share",
+            "Share of flat groups (every reward alike: zero advantage) among the groups "
+            "received for the last step (the step being filled once it has a step's worth).",
+        )
+        self.distinct = m.gauge(
+            "distinct_completions",
+            "Mean distinct completions (response token sequences) per group, same groups.",
+        )
+        self.group_samples = m.gauge(
+            "group_samples", "Mean samples per group, same groups (what distinct is out of)."
+        )
+        self.untrainable = m.gauge(
+            "untrainable_groups",
+            "Groups in a row that brought nothing trainable (0 once one does).",
+        )
+        self.stalls = m.counter(
+            "stalls",
+            "Stalls said in the console: [buffer] stall_warn_steps steps' worth of groups in a "
+            "row with nothing trainable.",
+        )
+        self.refilled = m.counter(
+            "refilled_groups",
+            "Flat groups' batch slots refilled with a recent group that trained before "
+            "([buffer] refill_max_share).",
+        )
+        self.rested = m.counter(
+            "rested_prompts",
+            "Prompts put to rest after a flat group ([buffer] flat_rest_steps).",
+        )
+        self.skipped = m.counter(
+            "curriculum_skipped",
+            "Dataset positions passed over by the curriculum, by reason (easy, hard, retired, "
+            "resting).",
+            ["reason"],
+        )
+        self.prompts = m.gauge(
+            "curriculum_prompts",
+            "Prompts seen, by difficulty (easy, normal, hard, retired) from their pass rates.",
+            ["difficulty"],
+        )
+        # Every series exists from the start: a dashboard shows 0, not "no data".
+        for d in ("easy", "normal", "hard", "retired"):
+            self.prompts.labels(difficulty=d).set(0)
+        for r in ("easy", "hard", "retired", "resting"):
+            self.skipped.labels(reason=r)

@@ -62,6 +62,79 @@ class BufferSettings(TaskServiceSettings):
     custom_filter: str | None = Field(
         None, description="'module:function' taking a SampleGroup, returning a reason or None."
     )
+    # flat groups, the curriculum, collapse made visible (docs/learning.md)
+    flat_rest_steps: int = Field(
+        4,
+        ge=0,
+        description="A prompt whose group was flat (every reward alike: zero advantage) is not "
+        "drawn again for this many steps (it waits for the cursor's next pass after that). "
+        "0: never rests.",
+    )
+    refill_max_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="When a flat group is dropped, its batch slot is refilled with a recent "
+        "group that had a reward spread and already trained (each such group at most once "
+        "more), up to this share of each batch. 0 (default): every group trains once; 0.5 "
+        "keeps a starved trainer stepping on at least half fresh groups.",
+    )
+    refill_max_staleness: int = Field(
+        2,
+        ge=0,
+        description="A refilled group's weight version w must satisfy w >= s - this at the "
+        "step s it trains again (recent, not too stale).",
+    )
+    curriculum: bool = Field(
+        True,
+        description="Draw prompts by their pass rate: easy and hard ones less often, solved "
+        "ones never (the curriculum_* keys); the pass rates are kept and shown either way.",
+    )
+    curriculum_pass_reward: float = Field(
+        1.0,
+        description="A sample passes when its reward is at least this (1.0: right, for "
+        "exact-match and math rewards); a prompt's pass rate is over its groups' samples.",
+    )
+    curriculum_ema: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Weight of a prompt's newest group in its pass rate (1: the last group alone).",
+    )
+    curriculum_easy_pass_rate: float = Field(
+        0.8, ge=0.0, le=1.0, description="A prompt with a pass rate at least this is easy."
+    )
+    curriculum_hard_pass_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="A prompt with a pass rate at most this is hard."
+    )
+    curriculum_easy_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="The chance an easy prompt is drawn when the cursor reaches it (1: as any).",
+    )
+    curriculum_hard_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="The chance a hard prompt is drawn when the cursor reaches it (1: as any).",
+    )
+    curriculum_retire_pass_rate: float = Field(
+        0.9,
+        ge=0.0,
+        le=1.0,
+        description="A prompt with a pass rate at least this over curriculum_retire_after "
+        "groups is solved: never drawn again.",
+    )
+    curriculum_retire_after: int = Field(
+        2, ge=0, description="Groups a prompt needs before it can retire (0: never retire)."
+    )
+    stall_warn_steps: float = Field(
+        3.0,
+        ge=0.0,
+        description="After this many steps' worth of groups in a row with nothing trainable, "
+        "say so once in the console, with the cause and the keys that help (0: never).",
+    )
     dispatch_interval_s: float = Field(
         0.2, gt=0, description="How often admission is re-evaluated without an event."
     )

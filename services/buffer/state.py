@@ -11,6 +11,10 @@ Every write is O(1) in the number of groups per step G (bench/buffer_state.py):
 - `head`: cursor, counters, next step, ready version, and `published` (the
   first step not known to be published), written per dispatch, ready version
   and batch.
+- `c.<task name, base64url>.<row>` per prompt seen: its curriculum record
+  (groups, pass rate, the step its rest ends; services/buffer/curriculum.py),
+  written with the decision of each of its groups. Never purged: the pass
+  rates outlive any step (one key per prompt, rewritten in place).
 
 The state is the merge of the three (`recover`): answered and next_step are
 the largest any record says (every write carries the count at that time),
@@ -40,6 +44,7 @@ from typing import Any
 import msgpack
 
 from services.buffer.core import BufferState, Cursor, Verdict
+from services.buffer.curriculum import PromptKey, PromptStats
 from services.runtime.errors import FlywheelError
 
 STATE_KEY = "state"  # the old form (read, migrated, removed)
@@ -49,6 +54,7 @@ HEAD_KEY = "head"
 RECORDS = "r"  # the prefix of group records and batch keys, purged together by sequence
 GROUP_PREFIX, BATCH_PREFIX = f"{RECORDS}.g.", f"{RECORDS}.b."
 HEAD_FIELDS = "cursor dispatched answered next_step ready_version published".split()
+PROMPT_PREFIX = "c."  # a prompt's curriculum record: never purged (not under `r.`)
 
 
 def dump_state(state: BufferState, pending: list[tuple[str, int]]) -> bytes:
@@ -277,6 +283,37 @@ def load_batch(key: str, data: bytes) -> tuple[int, float, list[int]]:
         raise BufferRecordError(key, str(e)) from e
 
 
+def prompt_key(key: PromptKey) -> str:
+    """A prompt's record key: `c.<task name, base64url>.<row>`."""
+    name, row = key
+    return f"{PROMPT_PREFIX}{base64.urlsafe_b64encode(name.encode()).decode()}.{row}"
+
+
+def dump_prompt(stats: PromptStats) -> bytes:
+    """A prompt's curriculum record: groups seen, pass rate, the step its rest ends."""
+    return msgpack.packb({"g": stats.groups, "p": stats.pass_rate, "r": stats.rest_until})
+
+
+def load_prompt(key: str, data: bytes) -> tuple[PromptKey, PromptStats]:
+    """Parse what `dump_prompt` wrote under `key` (BufferRecordError names the key)."""
+    name64, _, row = key.removeprefix(PROMPT_PREFIX).rpartition(".")
+    try:
+        if not key.startswith(PROMPT_PREFIX) or not row.isdigit():
+            raise BufferStateError("not a prompt record key")
+        try:
+            name = base64.urlsafe_b64decode(name64.encode()).decode()
+        except (binascii.Error, UnicodeDecodeError, ValueError) as e:
+            raise BufferStateError(f"not a base64url task name: {e}") from e
+        d = _map(data, "prompt record", ["g", "p", "r"])
+        rate = d["p"]
+        if isinstance(rate, bool) or not isinstance(rate, float | int) or not 0 <= rate <= 1:
+            raise BufferStateError(f"pass rate must be a number in [0, 1], got {rate!r}")
+        stats = PromptStats(_int(d["g"], "g"), float(rate), _int(d["r"], "r"))
+        return (_str(name, "task name"), int(row)), stats
+    except BufferStateError as e:
+        raise BufferRecordError(key, str(e)) from e
+
+
 @dataclass
 class Recovered:
     """The buffer's state merged from its bucket (`recover`)."""
@@ -285,6 +322,7 @@ class Recovered:
     pending: list[tuple[str, int]] = field(default_factory=list)  # (group id, SAMPLES seq)
     unpublished: list[tuple[int, float, list[int]]] = field(default_factory=list)
     fresh: bool = True  # nothing stored: a new run
+    prompts: dict[PromptKey, PromptStats] = field(default_factory=dict)  # the curriculum
     old_keys: list[str] = field(default_factory=list)  # the old form's keys, still there
     migrate: bool = False  # read from the old form: the new form is to be written
 
@@ -312,6 +350,9 @@ def recover(entries: Mapping[str, bytes]) -> Recovered:
             batches[step] = (at, seqs)
         elif key.startswith(GROUP_PREFIX):
             records.append(load_record(key, data))
+        elif key.startswith(PROMPT_PREFIX):
+            pkey, stats = load_prompt(key, data)
+            rec.prompts[pkey] = stats
     rec.fresh = not entries
     _merge(rec, batches, records)
     rec.unpublished = sorted((s, at, q) for s, (at, q) in batches.items() if s >= published)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from proto.streams import kv_bucket
 from services.buffer.core import BufferState
+from services.buffer.curriculum import PromptKey, PromptStats
 from services.buffer.state import (
     BATCH_PREFIX,
     GROUP_PREFIX,
@@ -32,9 +33,11 @@ from services.buffer.state import (
     Recovered,
     batch_key,
     dump_batch,
+    dump_prompt,
     gid_of,
     group_key,
     new_form,
+    prompt_key,
     recover,
 )
 from services.runtime.missing import no_answer_errors, not_found_missing, raise_if_missing
@@ -155,6 +158,10 @@ class StateStore:
     def group(self, gid: str, record: bytes) -> None:
         """A group's decision (state.dump_accepted / dump_settled)."""
         self._queue.append(_Put(group_key(gid), record))
+
+    def prompt(self, key: PromptKey, stats: PromptStats) -> None:
+        """A prompt's curriculum record (state.dump_prompt), rewritten in place."""
+        self._queue.append(_Put(prompt_key(key), dump_prompt(stats)))
 
     def batch(self, step: int, created_at: float, seqs: list[int]) -> None:
         self._queue.append(_Put(batch_key(step), dump_batch(created_at, seqs)))

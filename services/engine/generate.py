@@ -81,6 +81,7 @@ async def native_generate(
         state.vocab_size,
         state.context_len,
         state.settings.default_max_new_tokens,
+        state.caps,
     )
     mine = claim_rids(state, parsed)
     if isinstance(mine, str):

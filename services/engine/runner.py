@@ -136,6 +136,21 @@ class ModelRunner:
         kv = zero_padding(KVBatch(layers, mask, lengths))
         return out.logits[:, -1, :].float(), kv  # [B, V]
 
+    def prompt_logprobs(
+        self, ids: list[int], start: int, lora_id: str | None = None
+    ) -> list[float]:
+        """log p(ids[i] | ids[:i]) for i in start + 1 .. len(ids) - 1, from the raw logits of
+        one forward over `ids` (SGLang's input logprobs: no temperature, no top-p/top-k)."""
+        import torch
+
+        self.lora.set_rows([lora_id])
+        x = torch.tensor([ids], dtype=torch.long)  # [1, L]
+        with torch.inference_mode():
+            logits = self.model(input_ids=x, use_cache=False).logits[0, start:-1].float()
+        logp = torch.log_softmax(logits, dim=-1)  # [L - 1 - start, V]
+        targets = x[0, start + 1 :]  # [L - 1 - start]
+        return logp.gather(-1, targets[:, None])[:, 0].tolist()
+
     def invalidate(self) -> None:
         """The KVBatch changed shape (join/select): rebuild the model cache on next decode."""
         self._cache = None

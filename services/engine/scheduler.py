@@ -313,6 +313,7 @@ class Scheduler:
             matched_stop_str=seq.matched_str,
             spans=version_spans(seq.events, self.served_version, n),
             retractions=seq.retractions,
+            input_logprobs=seq.input_logprobs,
         )
         self._finished_at = time.time()
         try:
@@ -410,6 +411,7 @@ class Scheduler:
                 skipped.append(seq)  # SGLang's scheduler skips it and tries the next
                 continue
             max_new = seq.spec.params.max_new_tokens
+            self._score_prompts([seq])
             if max_new == 0 or len(seq.output_ids) >= max_new:
                 self._finish(seq, {"type": "length", "length": max_new})
                 continue
@@ -418,6 +420,16 @@ class Scheduler:
         self._waiting.extendleft(reversed(skipped))
         if new:
             self._batch.admit(new, self._finish)
+
+    def _score_prompts(self, seqs: list[Seq]) -> None:
+        """Prompt logprobs (`logprob_start_len`) of the sequences that ask for some, once:
+        SGLang computes them in the request's prefill and keeps them over a retraction."""
+        for seq in seqs:
+            start = seq.spec.input_start
+            if seq.input_logprobs is None and start is not None and start < len(seq.spec.input_ids):
+                seq.input_logprobs = self.runner.prompt_logprobs(
+                    list(seq.spec.input_ids), start, seq.spec.lora_id
+                )
 
     def _lora_fits(self, running: set[str | None], lora_id: str | None) -> bool:
         """`can_schedule_lora_req`: its adapter already runs, or one more still fits."""

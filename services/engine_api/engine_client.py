@@ -329,6 +329,47 @@ class EngineClient:
         items = out if isinstance(out, list) else [out]
         return [GenerateResult.from_json(d) for d in items]
 
+    async def prompt_logprobs(
+        self,
+        input_ids: list[int],
+        start: int,
+        *,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+        lora_path: str | None = None,
+    ) -> list[float]:
+        """log p(input_ids[i] | input_ids[:i]) for i in start + 1 .. len - 1: how a teacher
+        scores a sequence. SGLang's prefill-only request (`max_new_tokens` 0,
+        `logprob_start_len` = start) answers `input_token_logprobs` for input_ids[start:],
+        whose first logprob is null, so the logprobs of a response after a P-token prompt
+        are asked with start = P - 1. EngineError if the answer does not line up."""
+        if not 0 <= start < len(input_ids):
+            raise ValueError(f"start {start} must index the {len(input_ids)} input ids")
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": start,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        out = await self.request("POST", "/generate", body, timeout_s=timeout_s)
+        meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+        reason = meta.get("finish_reason") or {}
+        if reason.get("type") == "abort":
+            raise EngineError(f"prompt logprobs aborted: {reason.get('message')}", self.url)
+        triples = meta.get("input_token_logprobs")
+        want = input_ids[start:]
+        if not isinstance(triples, list) or [t[1] for t in triples] != want:
+            raise EngineError(
+                f"input_token_logprobs does not cover input_ids[{start}:] "
+                f"({len(want)} tokens): {str(triples)[:200]}",
+                self.url,
+            )
+        return [float(t[0]) for t in triples[1:]]
+
     async def update_weights_from_disk(
         self,
         model_path: str,

@@ -16,6 +16,9 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `/generate` lora_path  |
 |        | (an adapter's name; ignored without --enable-lora)                         |
 | 0.5.5  | `/v1/models` lists the loaded adapters (id = name, root = path)            |
+|        | `logprob_start_len` k (prompt logprobs, `input_token_logprobs`): k = len(input) |
+|        | is refused for a request that generates; k = -1 with return_logprob starts |
+|        | at len - 1 (one null entry), at len for max_new_tokens = 0 (scheduler.py) |
 | 0.5.6  | `/model_info`, `/server_info`; pause modes abort/retract/in_place          |
 |        | (io_struct PauseGenerationReqInput); `flush_cache` on update requests;     |
 |        | `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` makes `/health` cheap;    |
@@ -24,8 +27,12 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | never been loaded" (before: "... are not loaded", lora_registry.acquire);  |
 |        | the LoRA registry is an OrderedDict (messages print `odict_keys`, before   |
 |        | `dict_keys`)                                                               |
+| 0.5.7  | `logprob_start_len` = len(input) accepted (only k > len is refused)        |
 | 0.5.8  | `/v1/loads` (entrypoints/v1_loads.py)                                      |
+| 0.5.9  | k = -1 with return_logprob starts at len - 1 for max_new_tokens = 0 too    |
 | 0.5.10 | a request id already in flight is refused (400 "Duplicate request ...");  |
+|        | k = -1 with return_logprob starts at len: no input logprobs ([]);           |
+|        | `meta_info.output_token_logprobs_length` (tokenizer_manager)               |
 |        | a lora_path without --enable-lora is refused (400), no longer ignored      |
 | 0.5.12 | `meta_info.num_retractions` (0.5.10: `reasoning_tokens`)                   |
 | 0.5.19 | `meta_info.weight_versions`: per-token version spans (utils/weight_versions)|
@@ -38,14 +45,16 @@ through 0.5.23 (the newest 0.5.x when written), reading
 | 0.5.23 | `/ping` reports health (503 after a failed health check), not always 200   |
 
 Unchanged over the whole range: `/generate` (`GenerateReqInput`), the
-`output_token_logprobs` triples, finish reasons, per-sample random ids with
-`n > 1`, `top_k` -1 or >= 1 (`SamplingParams.verify`), `/health` and
-`/health_generate` generating one token (at least 1 s; no answer while
-generation is paused), `/update_weights_from_disk` with `weight_version`,
-an update asked for while generation runs holding `model_update_lock`'s
-writer lock until the scheduler has answered, flush included (new requests
-wait on the reader lock in the tokenizer manager; 0.5.6+ take no writer lock when
-paused), and the API key on every path but `/health*`, `/metrics*` (and `/ready*`).
+`output_token_logprobs` and `input_token_logprobs` triples (the first input
+entry's logprob null), `max_new_tokens = 0` (prefill only, finish "length"),
+finish reasons, per-sample random ids with `n > 1`, `top_k` -1 or >= 1
+(`SamplingParams.verify`), `/health` and `/health_generate` generating one
+token (at least 1 s; no answer while generation is paused),
+`/update_weights_from_disk` with `weight_version`, an update asked for while
+generation runs holding `model_update_lock`'s writer lock until the
+scheduler has answered, flush included (new requests wait on the reader lock
+in the tokenizer manager; 0.5.6+ take no writer lock when paused), and the
+API key on every path but `/health*`, `/metrics*` (and `/ready*`).
 
 Supported: 0.5.4 <= version < 0.6. Releases above 0.5.23 are accepted (the
 API held still across twenty 0.5.x releases) with a warning; anything
@@ -203,6 +212,28 @@ class Capabilities:
     @property
     def lora_refused_when_disabled(self) -> bool:
         """A `lora_path` on an engine without --enable-lora is a 400; before, ignored."""
+        return self.at_least(0, 5, 10)
+
+    def default_input_start(self, prompt_len: int, prefill_only: bool) -> int:
+        """Where `input_token_logprobs` start for `logprob_start_len` -1 with return_logprob
+        (`Scheduler.handle_generate_request`): nothing asked (len) or the last prompt token."""
+        if self.at_least(0, 5, 10):
+            return prompt_len
+        if self.at_least(0, 5, 9) or not prefill_only:
+            return prompt_len - 1
+        return prompt_len
+
+    def refuses_input_start(self, k: int, prompt_len: int, prefill_only: bool) -> bool:
+        """The scheduler aborts the request with "... is higher than the number of input
+        tokens ..." (HTTP 400). Before 0.5.7 also k == len for a request that generates.
+        (0.5.4-0.5.6 let a prefill-only k > len through to fail later; refused here.)"""
+        if k > prompt_len:
+            return True
+        return k == prompt_len and not prefill_only and not self.at_least(0, 5, 7)
+
+    @property
+    def reports_logprobs_length(self) -> bool:
+        """`meta_info.output_token_logprobs_length` beside the logprobs (0.5.10+)."""
         return self.at_least(0, 5, 10)
 
     @property

@@ -11,16 +11,21 @@ from typing import Any
 
 from proto.messages import PromptTask
 from proto.streams import consumers_for
+from services.engine_api.chat_pool import ChatFailed, ChatPool
 from services.engine_api.engine_client import EngineClient
+from services.engine_api.teacher import TeacherPool
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
+from services.tasks import judge as judging
 from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.prompts import readable
 from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.tasks.taskset import TaskSet
+from services.tasks.verifiers_v1 import VerifiersV1Source
 
 
 def load_tokenizer(model: Path | None) -> Any:
@@ -53,10 +58,77 @@ class PromptTaskScorer:
     def episode(self, task: PromptTask) -> EpisodeSpec | None:
         return self.scorer.spec(task.task_name).episode
 
+    def verifiers_v1(self, task: PromptTask) -> VerifiersV1Source | None:
+        src = self.scorer.spec(task.task_name).source
+        return src if isinstance(src, VerifiersV1Source) else None
+
     async def score_group(
         self, task: PromptTask, completions: list[tuple[str, int]]
     ) -> list[Reward]:
-        return await self.scorer.score_group(task.task_name, task.index, task.answer, completions)
+        return await self.scorer.score_group(
+            task.task_name,
+            task.index,
+            task.answer,
+            completions,
+            prompt=readable(task.prompt, task.messages),
+        )
+
+
+# The pool's failure reasons as the judge's dead-letter reasons.
+_REASONS = {
+    "timeout": judging.TIMEOUT,
+    "unavailable": judging.UNAVAILABLE,
+    "refused": judging.REFUSED,
+    "malformed": judging.UNPARSABLE,
+}
+
+
+def judge_chat(pool: ChatPool) -> judging.Chat:
+    """The judge's chat function over `pool`: its failures as JudgeCallFailed."""
+
+    async def chat(body: dict[str, Any]) -> str:
+        try:
+            return await pool.chat(body)
+        except ChatFailed as e:
+            raise judging.JudgeCallFailed(_REASONS[e.reason], str(e)) from e
+
+    return chat
+
+
+@contextlib.asynccontextmanager
+async def judge_for(s: RolloutSettings, ctx: ServiceContext) -> AsyncIterator[judging.Judge | None]:
+    """The LLM judge over the [judge] engines, if a task has a judge part; its metrics
+    (`flywheel_judge_*`) in this worker's registry."""
+    if not s.judged():
+        yield None
+        return
+    j = s.judge
+    metrics = judging.JudgeMetrics(ctx.registry)
+    async with ChatPool(
+        s.judge_urls(),
+        concurrency=j.concurrency,
+        timeout_s=j.timeout_s,
+        retries=j.retries,
+        backoff_s=j.backoff_s,
+        api_key=j.api_key.get_secret_value() if j.api_key else None,
+        observe=metrics.request_done,
+    ) as pool:
+        metrics.in_flight.set_function(lambda: pool.in_flight)
+        metrics.waiting.set_function(lambda: pool.waiting)
+        yield judging.Judge(judge_chat(pool), j.cache_size, metrics)
+
+
+@contextlib.asynccontextmanager
+async def teacher_for(s: RolloutSettings) -> AsyncIterator[TeacherPool | None]:
+    """The teacher's engines ([teacher] urls and those `flywheel up` started), if any."""
+    if s.teacher is None:
+        yield None
+        return
+    urls = [*s.teacher_urls, *s.teacher.urls]
+    if not urls:
+        raise ConfigError("[teacher]: no engines (set urls, or start them with flywheel up)")
+    async with TeacherPool(s.teacher, urls) as pool:
+        yield pool
 
 
 @contextlib.asynccontextmanager
@@ -85,10 +157,15 @@ async def body(ctx: ServiceContext) -> None:
         # warm-up: the rewards import in every sandbox child first, or exit 2 now
         verifier_pool(tasks, timeout_s=s.verifier_timeout_s, remote=s.sandbox_socket) as pool,
         tools_for(tasks, s.sandbox_socket) as tools,
+        judge_for(s, ctx) as judge,
+        teacher_for(s) as teacher,
     ):
-        worker = RolloutWorker(ctx, s, c, tokenizer, PromptTaskScorer(Scorer(tasks, pool)))
+        scorer = PromptTaskScorer(Scorer(tasks, pool, judge=judge))
+        worker = RolloutWorker(ctx, s, c, tokenizer, scorer)
         if tools is not None:
             worker.use_tools(tools)
+        if teacher is not None:
+            worker.teacher = teacher
         worker.fetcher = WeightsFetcher(
             ctx.js,
             ctx.nc,
@@ -116,6 +193,7 @@ async def body(ctx: ServiceContext) -> None:
                 batch=s.concurrency,
             )
         finally:
+            await worker.close()
             await heartbeat
             await fetch
 

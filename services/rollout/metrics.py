@@ -18,6 +18,14 @@ class RolloutMetrics:
             "reward", "Reward per sample.", (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
         )
         self.verifier_errors = m.counter("verifier_errors", "Verifier calls that hung or raised.")
+        self.teacher_seconds = m.histogram(
+            "teacher_seconds",
+            "Time to score one sample with the teacher (distillation), tries included.",
+            (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.teacher_failures = m.counter(
+            "teacher_failures", "Samples no teacher engine scored (dead-lettered teacher_failed)."
+        )
         self.aborted = m.counter(
             "aborted_generations", "Generations aborted by the engine (then generated again)."
         )

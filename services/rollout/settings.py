@@ -8,12 +8,15 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr
 
+from services.engine_api.teacher import TeacherSettings
 from services.tasks.settings import TaskServiceSettings
 
 
 class RolloutSettings(TaskServiceSettings):
     section: ClassVar[str] = "rollout"
     needs_task: ClassVar[bool] = True
+    shared_tables: ClassVar[frozenset[str]] = TaskServiceSettings.shared_tables | {"teacher"}
+    own_tables: ClassVar[dict[str, bool]] = {**TaskServiceSettings.own_tables, "teacher": False}
 
     engine_url: str = Field("http://127.0.0.1:30000", description="The engine beside this worker.")
     engine_id: str = Field(
@@ -74,6 +77,16 @@ class RolloutSettings(TaskServiceSettings):
         ge=1,
         description="Failed downloads of one weight version in a row before it is given up "
         "(reported; the engine waits for a newer version).",
+    )
+    teacher: TeacherSettings | None = Field(
+        None,
+        description="[teacher]: score every sample with a teacher's logprobs (on-policy "
+        "distillation, docs/distillation.md); absent: no teacher.",
+    )
+    teacher_urls: list[str] = Field(
+        default_factory=list,
+        description="The teacher engines `flywheel up` started (set by it), used beside "
+        "[teacher] urls.",
     )
     behind_retry_s: float = Field(
         0.5, gt=0, description="Task redelivery delay while the engine is older than it needs."

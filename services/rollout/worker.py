@@ -17,7 +17,12 @@ keeps `concurrency` tasks in flight so its engine batches them. Per task:
    instead (episodes.py: turns, tool calls in the tool sandbox, observation
    tokens with loss mask 0);
 3. score each completion with the task's environment, under a time limit;
-4. publish the group (its id is deterministic, so a redelivered task's
+4. with a `[teacher]`, ask the teacher's engines for each sample's teacher
+   logprobs (services/engine_api/teacher.py); a sample no teacher engine
+   scores is dead-lettered alone (`teacher_failed`, the sample's bytes) and
+   the group goes on without it (a task none of whose samples was scored is
+   dead-lettered as a whole);
+5. publish the group (its id is deterministic, so a redelivered task's
    group is stored once) and only then let the loop ack the task.
 
 Versions: a sample's tokens may come from several weight versions when an
@@ -35,13 +40,19 @@ and the newest one it has (services/rollout/weights_fetch.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
+from proto import codec
 from proto.messages import (
     EngineHeartbeat,
     PromptTask,
+    Sample,
+    TeacherId,
+    pack_f32,
     unpack_i32,
 )
 from proto.subjects import Subjects
@@ -53,6 +64,7 @@ from services.engine_api.engine_client import (
     GenerateResult,
 )
 from services.engine_api.sglang_api import UnsupportedEngine
+from services.engine_api.teacher import TEACHER_FAILED, TeacherFailed, TeacherPool
 from services.rollout.core import (
     Origin,
     adapter_made,
@@ -68,12 +80,13 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
 from services.runtime.errors import ConfigError, PermanentError, RetryableError
 from services.runtime.lifecycle import ServiceContext
-from services.runtime.msgloop import Delivery, pause, transient_errors
+from services.runtime.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
 from services.runtime.publish import publish
 from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode
 from services.tasks.sandbox import Reward, ToolPool
+from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from services.weights.adapter_load import adapter_versions
 
 log = logging.getLogger(__name__)
@@ -86,6 +99,8 @@ class PromptTaskScoring(Protocol):
     def chat_template(self, task: PromptTask) -> bool: ...
 
     def episode(self, task: PromptTask) -> EpisodeSpec | None: ...
+
+    def verifiers_v1(self, task: PromptTask) -> VerifiersV1Source | None: ...
 
     async def score_group(
         self, task: PromptTask, completions: list[tuple[str, int]]
@@ -111,6 +126,16 @@ class RolloutWorker:
         self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
         self.warned_errors: set[str] = set()  # verifier errors already logged once
         self.episodes: EpisodeRunner | None = None  # set by use_tools: tasks with episodes
+        self.dead_letters = DeadLetterPublisher(
+            ctx.js,
+            run=s.run,
+            service="rollout",
+            max_payload=ctx.max_payload,
+            registry=ctx.registry,
+            subject=self.subjects.tasks,
+        )
+        self.teacher: TeacherPool | None = None  # set by the app: [teacher] (distillation)
+        self.v1: V1Runner | None = None  # verifiers v1 envs' episodes, made on first use
 
     def use_tools(self, tools: ToolPool) -> None:
         """Run tasks with `[task.episode]` as episodes, their tool calls in `tools`."""
@@ -197,14 +222,50 @@ class RolloutWorker:
             self.metrics.verifier_errors.inc()
             # One warning per distinct error; repeats are counted, not logged (a broken
             # reward fails every sample: the buffer stops the run on that, not the console).
-            level = logging.DEBUG if r.error in self.warned_errors else logging.WARNING
-            self.warned_errors.add(r.error)
+            seen = r.reason or r.error  # a judge's failures: one warning per reason
+            level = logging.DEBUG if seen in self.warned_errors else logging.WARNING
+            self.warned_errors.add(seen)
             log.log(
                 level,
                 "rollout: task %s: verifier failed: %s (repeats: counted in "
                 "flywheel_rollout_verifier_errors_total)",
                 task.task_id,
                 r.error,
+            )
+
+    async def dead_letter_unscored(
+        self,
+        task: PromptTask,
+        samples: list[Any],
+        scores: list[Reward],
+        results: list[GenerateResult],
+        d: Delivery,
+    ) -> None:
+        """A sample a check outside the sandbox could not score (an LLM judge that hung,
+        failed or answered garbage) goes to `dlq.<reason>` with the judge's reply; the
+        sample itself travels unscored (the buffer leaves it out of the loss). One dead
+        letter per sample and delivery-independent id, so a redelivered task's repeats
+        are stored once."""
+        for sample, score, r in zip(samples, scores, results, strict=True):
+            if score.reason is None:
+                continue
+            what = {
+                "sample_id": sample.sample_id,
+                "task_id": task.task_id,
+                "task_name": task.task_name,
+                "engine_id": self.s.engine_id,
+                "error": score.error,
+                "completion": r.text[:4000],
+            }
+            await self.dead_letters.publish(
+                reason=score.reason,
+                error=score.error or score.reason,
+                subject=self.subjects.tasks,
+                payload=json.dumps(what).encode(),
+                delivered=d.delivered,
+                origin=f"rollout:{sample.sample_id}",
+                where=sample.sample_id,
+                expected=True,
             )
 
     async def run_episodes(
@@ -231,7 +292,7 @@ class RolloutWorker:
             self.metrics.tool_seconds.observe(ep.tool_seconds / ep.tool_calls)
         for why in ep.errors:
             log.debug("rollout: tool call failed: %s", why)
-        return Reward(score.reward, {**score.parts, **ep.parts()}, score.error)
+        return replace(score, parts={**score.parts, **ep.parts()})
 
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
         received = time.time()
@@ -259,6 +320,10 @@ class RolloutWorker:
                     f"cannot tokenize task {task.task_id}: {e}", reason="bad_task"
                 ) from e
             started = time.time()
+            v1 = self.scorer.verifiers_v1(task)
+            if v1 is not None:
+                await self.on_v1_task(task, d, received, v1, before, lora)
+                return
             episode = self.scorer.episode(task)
             episodes = await self.run_episodes(task, ids, d, episode, lora) if episode else None
             results = (
@@ -284,10 +349,108 @@ class RolloutWorker:
             self.metrics.tokens.inc(len(r.output_ids))
             if score.error is None:  # a failed check's 0 is no reward (never trained on)
                 self.metrics.reward.observe(score.reward)
+        await self.dead_letter_unscored(task, samples, scores, results, d)
+        if self.teacher is not None:
+            await d.in_progress()  # scoring adds a request per sample
+            samples = await self.with_teacher(self.teacher, task, samples)
         group = make_group(self.s.run, task, group_id, tuple(samples), self.s.worker_id)
         await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
         self.metrics.groups.inc()
         self.metrics.task_seconds.observe(time.time() - received)
+
+    # distillation
+    async def with_teacher(
+        self, pool: TeacherPool, task: PromptTask, samples: list[Sample]
+    ) -> list[Sample]:
+        """The samples with their teacher logprobs; one the teacher could not score is
+        dead-lettered (`teacher_failed`) and left out. PermanentError if none is left."""
+        scored = await asyncio.gather(*(self._teach(pool, s) for s in samples))
+        kept = [s for s in scored if s is not None]
+        if not kept:
+            raise PermanentError(
+                f"task {task.task_id}: the teacher scored none of its {len(samples)} samples",
+                reason=TEACHER_FAILED,
+            )
+        return kept
+
+    async def _teach(self, pool: TeacherPool, s: Sample) -> Sample | None:
+        t0 = time.perf_counter()
+        try:
+            got = await pool.score(
+                unpack_i32(s.prompt_ids).tolist(), unpack_i32(s.response_ids).tolist()
+            )
+        except TeacherFailed as e:
+            self.metrics.teacher_failures.inc()
+            if self.dead_letters is not None:
+                await self.dead_letters.publish(
+                    reason=e.reason,
+                    error=str(e),
+                    subject=self.subjects.samples,
+                    payload=codec.encode(s, None),
+                    delivered=0,
+                    origin=f"teacher:{s.sample_id}",
+                    where=s.sample_id,
+                )
+            return None
+        self.metrics.teacher_seconds.observe(time.perf_counter() - t0)
+        who = TeacherId(name=pool.s.name, model=got.model, version=got.version)
+        return s.model_copy(update={"teacher_logprobs": pack_f32(got.logprobs), "teacher": who})
+
+    async def on_v1_task(
+        self,
+        task: PromptTask,
+        d: Delivery,
+        received: float,
+        src: VerifiersV1Source,
+        before: int,
+        lora: str | None,
+    ) -> None:
+        """A verifiers v1 task: its env runs `n` episodes through the engine's /v1 chat
+        route and scores them (services/tasks/verifiers_v1.py); each is one sample."""
+        if lora is not None:
+            raise ConfigError("verifiers-v1 tasks do not run on LoRA adapters yet")
+        if self.v1 is None:
+            key = self.s.engine_api_key
+            self.v1 = V1Runner(
+                self.s.engine_url,
+                str(self.s.model),
+                self.s.generate_timeout_s,
+                self.s.max_abort_retries,
+                self.metrics.aborted.inc,
+                key.get_secret_value() if key else None,
+            )
+        await d.in_progress()  # episodes take several generations
+        started = time.time()
+        try:
+            out = await self.v1.run(src, task.index, task.n, sampling_params(task, 1))
+        except EngineError as e:
+            raise engine_failure(e, self.s.engine_url, task.task_id) from e
+        group_id = f"{task.task_id}:a{task.attempt}"
+        origin = Origin(self.s.engine_id, before, started)
+        samples = []
+        for i, v in enumerate(out):
+            r = as_result(v.episode, f"{task.task_id}:e{i}")
+            score = Reward(v.reward, v.parts, v.error)
+            self.count_error(task, score)
+            ep = v.episode
+            samples.append(
+                make_sample(task, group_id, i, ep.prompt_ids, r, score, origin, ep.loss_mask)
+            )
+            self.metrics.samples.labels(finish=r.finish_type).inc()
+            self.metrics.tokens.inc(sum(v.episode.loss_mask))
+            self.metrics.episode_turns.observe(v.episode.turns)
+            if score.error is None:
+                self.metrics.reward.observe(score.reward)
+        group = make_group(self.s.run, task, group_id, tuple(samples), self.s.worker_id)
+        await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
+        self.metrics.groups.inc()
+        self.metrics.task_seconds.observe(time.time() - received)
+
+    async def close(self) -> None:
+        """What the worker opened itself (the v1 runner's env servers)."""
+        if self.v1 is not None:
+            await self.v1.aclose()
+            self.v1 = None
 
     # start-up
     async def wait_for_engine(self, stop: asyncio.Event) -> None:

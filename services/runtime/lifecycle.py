@@ -239,7 +239,16 @@ async def _connected(
     try:
         readiness.set("nats", None)
         readiness.check("nats", lambda: None if nc.is_connected else "disconnected")
-        specs = streams if streams is not None else streams_for(settings.run)
+        n = settings.nats
+        specs = (
+            streams
+            if streams is not None
+            else streams_for(
+                settings.run,
+                history_max_age_s=n.history_max_age_s,
+                history_max_bytes=n.history_max_bytes,
+            )
+        )
         await ensure_streams(nc.jetstream(), specs, replicas=settings.nats.replicas)
         readiness.ok("streams")
         yield nc, server_max_payload(nc, settings.nats.max_payload)

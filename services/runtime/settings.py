@@ -55,6 +55,20 @@ class NatsSettings(BaseModel):
             "scaled to it; > 1 needs a clustered NATS. 5 is JetStream's maximum."
         ),
     )
+    history_max_age_s: float = Field(
+        7 * 24 * 3600.0,
+        ge=0,
+        description="How long the run's SAMPLES and BATCHES streams keep a message (0: for "
+        "ever). A run can be replayed (`flywheel replay`) only while its streams hold every "
+        "message: set it longer than you will want to replay (docs/replay.md). Set it in the "
+        "run file, the same for every service: each one ensures the streams at start-up.",
+    )
+    history_max_bytes: int = Field(
+        -1,
+        ge=-1,
+        description="At most this many bytes in each of SAMPLES and BATCHES (-1: no limit); "
+        "past it the oldest messages go, and with them the run's replay from its start.",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connect attempt.")
     connect_attempts: int = Field(
         30, ge=1, description="Connect attempts at start-up (with backoff) before giving up."

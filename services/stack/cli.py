@@ -208,12 +208,16 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
         except ConfigError as e:
             errors.append(str(e).removeprefix("invalid settings:\n").strip())
     if not errors:
-        errors += lora_mismatches(loaded)
+        errors += lora_mismatches(loaded) + distill_mismatches(loaded)
     if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
         try:
             s.task_set().check(data=data)
         except ConfigError as e:
             errors.append(str(e))
+    if not errors and "rollout" in s.services and s.judged():
+        if not s.judge.urls and not (s.judge.engines and "engine" in s.services):
+            errors.append("[judge] engines = 0 and no urls: a task has a judge reward, and "
+                          "nothing would answer it")  # fmt: skip
     if data:
         try:
             with_model(s)
@@ -252,6 +256,15 @@ def lora_mismatches(loaded: dict[str, Any]) -> list[str]:
     return out
 
 
+def distill_mismatches(loaded: dict[str, Any]) -> list[str]:
+    """`[trainer.distill]` trains on the teacher logprobs the workers' `[teacher]` adds: without
+    one, every batch would stop the trainer."""
+    trainer, rollout = loaded.get("trainer"), loaded.get("rollout")
+    if getattr(trainer, "distill", None) is None or rollout is None or rollout.teacher:
+        return []
+    return ["[trainer.distill] needs a [teacher] table: no sample would carry teacher logprobs"]
+
+
 def with_model(s: StackSettings) -> StackSettings:
     """`s` with `[stack] model` resolved to a directory (a hub id: its snapshot in the local
     Hugging Face cache), so every process is given the same directory; a ConfigError naming
@@ -260,7 +273,14 @@ def with_model(s: StackSettings) -> StackSettings:
 
     if not {"engine", "rollout", "trainer"} & set(s.services):
         return s
-    return s.model_copy(update={"model": resolve_model(s.model, key="[stack] model")})
+    update: dict[str, Any] = {"model": resolve_model(s.model, key="[stack] model")}
+    t = s.teacher
+    if t is not None and t.model is not None and t.engines and "engine" in s.services:
+        # the teacher's engines load it here, and every sample records it
+        update["teacher"] = t.model_copy(
+            update={"model": resolve_model(t.model, key="[teacher] model")}
+        )
+    return s.model_copy(update=update)
 
 
 def dry_run(s: StackSettings, config: Path) -> str:

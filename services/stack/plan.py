@@ -17,6 +17,7 @@ its torch threads here, and the supervisor sets the affinity at spawn.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ from services.engine_api.sglang_launcher import (
 from services.runtime.settings import read_run_file
 from services.stack.settings import StackSettings
 
-ORDER = ("engine", "rollout", "sync", "trainer", "buffer")
+ORDER = ("judge", "engine", "teacher", "rollout", "sync", "trainer", "buffer")
 SECRET_WORDS = ("PASSWORD", "TOKEN", "KEY", "SECRET")
 
 
@@ -133,6 +134,10 @@ def plan(
                 ProcSpec(f"engine-{i}", "engine", argv, env, f"{url}/health_generate", None, gpus)
             )
     specs += engines
+    judges = judge_specs(s, config, free_port) if "engine" in s.services else []
+    specs += judges
+    teachers = teacher_specs(s, config, free_port) if "engine" in s.services else []
+    specs += teachers
     if "rollout" in s.services:
         for i, eng in enumerate(engines):
             env = {
@@ -141,6 +146,12 @@ def plan(
                 "FLYWHEEL_ROLLOUT_WORKER_ID": f"rollout-{i}",
                 "FLYWHEEL_ROLLOUT_MODEL": str(s.model),
             }
+            if judges:  # the judge's engines: those given, and those started here
+                urls = [*s.judge.urls, *((j.ready_url or "").rsplit("/", 1)[0] for j in judges)]
+                env["FLYWHEEL_ROLLOUT_JUDGE__URLS"] = json.dumps(urls)
+            if teachers:
+                urls = [(t.ready_url or "").rsplit("/", 1)[0] for t in teachers]
+                env["FLYWHEEL_ROLLOUT_TEACHER_URLS"] = json.dumps(urls)
             argv = _py("services.rollout", "-c", str(config))
             specs.append(service("rollout", f"rollout-{i}", argv, env, beside=eng.name))
     if "sync" in s.services:
@@ -153,6 +164,67 @@ def plan(
     return sorted((pinned(s, p) for p in specs), key=lambda p: ORDER.index(p.kind))
 
 
+def judge_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) -> list[ProcSpec]:
+    """The LLM judge's engines (`[judge] engines`), when a task has a judge part: CPU
+    engines on `[judge] model` (default: the policy's base, `[stack] model`), supervised
+    like the rollout engines; their /v1/chat/completions is what the workers ask. They
+    serve no weight updates (sync never learns of them: no worker heartbeats them)."""
+    j = s.judge
+    if not s.judged() or j.engines == 0:
+        return []
+    model = j.model or str(s.model)
+    key = j.api_key.get_secret_value() if j.api_key else None
+    specs = []
+    for i in range(j.engines):
+        port = free_port()
+        gpus: tuple[int, ...] = ()
+        if j.gpus:  # SGLang on GPUs of its own (StackSettings checks the map)
+            gpus = tuple(j.gpus[i])
+            opts = SGLangOptions(
+                model_path=Path(model),
+                port=port,
+                weight_version=to_engine(INITIAL),
+                tp_size=len(gpus),
+                mem_fraction_static=s.engine_mem_fraction,
+                api_key=key,
+                enable_metrics=True,
+            )
+            argv = tuple(command(opts))
+            env = {**_visible(gpus), "HF_HUB_OFFLINE": "1", **environment(opts)}
+        else:
+            argv = _py("services.engine", "--config", str(config), "--model", model)
+            argv += ("--port", str(port), "--weight-version", "0")
+            env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(j.threads), **_visible(())}
+            if key:  # by environment, as the rollout engines' key
+                env["FLYWHEEL_ENGINE_API_KEY"] = key
+        url = f"http://127.0.0.1:{port}"
+        specs.append(ProcSpec(f"judge-{i}", "judge", argv, env, f"{url}/health_generate",
+                              None, gpus))  # fmt: skip
+    return specs
+
+
+def teacher_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) -> list[ProcSpec]:
+    """The teacher's CPU engines (`[teacher] engines` on its model): engines like the
+    rollout ones, started and restarted alike, never updated (sync knows engines only
+    from rollout workers' heartbeats)."""
+    t = s.teacher
+    if t is None or not t.engines or t.model is None:
+        return []
+    key = t.api_key.get_secret_value() if t.api_key else None  # what the workers send it
+    out = []
+    for i in range(t.engines):
+        port = free_port()
+        argv = _py("services.engine", "--config", str(config), "--model", str(t.model))
+        argv += ("--port", str(port), "--weight-version", "0")
+        env = {"FLYWHEEL_ENGINE_NUM_THREADS": str(t.engine_threads)}
+        if key:
+            env["FLYWHEEL_ENGINE_API_KEY"] = key
+        env.update(_visible(()) if s.gpu_map else {})
+        url = f"http://127.0.0.1:{port}"
+        out.append(ProcSpec(f"teacher-{i}", "teacher", argv, env, f"{url}/health_generate"))
+    return out
+
+
 def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
     """`p` with its `[stack] cpus`: the cores, and torch threads to match them."""
     cores = s.cpus_of(p.name, p.kind)
@@ -160,7 +232,11 @@ def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
         return p
     n = str(len(cores))
     env = {**p.env, "OMP_NUM_THREADS": n}
-    if p.kind == "engine" and s.engine == "cpu":
+    if (
+        p.kind == "teacher"
+        or (p.kind == "engine" and s.engine == "cpu")
+        or (p.kind == "judge" and not p.gpus)
+    ):
         env["FLYWHEEL_ENGINE_NUM_THREADS"] = n
     if p.kind == "trainer":
         env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] = n

@@ -7,11 +7,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.engine_api.teacher import TeacherSettings
 from services.tasks.settings import TaskServiceSettings
 
 
 class StackSettings(TaskServiceSettings):
     section: ClassVar[str] = "stack"
+    shared_tables: ClassVar[frozenset[str]] = TaskServiceSettings.shared_tables | {"teacher"}
+    own_tables: ClassVar[dict[str, bool]] = {**TaskServiceSettings.own_tables, "teacher": False}
 
     run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
     model: Path = Field(
@@ -78,6 +81,12 @@ class StackSettings(TaskServiceSettings):
         ("engine", "rollout", "sync", "trainer", "buffer"),
         description="Which services to start here (others run elsewhere, as pods do).",
     )
+    teacher: TeacherSettings | None = Field(
+        None,
+        description="[teacher] (distillation): `flywheel up` starts its `engines` CPU engines "
+        "on its model beside the rollout engines (supervised alike) and gives every rollout "
+        "worker their URLs.",
+    )
     on_failure: Literal["restart", "stop"] = Field(
         "restart", description="When a service dies: restart it, or stop the whole run."
     )
@@ -112,10 +121,33 @@ class StackSettings(TaskServiceSettings):
                 f"trainer_gpus: {len(self.trainer_gpus)} GPUs for trainer_nproc = "
                 f"{self.trainer_nproc} ranks"
             )
+        judge = self.judge.gpus
+        if judge and self.judge.engines and len(judge) != self.judge.engines:
+            raise ValueError(
+                f"[judge] gpus: {len(judge)} GPU lists for {self.judge.engines} judge engines"
+            )
+        if judge and self.engine != "sglang":
+            raise ValueError("[judge] gpus: only SGLang judge engines use GPUs (engine = 'sglang')")
+        if any(not gpus for gpus in judge):
+            raise ValueError("[judge] gpus: a judge engine has an empty GPU list")
         used = [g for gpus in self.engine_gpus for g in gpus] + list(self.trainer_gpus)
+        used += [g for gpus in judge for g in gpus]
         shared = sorted({g for g in used if used.count(g) > 1})
         if shared:
-            raise ValueError(f"engine_gpus/trainer_gpus: GPU(s) {shared} given twice")
+            raise ValueError(f"engine_gpus/trainer_gpus/[judge] gpus: GPU(s) {shared} given twice")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_engines(self) -> StackSettings:
+        t = self.teacher
+        if t is not None and t.engines and self.engine == "sglang":
+            raise ValueError(
+                "teacher.engines: `flywheel up` starts CPU teacher engines only; with engine = "
+                "'sglang' start the teacher's SGLang servers yourself and list them in [teacher] "
+                "urls (engines = 0)"
+            )
+        if t is not None and t.engines and t.model is None:
+            raise ValueError("teacher.engines: the teacher's engines need [teacher] model")
         return self
 
     @model_validator(mode="after")
@@ -137,4 +169,4 @@ class StackSettings(TaskServiceSettings):
 
     @property
     def gpu_map(self) -> bool:
-        return bool(self.engine_gpus or self.trainer_gpus)
+        return bool(self.engine_gpus or self.trainer_gpus or self.judge.gpus)

@@ -55,6 +55,12 @@ class Status:
     stale: float = 0.0  # of which dropped as stale: generated, then wasted
     stale_tokens: float = 0.0
     unscored: float = 0.0  # samples whose reward could not be computed: not trained on
+    # collapse made visible (docs/learning.md): the buffer's last step's share of flat
+    # groups and distinct completions per group (of `group_samples`), the trainer's entropy
+    flat_share: float | None = None
+    distinct: float | None = None
+    group_samples: float | None = None
+    entropy: float | None = None
     at: float = field(default_factory=time.time)
 
 
@@ -69,6 +75,8 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             st.staleness = value(s, "flywheel_trainer_staleness_max")
             st.idle = value(s, "flywheel_trainer_idle_fraction")
             st.mismatch = mismatch(s)
+            # the trainer's per-step entropy gauge (0 until a step measured it)
+            st.entropy = value(s, "flywheel_trainer_entropy") if st.step else None
         elif name.startswith("rollout"):
             st.samples_total += value(s, "flywheel_rollout_samples_total", 0.0) or 0.0
         elif name.startswith("sync"):
@@ -84,6 +92,11 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             dups = value(s, "flywheel_buffer_groups_total", 0.0, verdict="duplicate") or 0.0
             st.groups = every - dups
             st.unscored = value(s, "flywheel_buffer_unscored_samples_total", 0.0) or 0.0
+            size = value(s, "flywheel_buffer_group_samples")
+            if size:  # absent from an older buffer; 0 before its first group
+                st.group_samples = size
+                st.flat_share = value(s, "flywheel_buffer_flat_share")
+                st.distinct = value(s, "flywheel_buffer_distinct_completions")
         for labels, v in s.get("flywheel_messages_dead_lettered_total", []):
             if labels.get("reason") in FILTERED:
                 st.filtered += v
@@ -155,10 +168,15 @@ def render_line(now: Status, before: Status | None) -> str:
     stale = f"{now.stale:.0f}" + (f" ({now.stale / now.groups:.1%})" if now.groups else "")
     mm = now.mismatch
     gap = "-" if mm is None else f"|Δlogp| {mm[0]:.3f} max {mm[1]:.2f} k3 {mm[2]:.1e}"
+    distinct = "-"
+    if now.distinct is not None and now.group_samples:
+        distinct = f"{now.distinct:.1f}/{now.group_samples:.0f}"
     return (
         f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
         f"| staleness {f(now.staleness, '.0f')} | mismatch {gap} | samples/s {f(rate, '.1f')} "
         f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
+        f"| flat {f(now.flat_share, '.0%')} | distinct {distinct} "
+        f"| entropy {f(now.entropy, '.2f')} "
         f"| filtered {now.filtered:.0f} | stale {stale} | unscored {now.unscored:.0f} "
         f"| dead letters {now.dead_letters:.0f} | engines {engines}"
     )

@@ -10,6 +10,8 @@ reasoning-gym, math-verify) are imported inside the functions that use them.
 - `sources`:  rows of JSONL files, local HF datasets and user functions;
 - `arithmetic`, `reasoning_gym`, `verifiers_env`: a task with its source
               (and, for the last two, its own reward);
+- `verifiers_v1`, `verifiers_v1_harness`: verifiers v1 envs, whose episodes
+              the rollout worker runs through the engine's /v1 chat route;
 - `settings`: the task tables in every service's settings;
 - `taskset`:  the run's tasks by name, their held-out split, the training
               order, their start-up checks;

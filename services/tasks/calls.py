@@ -27,6 +27,9 @@ class Reward:
     reward: float
     parts: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # Why it is unscored, as a dead-letter reason, when a check outside the sandbox
+    # failed (an LLM judge: judge.JUDGE_REASONS); the rollout worker dead-letters it.
+    reason: str | None = None
 
 
 def resolve(path: str) -> Callable[..., Any]:

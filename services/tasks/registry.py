@@ -106,6 +106,9 @@ class RewardPart(Strict):
     # Reads the completion only as text (regular expressions, numbers), never parses or
     # runs it as code: the sandbox may answer it without a fork (rewards.pure).
     text_only: ClassVar[bool] = False
+    # Scored by the service outside the sandbox (an LLM judge over HTTP: judge.py), not by
+    # `value` in the sandbox's child; the sandbox never sees it (scoring.reward_payload).
+    external: ClassVar[bool] = False
 
     weight: float = Field(1.0, description="Weight of this part in the reward (a weighted sum).")
     name: str | None = Field(
@@ -239,7 +242,10 @@ def _unknown_source(reg: Registry[Any], value: Any, tag: str | None) -> Exceptio
 
 
 def _reward_tag(value: Any) -> str | None:
-    fn = value.get("fn", "") if isinstance(value, dict) else getattr(value, "fn", "")
+    if isinstance(value, dict):  # `type = "judge"` names a part as `fn` does
+        fn = value.get("fn", value.get("type", ""))
+    else:
+        fn = getattr(value, "fn", "")
     if not isinstance(fn, str):
         return None
     return "custom" if ":" in fn else fn

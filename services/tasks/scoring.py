@@ -10,6 +10,7 @@ build the pools a run's tasks need, with what their sandboxes must show
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from services.runtime.errors import PermanentError
 from services.tasks import rewards
 from services.tasks.episode_spec import FunctionTool, PythonTool
 from services.tasks.jail import Limits, Sandbox
+from services.tasks.judge import Judge, JudgeReward, with_verdicts
 from services.tasks.registry import SourceSpec, as_fields
 from services.tasks.sandbox import Reward, ToolPool, VerifierPool, tool_modules
 from services.tasks.spec import TaskSpec
@@ -36,18 +38,36 @@ class UnknownTask(PermanentError):
 
 
 def reward_payload(spec: TaskSpec) -> list[dict[str, Any]]:
-    """The task's reward parts as plain fields, for the sandbox child (registry.as_fields)."""
-    return [as_fields(p) for p in spec.reward]
+    """The task's sandboxed reward parts as plain fields, for the sandbox child
+    (registry.as_fields); parts scored outside it (a judge) are not sent."""
+    return [as_fields(p) for p in spec.reward if not p.external]
+
+
+def judge_parts(spec: TaskSpec) -> list[JudgeReward]:
+    """The task's parts an LLM judge scores (outside the sandbox)."""
+    return [p for p in spec.reward if isinstance(p, JudgeReward)]
 
 
 class Scorer:
-    """Rewards of a run's tasks, computed in `pool`."""
+    """Rewards of a run's tasks: parts in `pool` (the sandbox), judge parts by `judge`.
 
-    def __init__(self, tasks: TaskSet, pool: VerifierPool, tools: ToolPool | None = None) -> None:
+    Without a judge (the held-out evaluation), judge parts are left out of
+    the sum: evaluation measures the verifiable parts (`eval.part`).
+    """
+
+    def __init__(
+        self,
+        tasks: TaskSet,
+        pool: VerifierPool,
+        tools: ToolPool | None = None,
+        judge: Judge | None = None,
+    ) -> None:
         self.tasks = tasks
         self.pool = pool
         self.tools = tools  # where episodes' tool calls run (tasks with [task.episode])
+        self.judge = judge
         self._parts = {n: reward_payload(s) for n, s in tasks.specs.items()}
+        self._judged = {n: judge_parts(s) for n, s in tasks.specs.items()}
 
     def spec(self, name: str) -> TaskSpec:
         spec = self.tasks.spec(name)
@@ -79,10 +99,34 @@ class Scorer:
         answer: str | None,
         completions: Sequence[tuple[str, int]],
         split: str = "train",
+        prompt: str = "",
     ) -> list[Reward]:
         """Score (completion, response tokens) pairs of row `row` in one sandbox round trip
-        (`VerifierPool.call_many`): the same rewards as one `score` each."""
+        (`VerifierPool.call_many`): the same rewards as one `score` each. Judge parts, if
+        the task has any and this scorer a judge, are asked at the same time (`prompt`:
+        the prompt as the policy saw it, for the rubric's {prompt})."""
+        judged = self._judged.get(name, []) if self.judge is not None else []
+        if not judged:
+            return await self._sandboxed(name, row, answer, completions, split)
+        assert self.judge is not None
+        texts = [c for c, _ in completions]
+        rewards, verdicts = await asyncio.gather(
+            self._sandboxed(name, row, answer, completions, split),
+            self.judge.verdicts(judged, prompt, texts, answer),
+        )
+        return [with_verdicts(r, judged, v) for r, v in zip(rewards, verdicts, strict=True)]
+
+    async def _sandboxed(
+        self,
+        name: str,
+        row: int,
+        answer: str | None,
+        completions: Sequence[tuple[str, int]],
+        split: str,
+    ) -> list[Reward]:
         spec = self.spec(name)
+        if not self._parts[name]:  # judge parts only: nothing for the sandbox
+            return [Reward(0.0) for _ in completions]
         source = source_of(spec, split)
         src = source.scorer_context()  # a source's own scorer needs the source
         calls = []

@@ -26,7 +26,15 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 # Importing a module registers the sources and rewards it defines.
-from services.tasks import arithmetic, reasoning_gym, rewards, sources, verifiers_env  # noqa: F401
+from services.tasks import (  # noqa: F401
+    arithmetic,
+    judge,
+    reasoning_gym,
+    rewards,
+    sources,
+    verifiers_env,
+    verifiers_v1,
+)
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.registry import (
     REWARDS,
@@ -170,6 +178,19 @@ class TaskSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _unsandboxed_env(self) -> TaskSpec:
+        """A verifiers v1 env scores its episodes in the rollout worker's own process (its
+        rewards read the whole trace, which only the episode has), outside the sandbox and
+        next to the worker's credentials: the run file must say it accepts that."""
+        if self.source.kind == "verifiers-v1" and self.sandbox != "insecure-allow":
+            raise ValueError(
+                "a verifiers-v1 source runs the environment's rewards in the rollout worker's "
+                "process, outside the sandbox (docs/verifiers.md): set "
+                'sandbox = "insecure-allow" in this [task] to accept that'
+            )
+        return self
+
+    @model_validator(mode="after")
     def _reward_fits(self) -> TaskSpec:
         kind = self.source.kind
         if not self.reward:
@@ -192,8 +213,17 @@ class TaskSpec(Strict):
             raise ValueError(f"reward: part names must differ (set name = ...), got {names}")
         if self.eval.part is not None and self.eval.part not in names:
             raise ValueError(f"eval.part: {self.eval.part!r} is not a reward part ({names})")
+        judged = [p.part_name for p in self.reward if p.external]
+        if self.eval.part is not None and self.eval.part in judged:
+            raise ValueError(
+                f"eval.part: {self.eval.part!r} is a judge part; the held-out evaluation "
+                "scores the verifiable parts only (name one of them)"
+            )
         return self
 
     @property
     def correct_part(self) -> str:
-        return self.eval.part or self.reward[0].part_name
+        """The part that decides 'correct': eval.part, else the first one evaluation scores
+        (a judge part is not scored there: scoring.Scorer)."""
+        verifiable = (p.part_name for p in self.reward if not p.external)
+        return self.eval.part or next(verifiable, self.reward[0].part_name)

@@ -1,4 +1,4 @@
-"""Environments written for Prime Intellect's `verifiers` (0.2.1), run unmodified as tasks.
+"""Classic `verifiers` environments (0.2.1's API; `verifiers.legacy` in 0.3), run unmodified.
 
 `source = { type = "verifiers", env = "my-env", args = {...} }` loads the
 environment as `vf-eval` does (`verifiers.load_environment`, which imports

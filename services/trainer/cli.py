@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from services.runtime.errors import FlywheelError
 
 if TYPE_CHECKING:
+    from proto.streams import StreamSpec
     from services.models.tiny_model import TinyModelSpec
 
 
@@ -51,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         if not info.is_main:
             follower_loop(trainer, settings)
             return 0
+        streams: list[StreamSpec] | None = [] if settings.replay else None
         return run_or_exit(
-            "trainer", lambda: asyncio.run(run_service("trainer", settings, body(trainer, seq)))
+            "trainer",
+            lambda: asyncio.run(
+                # a replay creates no stream: it reads what the recorded run left
+                run_service("trainer", settings, body(trainer, seq), streams=streams)
+            ),
         )
     finally:
         shutdown(info)

@@ -11,13 +11,18 @@ Rank 0 runs this loop (all NATS I/O); every rank runs each step
     publish   weights → <weights_root>/<run>/v000012/ (atomic, sha256
               manifest), checkpoint (with the batch's stream position),
               then the transport and WeightsPublished (publishing.py)
-    record    held-out evaluation when due (the best one's weights kept: best.py),
-              then the metrics row (metrics.py)
+    record    the metrics row (metrics.py); when due, the held-out evaluation is
+              handed to evaluating.py, which runs it beside the next steps (at most
+              one in flight; its result a row of its own; the best one's weights
+              kept: best.py)
 
 Overlap. In one process, publishing is not on the critical path: step N's
 publish and record run while step N+1 trains, and step N+2 waits for them.
 The order above, per step, is unchanged. Under FSDP2 the saving is a
-collective and stays in the step; only the announcing overlaps.
+collective and stays in the step; only the announcing overlaps. Each row's
+`blocked_s` is how long the loop waited, after the step's compute, for the
+previous step's publish and record (evaluations do not count: they run
+beside).
 """
 
 from __future__ import annotations
@@ -27,19 +32,19 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from pathlib import Path
 from typing import Any
 
 from services.runtime.lifecycle import ServiceContext
 from services.trainer.batches import Batch, BatchReader
-from services.trainer.heldout import HeldOut, eval_line
+from services.trainer.evaluating import Evaluations
+from services.trainer.heldout import HeldOut
 from services.trainer.metrics import Recorder
 from services.trainer.publishing import Publisher
+from services.trainer.replay import RecordedBatches
 from services.trainer.settings import TrainerSettings
 from services.trainer.state import reconcile_rows
 from services.trainer.step import StepResult, step
 from services.trainer.trainer import Trainer
-from services.weights.best import keep_if_best
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +54,17 @@ class RLLoop:
 
     def __init__(self, ctx: ServiceContext, s: TrainerSettings, trainer: Trainer, seq: int):
         self.ctx, self.s, self.trainer = ctx, s, trainer
-        self.reader = BatchReader(ctx, s.run, seq + 1)
+        self.reader: BatchReader | RecordedBatches = (
+            RecordedBatches(ctx, s.run, seq + 1) if s.replay else BatchReader(ctx, s.run, seq + 1)
+        )  # replay: the recorded run's batches (flywheel replay train), then the end
         self.recorder = Recorder(ctx.registry, s)
         self.publisher = Publisher(ctx, s, trainer, self.recorder.metrics)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
+        self.evals = Evaluations(self.heldout, self.recorder, s.checkpoint_dir, self.step_now)
         self.previous = Previous()
+
+    def step_now(self) -> int:
+        return self.trainer.step
 
     async def run(self) -> None:
         """For each batch in stream order: step → publish → record (one step of overlap)."""
@@ -62,10 +73,16 @@ class RLLoop:
             async for batch in self.batches():
                 started = time.perf_counter()
                 result = await asyncio.to_thread(step, self.trainer, self.s, batch.wire, batch.seq)
+                computed = time.perf_counter()
                 await self.previous.done()  # the previous step's publish and record
-                self.recorder.timed(batch.waited_s, time.perf_counter() - started)
+                done = time.perf_counter()
+                result.metrics["blocked_s"] = done - computed
+                self.recorder.timed(batch.waited_s, done - started, done - computed)
                 self.previous.start(self.publish_and_record(batch, result))
             await self.previous.done()
+            # A run that ended by itself (max_steps) gets its last due evaluation; one told
+            # to stop finishes only the evaluation in flight.
+            await self.evals.close(finish_pending=not self.ctx.stop.is_set())
 
     def batches(self) -> AsyncIterator[Batch]:
         return self.reader.batches(lambda: self.trainer.step, self.ctx.stop, self.s.max_steps)
@@ -77,26 +94,17 @@ class RLLoop:
         if r.published is not None:
             await self.publisher.announce(r.step, r.published, r.sha256, r.size_bytes)
             if self.s.eval_every and r.step % self.s.eval_every == 0:
-                await self.evaluate(r.published, row)
-                await asyncio.to_thread(
-                    keep_if_best, self.s.checkpoint_dir, r.published, r.step, row["eval_accuracy"]
-                )
+                await self.evals.submit(r.step, r.published, row["elapsed"])
         self.recorder.write(row)  # last: a row means its step is checkpointed
         self.recorder.log_step(row, r, batch.waited_s)
 
     async def start(self) -> None:
-        """Announce what a crash left unannounced, evaluate the initial policy, say ready."""
+        """Announce what a crash left unannounced, start evaluating the initial policy (it
+        runs beside, as every evaluation does), say ready."""
         await self.publisher.announce_pending()
         if self.s.eval_every and self.trainer.step == 0:
-            row: dict[str, Any] = {"step": 0, "time": time.time(), "elapsed": 0.0}
-            await self.evaluate(self.s.model, row)
-            self.recorder.write(row)
-            log.info("trainer: held-out evaluation at start:%s", eval_line(row))
+            await self.evals.submit(0, self.s.model, 0.0)
         self.ctx.readiness.ok("trainer")
-
-    async def evaluate(self, path: Path, row: dict[str, Any]) -> None:
-        """The held-out evaluation of the weights at `path`, into `row` and the gauges."""
-        self.recorder.evaluated(await self.heldout.run(path), row)
 
     @contextlib.asynccontextmanager
     async def opened(self) -> AsyncIterator[None]:
@@ -106,6 +114,9 @@ class RLLoop:
             async with self.reader, self.heldout:
                 try:
                     yield
+                except BaseException:
+                    self.evals.cancel()  # the run failed: do not wait for an evaluation
+                    raise
                 finally:
                     await self.previous.done()
         finally:

@@ -1,11 +1,12 @@
 """What the trainer reports: Prometheus metrics, and one metrics row per trained step.
 
-A step's row (the batch's reward, lengths and staleness, the step's loss
-and timings, its held-out evaluation when there was one) goes to the
-Prometheus gauges and to every configured logger (loggers.py: the metrics
-file, TensorBoard, W&B). The row is written last in a step's publishing,
-so a row means its step is checkpointed (state.reconcile_rows relies on
-that after a crash).
+A step's row (the batch's reward, lengths and staleness, the step's loss,
+entropy and timings) goes to the Prometheus gauges and to every configured
+logger (loggers.py: the metrics file, TensorBoard, W&B). The row is written
+last in a step's publishing, so a row means its step is checkpointed
+(state.reconcile_rows relies on that after a crash). A held-out evaluation
+writes a row of its own when it ends (evaluating.py), for the version it
+evaluated and without a `batch_id`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from proto.messages import TrainBatch
 from services.runtime.metrics import MetricSet
-from services.trainer.heldout import eval_line, reward_parts
+from services.trainer.heldout import reward_parts
 from services.trainer.loggers import open_loggers
 from services.trainer.settings import TrainerSettings
 from services.trainer.wire import batch_stats
@@ -35,7 +36,13 @@ GAUGES = {
     "reward_mean": "Mean reward of the last batch.",
     "kl_ref": "KL to the reference model (configured estimator), last step.",
     "approx_kl": "Approximate KL between the policy and the old policy.",
-    "entropy": "Mean token entropy of the last step.",
+    "entropy": "Mean token entropy (nats) of the policy over the last step's loss tokens, "
+    "from the trainer's own forward at the sampling temperature (a collapse shows as a fall).",
+    "entropy_coef": "Entropy bonus weight the last step used (fixed, or the adaptive "
+    "controller's).",
+    "clip_cov_frac": "Clip-Cov: share of the last step's loss tokens whose policy-gradient "
+    "term was dropped.",
+    "kl_cov_frac": "KL-Cov: share of the last step's loss tokens given the |logp - old| penalty.",
     "clip_frac_low": "Fraction of tokens clipped below.",
     "clip_frac_high": "Fraction of tokens clipped above.",
     "ratio": "Mean importance ratio.",
@@ -94,6 +101,18 @@ class TrainerMetrics:
             "weights_changed_fraction",
             "Fraction of the last version's elements whose published bits changed (nats-delta).",
         )
+        self.eval_in_flight = m.gauge(
+            "eval_in_flight", "1 while a held-out evaluation runs beside training, else 0."
+        )
+        self.evals_skipped = m.counter(
+            "evals_skipped",
+            "Due held-out evaluations skipped because a newer version fell due while one ran.",
+        )
+        self.blocked = m.gauge(
+            "blocked_fraction",
+            "Fraction of wall time since start the loop spent waiting, after a step's compute, "
+            "for the previous step's saving, announcing and recording.",
+        )
         self.weights_publish_s = m.gauge(
             "weights_publish_seconds", "Time to make the last version reachable (encode + send)."
         )
@@ -117,6 +136,7 @@ class Recorder:
         self.started = time.time()
         self.waited = 0.0
         self.busy = 0.0
+        self.blocked = 0.0  # part of busy: waiting for the previous step's publish and record
         self.loggers = open_loggers(
             s.loggers,
             run=s.run,
@@ -130,10 +150,13 @@ class Recorder:
     def close(self) -> None:
         self.loggers.close()
 
-    def timed(self, waited_s: float, busy_s: float) -> None:
-        """One step's wait for its batch, and its work after that (for the idle fraction)."""
+    def timed(self, waited_s: float, busy_s: float, blocked_s: float = 0.0) -> None:
+        """One step's wait for its batch, its work after that (for the idle fraction), and
+        the part of that work spent waiting for the previous step's publish and record."""
         self.waited += waited_s
         self.busy += busy_s
+        self.blocked += blocked_s
+        self.metrics.blocked.set(self.blocked / max(self.waited + self.busy, 1e-9))
 
     def row(self, batch: TrainBatch, r: StepResult, waited: float) -> dict[str, Any]:
         """Step `r.step`'s metrics row; the gauges follow it."""
@@ -194,9 +217,17 @@ class Recorder:
             waited,
             r.compute_s,
             r.publish_s,
+            entropy_line(row),
             mismatch_line(row),
-            eval_line(row),
         )
+
+
+def entropy_line(row: dict[str, Any]) -> str:
+    """` entropy 0.412` when the step measured it, with ` (bonus 0.0123)` while it has one."""
+    if "entropy" not in row:
+        return ""
+    coef = row.get("entropy_coef", 0.0)
+    return f" entropy {row['entropy']:.3f}" + (f" (bonus {coef:.4f})" if coef > 0 else "")
 
 
 def mismatch_line(row: dict[str, Any]) -> str:

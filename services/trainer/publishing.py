@@ -72,6 +72,8 @@ class Publisher:
 
     async def announce(self, version: int, path: Path, sha256: str, size: int) -> None:
         """Announce a saved version once its transport made it reachable."""
+        if self.s.replay:  # a replay's versions are files only: no engine of the run hears
+            return
         sent = await self.transport.publish(version, path)
         if sent.transfer is not None:
             self._sent(sent.transfer)

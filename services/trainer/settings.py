@@ -26,6 +26,8 @@ PolicyLossKind = Literal["ppo", "gspo"]
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlEstimator = Literal["k1", "k2", "k3"]
 OldLogprobSource = Literal["rollout", "recompute"]
+EntropyControl = Literal["fixed", "adaptive"]
+CovarianceControl = Literal["off", "clip_cov", "kl_cov"]
 ScheduleKind = Literal["constant", "cosine"]  # core/schedule.py
 
 
@@ -78,7 +80,71 @@ class LossConfig(BaseModel):
         "k3", description="KL(pi || ref) estimator: 'k1', 'k2' or 'k3' (Schulman 2020)."
     )
     entropy_coef: float = Field(
-        0.0, ge=0, description="Entropy bonus weight (loss -= coef · entropy); 0: metric only."
+        0.0,
+        ge=0,
+        description="Entropy bonus weight (loss -= coef · entropy); 0: metric only. With "
+        "entropy_control = 'adaptive': the coefficient's value at step 0.",
+    )
+    entropy_control: EntropyControl = Field(
+        "fixed",
+        description="'fixed': the bonus weight is entropy_coef throughout; 'adaptive': after "
+        "each step coef += entropy_coef_lr · (entropy_target - entropy), clipped to [0, "
+        "entropy_coef_max], so the bonus grows while the policy's mean token entropy is "
+        "below the target and fades above it (Skywork-OR1's adaptive entropy control; TRL's "
+        "use_adaptive_entropy). The coefficient is trainer state: checkpoints keep it.",
+    )
+    entropy_target: float = Field(
+        0.2,
+        gt=0,
+        description="'adaptive': the mean token entropy (nats, at the sampling temperature, "
+        "over the batch's loss tokens) the coefficient moves to hold (Skywork-OR1: 0.2).",
+    )
+    entropy_coef_lr: float = Field(
+        0.02,
+        gt=0,
+        description="'adaptive': the coefficient's step per nat of (target - entropy); at 0.02 "
+        "a policy 0.15 nats below the target adds 0.003 per step.",
+    )
+    entropy_coef_max: float = Field(
+        0.05,
+        gt=0,
+        description="'adaptive': the coefficient's ceiling (a bonus that grows without one "
+        "can make the policy's entropy explode).",
+    )
+    covariance: CovarianceControl = Field(
+        "off",
+        description="Entropy-preserving control of the tokens whose logprob moves most with "
+        "their advantage (Cui et al. 2025, verl's policy_loss 'clip_cov' / 'kl_cov'), from "
+        "each token's centred covariance (A - mean A)(logp - mean logp) over the micro-batch: "
+        "'clip_cov' drops the policy-gradient term of a random clip_cov_fraction of the loss "
+        "tokens whose covariance lies in clip_cov_band; 'kl_cov' adds kl_cov_coef · |logp - "
+        "old| to the top kl_cov_fraction of loss tokens by covariance; 'off': neither.",
+    )
+    clip_cov_fraction: float = Field(
+        2e-4,
+        gt=0,
+        le=1,
+        description="'clip_cov': share of the micro-batch's loss tokens dropped (at least one "
+        "when any token qualifies; verl's clip_cov_ratio).",
+    )
+    clip_cov_band: tuple[float, float] = Field(
+        (1.0, 5.0),
+        description="'clip_cov': [low, high]: only tokens with low < covariance < high are "
+        "candidates (verl's clip_cov_lb / clip_cov_ub).",
+    )
+    kl_cov_fraction: float = Field(
+        2e-3,
+        gt=0,
+        le=1,
+        description="'kl_cov': share of the micro-batch's loss tokens, the largest "
+        "covariances, that get the penalty (at least one; verl's kl_cov_ratio; the paper used "
+        "2e-3 on a 7B model, 2e-4 on 32B).",
+    )
+    kl_cov_coef: float = Field(
+        1.0,
+        gt=0,
+        description="'kl_cov': weight of the |logp - old| penalty on those tokens (verl's "
+        "ppo_kl_coef).",
     )
     old_logprobs: OldLogprobSource = Field(
         "rollout",
@@ -109,6 +175,22 @@ class LossConfig(BaseModel):
     drop_truncated: bool = Field(
         False, description="Give zero loss weight to completions cut off by the length limit."
     )
+
+    @model_validator(mode="after")
+    def _adaptive_start(self) -> LossConfig:
+        if self.entropy_control == "adaptive" and self.entropy_coef > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_control = 'adaptive' starts at entropy_coef = {self.entropy_coef}, "
+                f"above entropy_coef_max = {self.entropy_coef_max}"
+            )
+        return self
+
+    @field_validator("clip_cov_band")
+    @classmethod
+    def _cov_band(cls, band: tuple[float, float]) -> tuple[float, float]:
+        if not band[0] < band[1]:
+            raise ValueError(f"clip_cov_band [low, high] needs low < high, got {band}")
+        return band
 
     @field_validator("mis_token_band", "mis_seq_band")
     @classmethod
@@ -197,7 +279,8 @@ class ModelConfig(BaseModel):
         1,
         ge=0,
         description="Compute the token entropy metric every this many steps (0: never). "
-        "With loss.entropy_coef > 0 it is computed on every step regardless.",
+        "With loss.entropy_coef > 0 or entropy_control = 'adaptive' it is computed on every "
+        "step regardless.",
     )
     seed: int = Field(0, description="Seed of torch's RNG at start-up.")
     cpu_threads: int | None = Field(
@@ -205,6 +288,30 @@ class ModelConfig(BaseModel):
         ge=1,
         description="torch intra-op threads on CPU (process-wide); None: torch's default. "
         "Small models on a shared CPU run far faster with 1.",
+    )
+
+
+class DistillConfig(BaseModel):
+    """`[trainer.distill]`: the reverse-KL advantage against the samples' teacher logprobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coef: float = Field(
+        1.0, gt=0, le=100, description="Weight of the reverse-KL advantage (tinker's kl coef)."
+    )
+    reward_weight: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="Weight of the task reward's group-relative advantage beside it: 0 is "
+        "distillation alone, 1 mixes it with RL.",
+    )
+    discount: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="0: each token's own reverse KL (the recipe's default); > 0: plus the "
+        "later tokens', discounted by this per token.",
     )
 
 
@@ -217,6 +324,7 @@ class TrainConfig(BaseModel):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraSettings | None = None  # None: full fine-tuning
+    distill: DistillConfig | None = None  # None: no teacher (core/distill.py)
 
     @model_validator(mode="after")
     def _lora_head_logprobs(self) -> TrainConfig:
@@ -265,6 +373,13 @@ class TrainerSettings(TaskServiceSettings):
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps (None: run until stopped)."
     )
+    replay: bool = Field(
+        False,
+        description="Re-train a recorded run (`flywheel replay train` sets it): read the run's "
+        "BATCHES stream from the start as recorded (services/trainer/replay.py), stop after "
+        "its last batch, announce nothing (no WeightsPublished, no dead letters, no streams "
+        "created). Point weights_root, checkpoint_dir and metrics_file elsewhere.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     runtime: ModelConfig = Field(default_factory=ModelConfig)
@@ -273,6 +388,12 @@ class TrainerSettings(TaskServiceSettings):
         description="[trainer.lora]: train a LoRA adapter (PEFT) instead of every weight, and "
         "publish only the adapter per version (weights transports 'disk' or 'nats'); "
         "absent: full fine-tuning.",
+    )
+    distill: DistillConfig | None = Field(
+        None,
+        description="[trainer.distill]: on-policy distillation, each token's advantage the "
+        "reverse KL to the teacher's logprobs the samples carry ([teacher], "
+        "docs/distillation.md), plus reward_weight times the task's; absent: RL alone.",
     )
     eval_every: int = Field(
         0,
@@ -312,7 +433,13 @@ class TrainerSettings(TaskServiceSettings):
         return self
 
     def train_config(self) -> TrainConfig:
-        return TrainConfig(loss=self.loss, optim=self.optim, model=self.runtime, lora=self.lora)
+        return TrainConfig(
+            loss=self.loss,
+            optim=self.optim,
+            model=self.runtime,
+            lora=self.lora,
+            distill=self.distill,
+        )
 
 
 class SftSettings(TaskServiceSettings):

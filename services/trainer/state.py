@@ -5,7 +5,8 @@ Layout of one checkpoint (`<root>/step-00000042/`):
 
     state.pt            one process: model + optimizer + RNG, one file
     state/, rng-rank<r>.pt   under FSDP2: DCP shards, each rank's RNG
-    trainer-state.json  step, weight_version, scheduler state, input_position
+    trainer-state.json  step, weight_version, scheduler state, the entropy bonus
+                        weight (the adaptive controller's state), input_position
     <root>/latest       the name of the newest complete checkpoint
 
 Which of the two the model state takes is stateformat.py's choice (and why).
@@ -107,6 +108,7 @@ class Snapshot:
     weights: dict[str, torch.Tensor]  # the full model state dict, for save_pretrained
     scheduler: dict[str, Any]
     rng: dict[str, Any]
+    entropy_coef: float = 0.0  # the next step's entropy bonus weight (adaptive control)
 
 
 def snapshot(trainer: Trainer) -> Snapshot:
@@ -123,6 +125,7 @@ def snapshot(trainer: Trainer) -> Snapshot:
         weights=_copy_to_cpu(weights, memo),
         scheduler=copy.deepcopy(trainer.scheduler.state_dict()),
         rng=rng_state(),
+        entropy_coef=trainer.entropy_coef,
     )
 
 
@@ -164,6 +167,7 @@ def stage_checkpoint(
             "weight_version": snap.weight_version if snap else trainer.weight_version,
             "world_size": info.world_size,
             "scheduler": snap.scheduler if snap else trainer.scheduler.state_dict(),
+            "entropy_coef": snap.entropy_coef if snap else trainer.entropy_coef,
             "input_position": input_position or {},
         }
         (tmp / "trainer-state.json").write_text(json.dumps(doc, indent=2))
@@ -221,6 +225,10 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
     trainer.scheduler.load_state_dict(doc["scheduler"])
     trainer.step = int(doc["step"])
     trainer.weight_version = int(doc["weight_version"])
+    # The adaptive controller goes on from where it was (checkpoints from before it: the
+    # configured start); a fixed weight is the run file's, whatever the last run used.
+    if trainer.cfg.loss.entropy_control == "adaptive":
+        trainer.entropy_coef = float(doc.get("entropy_coef", trainer.cfg.loss.entropy_coef))
     return dict(doc["input_position"])
 
 

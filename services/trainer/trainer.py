@@ -25,6 +25,7 @@ import torch
 from services.trainer import lora
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
+    BatchError,
     MetricAccumulator,
     TensorBatch,
     collate,
@@ -33,7 +34,13 @@ from services.trainer.core.batching import (
     shard_for_ranks,
     split_groups,
 )
-from services.trainer.core.loss import LossOutput, policy_loss, sample_weights
+from services.trainer.core.distill import distill_advantages
+from services.trainer.core.loss import (
+    LossOutput,
+    next_entropy_coef,
+    policy_loss,
+    sample_weights,
+)
 from services.trainer.core.packing import collate_packed, plan_packed
 from services.trainer.core.schedule import lr_multiplier
 from services.trainer.distributed import DistInfo, all_reduce, barrier
@@ -100,6 +107,9 @@ class Trainer:
         )
         self.step = 0
         self.weight_version = 0
+        # The entropy bonus weight of the next step: fixed, or moved after each step by the
+        # adaptive controller (core/loss.next_entropy_coef); checkpoints keep it (state.py).
+        self.entropy_coef = cfg.loss.entropy_coef
         self.watch = Stopwatch()  # an RL step's time by stage (its metrics' time_*_s)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.forward_spec = forward_spec(cfg, info)
@@ -146,9 +156,12 @@ class Trainer:
     def train_step(self, batch: TensorBatch) -> dict[str, float]:
         """Train on one RL batch: `optim.minibatches` optimizer steps over its groups.
 
-        Returns batch-level metrics (the mean over mini-batches; same on all ranks).
+        Returns batch-level metrics (the mean over mini-batches; same on all ranks), with
+        `entropy_coef` the bonus weight this step used; the adaptive entropy controller
+        then moves it for the next step (metrics are the same on every rank, so is it).
         """
         batch.validate()
+        coef = self.entropy_coef
         parts = split_groups(batch, self.cfg.optim.minibatches)
         # Only the first mini-batch sees the weights of version `self.step` (the mismatch).
         results = [
@@ -160,6 +173,8 @@ class Trainer:
             k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys
         }
         merged["lr"] = results[-1]["lr"]
+        merged["entropy_coef"] = coef
+        self.entropy_coef = next_entropy_coef(coef, merged.get("entropy"), self.cfg.loss)
         timings = self.watch.take()  # summed over the mini-batches, not averaged
         return {**merged, **timings, "step": self.step, "minibatches": len(results)}
 
@@ -177,10 +192,12 @@ class Trainer:
         return self._accumulate_and_step(micro, lambda mb: self._rl_loss(mb, t, entropy))
 
     def _wants_entropy(self) -> bool:
-        """Entropy costs a pass over every chunk of logits: only as a bonus or when logged."""
+        """Entropy costs a pass over every chunk of logits: only as a bonus, for the adaptive
+        controller (it reads every step's), or when logged."""
         every = self.cfg.model.entropy_every
         logged = every > 0 and (self.step + 1) % every == 0  # self.step + 1: the step trained
-        return self.cfg.loss.entropy_coef > 0 or logged
+        adaptive = self.cfg.loss.entropy_control == "adaptive"
+        return self.entropy_coef > 0 or adaptive or logged
 
     def sft_step(self, examples: list[SftExample]) -> dict[str, float]:
         """One optimizer step of token-mean negative log-likelihood over `examples`."""
@@ -227,13 +244,29 @@ class Trainer:
             per_token = {
                 "loss_mask": m,
                 "weights": m * float(w[i]),
-                "advantages": torch.full_like(m, float(adv[i])),
+                "advantages": self._advantages(batch, i, float(adv[i]), m),
                 "rollout_logprobs": batch.rollout_logprobs[i].float(),
             }
             if version is not None and batch.token_versions is not None:
                 per_token["same_version"] = (batch.token_versions[i] == version).float()
             rows.append(layout_sample(batch.prompt_ids[i], batch.response_ids[i], per_token))
         return rows
+
+    def _advantages(self, batch: TensorBatch, i: int, task: float, m: torch.Tensor) -> torch.Tensor:
+        """Sample i's per-token advantages [R]: the task's, or with [trainer.distill] the
+        reverse KL to its teacher's logprobs beside it (core/distill.py)."""
+        cfg = self.cfg.distill
+        if cfg is None:
+            return torch.full_like(m, task)
+        teacher = batch.teacher_logprobs[i] if batch.teacher_logprobs is not None else None
+        if teacher is None:
+            raise BatchError(
+                "[trainer.distill] is set but the sample carries no teacher logprobs: give "
+                "the rollout workers a [teacher] table (docs/distillation.md)",
+                sample=i,
+                field="teacher_logprobs",
+            )
+        return distill_advantages(task, batch.rollout_logprobs[i].float(), teacher, m, cfg)
 
     def _sft_rows(self, examples: list[SftExample]) -> list[Row]:
         # Target position j predicts token j + 1, so the mask shifts by one.
@@ -284,8 +317,8 @@ class Trainer:
     def _rl_loss(self, mb: MicroBatch, temperature: float, entropy: bool = True) -> LossOutput:
         dev = self.info.device
         logp, ent = self._token_stats(self.model, mb, temperature, entropy)  # [B, T']
-        if ent is not None and self.cfg.loss.entropy_coef == 0:
-            ent = ent.detach()
+        if ent is not None and self.entropy_coef == 0:
+            ent = ent.detach()  # a metric (or the controller's reading): no backward through it
         on = {k: v.to(dev) for k, v in mb.items()}
         old = (
             on["old_logprobs"]
@@ -304,6 +337,7 @@ class Trainer:
             entropy=ent,
             segment_ids=on.get("seq_ids"),
             same_version=on.get("same_version"),
+            entropy_coef=self.entropy_coef,
         )
 
     def _sft_loss(self, mb: MicroBatch) -> LossOutput:

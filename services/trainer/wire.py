@@ -17,6 +17,7 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
         )
     prompt, response, logprobs, masks, rewards, groups, truncated = [], [], [], [], [], [], []
     versions = []
+    teacher: list[torch.Tensor | None] = []
     for gi, g in enumerate(batch.groups):
         for s in g.samples:
             prompt.append(torch.from_numpy(unpack_i32(s.prompt_ids).astype("int64")))
@@ -27,6 +28,8 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
             groups.append(gi)
             truncated.append(s.finish_reason == FinishReason.LENGTH)
             versions.append(token_versions(s))
+            t = s.teacher_logprobs
+            teacher.append(None if t is None else torch.from_numpy(unpack_f32(t).copy()))
     return TensorBatch(
         prompt_ids=prompt,
         response_ids=response,
@@ -37,6 +40,7 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
         loss_mask=masks,
         temperature=temps.pop(),
         token_versions=versions,
+        teacher_logprobs=teacher if any(t is not None for t in teacher) else None,
     )
 
 
@@ -61,6 +65,7 @@ def batch_stats(batch: TrainBatch) -> dict[str, float]:
     samples = [s for g in batch.groups for s in g.samples]
     n = len(samples)
     return {
+        **teacher_stats(samples),
         "reward_mean": sum(s.reward for s in samples) / n,
         "response_tokens_mean": sum(s.num_response_tokens for s in samples) / n,
         "truncated_frac": sum(s.finish_reason == FinishReason.LENGTH for s in samples) / n,
@@ -68,3 +73,18 @@ def batch_stats(batch: TrainBatch) -> dict[str, float]:
         "samples": float(n),
         "tokens": float(sum(len(s.prompt_ids) // 4 + s.num_response_tokens for s in samples)),
     }
+
+
+def teacher_stats(samples: list[Sample]) -> dict[str, float]:
+    """Distillation's measure: the mean per-token reverse KL estimate (rollout logprob -
+    teacher logprob) over the policy's tokens of the samples a teacher scored; 0 when
+    the student matches the teacher. {} when no sample carries teacher logprobs."""
+    total, tokens = 0.0, 0
+    for s in samples:
+        if s.teacher_logprobs is None:
+            continue
+        m = unpack_u8(s.loss_mask).astype(bool)
+        gap = unpack_f32(s.logprobs).astype("float64") - unpack_f32(s.teacher_logprobs)
+        total += float(gap[m].sum())
+        tokens += int(m.sum())
+    return {"teacher_kl": total / tokens} if tokens else {}

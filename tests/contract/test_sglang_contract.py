@@ -287,6 +287,9 @@ async def run_client_call(c: EngineClient, case: Case, places: dict[str, str]) -
             assert r.finish_type == want["finish_type"]
             assert r.weight_version == want["weight_version"]
             assert [[s.version, s.start, s.end] for s in r.weight_versions] == want["spans"]
+    elif call == "prompt_logprobs":
+        got = await c.prompt_logprobs(body["input_ids"], spec["start"], rid=body.get("rid"))
+        assert got == spec["logprobs"]
     elif call in ("generate_error", "detect_error", "update_error", "lora_error"):
         with pytest.raises(EngineHTTPError) as err:
             if call == "generate_error":

@@ -21,6 +21,17 @@ io_struct.py::GenerateReqInput` and `entrypoints/http_server.py`):
   `return_logprob`, `output_token_logprobs` = [[logprob, token_id, null], …].
   A single prompt with n == 1 returns a dict; a batch or n > 1 returns a list
   ordered prompt-major (all n samples of prompt 0, then prompt 1, …).
+- prompt logprobs (a teacher scoring a sequence): `logprob_start_len` k (an
+  int, or one per prompt) with `return_logprob` answers
+  `meta_info.input_token_logprobs` = [[logprob, token_id, null], …] for
+  `input_ids[k:]`, the first entry's logprob always null (SGLang's
+  `_process_input_token_logprobs`: `[None] + logprobs[:-1]`), so the logprob
+  of token i > k is log p(input_ids[i] | input_ids[:i]) from the raw logits.
+  `max_new_tokens = 0` answers at once with no output (finish "length", 0).
+  k = -1 (the default) and k beyond the prompt follow the release
+  (`Capabilities.default_input_start`, `refuses_input_start`: a 400 with the
+  scheduler's "... is higher than the number of input tokens ...").
+  Without return_logprob, k is ignored.
 - finish reasons: {"type": "stop", "matched": token_id | stop_str},
   {"type": "length", "length": max_new_tokens},
   {"type": "abort", "message": str}.
@@ -186,6 +197,9 @@ class SeqSpec:
     params: SamplingParams
     return_logprob: bool
     lora_id: str | None = None  # the adapter load it samples with (None: the base model)
+    # Where its prompt logprobs start (`input_token_logprobs` covers input_ids[start:]);
+    # None: the answer carries none (no return_logprob).
+    input_start: int | None = None
 
     @property
     def out_id(self) -> str:
@@ -246,6 +260,7 @@ def parse_generate(
     vocab_size: int,
     context_len: int,
     default_max_new_tokens: int = 128,
+    caps: Capabilities | None = None,
 ) -> ParsedGenerate:
     """Validate a /generate body into the completions to run; RequestError if invalid."""
     if not isinstance(body, dict):
@@ -276,11 +291,16 @@ def parse_generate(
     if sum(p.n for p in params_of) > MAX_N:
         raise RequestError(f"a request may ask for at most {MAX_N} completions in all")
     loras = _lora_names(body.get("lora_path"), batch)
-    for prompt, params, r, lora in zip(prompts, params_of, rids, loras, strict=True):
+    starts = _start_lens(body.get("logprob_start_len"), batch)
+    release = caps or Capabilities((0, 5, 23))
+    for prompt, params, r, lora, k in zip(prompts, params_of, rids, loras, starts, strict=True):
         _check_prompt(prompt, params, vocab_size, context_len)
         if r is not None and not isinstance(r, str):
             raise RequestError("rid must be a string or a list of strings")
-        _expand(parsed, prompt, params, r, isinstance(rid, list), return_logprob)
+        start = (
+            input_start(k, len(prompt), params.max_new_tokens, release) if return_logprob else None
+        )
+        _expand(parsed, prompt, params, r, isinstance(rid, list), return_logprob, start)
         parsed.lora_names += [lora] * (len(parsed.seqs) - len(parsed.lora_names))
     parsed.as_list = is_batch or len(parsed.seqs) > len(prompts)
     return parsed
@@ -294,6 +314,35 @@ def _lora_names(value: Any, batch: int) -> list[str | None]:
     if isinstance(value, list) and all(v is None or isinstance(v, str) for v in value):
         return [v or None for v in _as_batch(value, "lora_path", batch)]
     raise RequestError("lora_path must be a string or a list of strings", schema=True)
+
+
+def _start_lens(value: Any, batch: int) -> list[int]:
+    """`logprob_start_len`: one int for every prompt, or one per prompt (None: -1)."""
+    if value is None:
+        return [-1] * batch
+    values = (
+        _as_batch(value, "logprob_start_len", batch) if isinstance(value, list) else [value] * batch
+    )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise RequestError("logprob_start_len must be an integer or a list of integers")
+    return values
+
+
+def input_start(k: int, prompt_len: int, max_new_tokens: int, caps: Capabilities) -> int:
+    """Where a request's `input_token_logprobs` start, as that release's scheduler
+    resolves `logprob_start_len` k; RequestError with its message where it refuses k."""
+    prefill_only = max_new_tokens == 0
+    if k == -1:
+        return caps.default_input_start(prompt_len, prefill_only)
+    if k < 0:  # SGLang leaves other negatives to fail deep in the scheduler; refused here
+        raise RequestError(f"logprob_start_len must be -1 or at least 0, got {k}")
+    if caps.refuses_input_start(k, prompt_len, prefill_only):
+        raise RequestError(
+            f"req.logprob_start_len={k} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
+        )
+    return k
 
 
 def _check_prompt(prompt: list[int], params: SamplingParams, vocab: int, context: int) -> None:
@@ -316,12 +365,13 @@ def _expand(
     rid: str | None,
     rid_from_list: bool,
     return_logprob: bool,
+    start: int | None = None,
 ) -> None:
     """One prompt's completions, with SGLang's ids (see the module docstring)."""
     if params.n == 1:
         rid = rid if rid is not None else uuid.uuid4().hex
         parsed.held.append(rid)
-        parsed.seqs.append(SeqSpec(rid, tuple(prompt), params, return_logprob))
+        parsed.seqs.append(SeqSpec(rid, tuple(prompt), params, return_logprob, input_start=start))
         return
     if rid is not None:  # io_struct._normalize_rid: a str becomes rid_0 .. rid_{n-1}
         parsed.claimed.extend([rid] if rid_from_list else [f"{rid}_{j}" for j in range(params.n)])
@@ -331,7 +381,9 @@ def _expand(
         seeded = params
         if params.sampling_seed is not None and j:
             seeded = replace(params, sampling_seed=params.sampling_seed + j)
-        parsed.seqs.append(SeqSpec(uuid.uuid4().hex, tuple(prompt), seeded, return_logprob))
+        parsed.seqs.append(
+            SeqSpec(uuid.uuid4().hex, tuple(prompt), seeded, return_logprob, input_start=start)
+        )
 
 
 @dataclass
@@ -346,6 +398,8 @@ class Completion:
     matched_stop_str: str | None = None
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # (version, start, end)
     retractions: int = 0
+    # log p(input_ids[i] | input_ids[:i]) for i in input_start + 1 .. len - 1 (None: not asked)
+    input_logprobs: list[float] | None = None
 
 
 def trim_text(text: str, params: SamplingParams, matched: str | None) -> str:
@@ -408,7 +462,22 @@ def response(
         meta["weight_version"] = done.spans[-1][0]
     meta["e2e_latency"] = done.e2e_latency
     if spec.return_logprob:
+        meta["input_token_logprobs"] = input_token_logprobs(spec, done)
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(done.logprobs, done.output_ids, strict=True)
         ]
+        if caps.reports_logprobs_length:
+            meta["output_token_logprobs_length"] = len(done.output_ids)
     return {"text": text, "output_ids": list(done.output_ids), "meta_info": meta}
+
+
+def input_token_logprobs(spec: SeqSpec, done: Completion) -> list[list[Any]]:
+    """SGLang's `input_token_logprobs`: [logprob, token, null] for input_ids[start:], the
+    first logprob null. [] when nothing was asked or the request ended before its prefill
+    (aborted while waiting: SGLang had computed none either)."""
+    start = spec.input_start
+    if start is None or start >= len(spec.input_ids) or done.input_logprobs is None:
+        return []
+    tokens = spec.input_ids[start:]
+    values: list[float | None] = [None, *done.input_logprobs]
+    return [[lp, tok, None] for lp, tok in zip(values, tokens, strict=True)]

@@ -39,6 +39,9 @@ class Seq:
     held: bool = False  # came while paused or an update waited: outside SGLang's scheduler
     events: list[tuple[str, int]] = field(default_factory=list)  # (old version, tokens) per change
     retractions: int = 0
+    input_logprobs: list[float] | None = (
+        None  # prompt logprobs, once computed (SeqSpec.input_start)
+    )
 
 
 def stop_reason(

@@ -52,6 +52,9 @@ class TensorBatch:
     # each [R_i] int64: the weight version that generated each response token,
     # -1 where unknown (the train–inference mismatch compares same-version tokens)
     token_versions: list[torch.Tensor] | None = None
+    # each [R_i] float32: the teacher's logprob of each response token (distillation);
+    # None for a sample no teacher scored, or the whole list when none was
+    teacher_logprobs: list[torch.Tensor | None] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -108,6 +111,9 @@ def split_groups(batch: TensorBatch, parts: int) -> list[TensorBatch]:
                 temperature=batch.temperature,
                 token_versions=[batch.token_versions[i] for i in idx]
                 if batch.token_versions is not None
+                else None,
+                teacher_logprobs=[batch.teacher_logprobs[i] for i in idx]
+                if batch.teacher_logprobs is not None
                 else None,
             )
         )

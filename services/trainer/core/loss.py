@@ -19,7 +19,36 @@ Per token t of sample i (only tokens with loss mask 1 count):
     pg_t   *= 1[lo <= rho_t <= hi]                        (MIS token mask, below)
     pg_t   *= 1[lo <= exp(mean_{t∈i} log rho_t) <= hi]    (MIS sequence mask, below)
     kl_t    = k(logp_t, ref_t)                            (k1/k2/k3 below)
-    l_t     = pg_t + kl_coef · kl_t - entropy_coef · H_t
+    l_t     = pg_t + kl_coef · kl_t - c_k · H_t           (c_k: entropy_coef, or the
+                                                            adaptive controller's, below)
+
+Before TIS and MIS, the covariance controls (Cui et al. 2025, "The Entropy
+Mechanism of RL for Reasoning LMs"; verl's policy_loss 'clip_cov' /
+'kl_cov') act on the tokens whose logprob moves most with their advantage,
+the ones whose update drains the policy's entropy fastest:
+
+    cov_t   = (A_t - mean A)(logp_t - mean logp)          (means over the micro-batch's
+                                                            loss tokens; no gradient)
+    Clip-Cov: pg_t *= 0 on n = max(1, floor(r·N)) tokens drawn at random (torch's RNG,
+              which checkpoints keep) among the loss tokens with lo < cov_t < hi whose
+              PPO clip is not already active
+    KL-Cov:   pg_t += beta · |logp_t - old_t| on the n = max(1, floor(k·N)) loss tokens
+              of largest cov_t
+
+N being the micro-batch's loss tokens (verl computes both per micro-batch
+too). verl's KL-Cov drops the PPO clip altogether; here the clipped
+surrogate stays on every token (samples here can be versions old) and the
+penalty is added on top. Like the MIS masks, a dropped token keeps its
+aggregation weight.
+
+Adaptive entropy control (Skywork-OR1, §3.2; TRL's use_adaptive_entropy):
+step k's bonus weight c_k, then its measured mean token entropy H_k moves
+it for the next step,
+
+    c_{k+1} = clip(c_k + lr · (target - H_k), 0, c_max)    (`next_entropy_coef`)
+
+(Skywork steps c by a fixed ±delta on the sign of target - H_k; the step
+here is proportional to the gap, so a policy near its target barely moves c.)
 
 and the loss is sum_{i,t} w_{i,t} l_t with aggregation weights w (see
 `sample_weights`). Writing aggregation as fixed per-token weights computed
@@ -184,6 +213,105 @@ def clipped_surrogate(
     return loss
 
 
+def clip_active(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """[B, T] bool: where PPO's clipped term is the larger one (the token has no gradient)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return clipped > unclipped
+
+
+def token_covariance(
+    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """cov_t = (A_t - mean A)(logp_t - mean logp) [B, T], means over the loss tokens of
+    `mask` [B, T]; 0 off the mask; no gradient."""
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    lp = logprobs.detach()
+    a_mean = (advantages * m).sum() / n
+    lp_mean = (lp * m).sum() / n
+    return (advantages - a_mean) * (lp - lp_mean) * m
+
+
+def covariance_count(fraction: float, tokens: int) -> int:
+    """How many tokens a covariance control acts on: max(1, floor(fraction · tokens))."""
+    return max(1, int(fraction * tokens))
+
+
+def clip_cov_drop(
+    cov: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor, cfg: LossConfig
+) -> torch.Tensor:
+    """Clip-Cov's drop mask [B, T] (1: the token's policy-gradient term is dropped).
+
+    Candidates: loss tokens with low < cov < high whose PPO clip is not active;
+    `covariance_count(clip_cov_fraction, N)` of them drawn uniformly at random
+    (all of them when fewer qualify).
+    """
+    lo, hi = cfg.clip_cov_band
+    on = mask > 0
+    candidates = (on & ~clipped & (cov > lo) & (cov < hi)).reshape(-1).nonzero().squeeze(1)
+    n = min(covariance_count(cfg.clip_cov_fraction, int(on.sum())), candidates.numel())
+    drop = torch.zeros(cov.numel(), dtype=cov.dtype, device=cov.device)
+    if n > 0:
+        chosen = candidates[torch.randperm(candidates.numel())[:n].to(candidates.device)]
+        drop[chosen] = 1.0
+    return drop.view_as(cov)
+
+
+def kl_cov_select(cov: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """KL-Cov's selection [B, T] (1: penalised): the `covariance_count(kl_cov_fraction, N)`
+    loss tokens of largest covariance (ties broken by position, as torch.topk does)."""
+    on = (mask > 0).reshape(-1)
+    idx = on.nonzero().squeeze(1)  # [N] flat positions of loss tokens
+    pick = torch.zeros(cov.numel(), dtype=cov.dtype, device=cov.device)
+    if idx.numel() == 0:
+        return pick.view_as(cov)
+    k = covariance_count(cfg.kl_cov_fraction, idx.numel())
+    top = torch.topk(cov.reshape(-1).index_select(0, idx), k, largest=True).indices
+    pick[idx[top]] = 1.0
+    return pick.view_as(cov)
+
+
+def covariance_control(
+    pg: torch.Tensor,
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    m: torch.Tensor,
+    cfg: LossConfig,
+    sums: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """`pg` [B, T] after Clip-Cov or KL-Cov (module docstring); the share acted on into
+    `sums` (`clip_cov_frac` / `kl_cov_frac`)."""
+    if cfg.covariance == "off":
+        return pg
+    cov = token_covariance(logprobs, advantages, m)
+    if cfg.covariance == "clip_cov":
+        active = clip_active(ratio.detach(), advantages, cfg.eps_low, cfg.eps_high)
+        drop = clip_cov_drop(cov, m, active, cfg)
+        sums["clip_cov_frac"] = drop.sum()
+        return pg * (1 - drop)
+    pick = kl_cov_select(cov, m, cfg)
+    sums["kl_cov_frac"] = pick.sum()
+    return pg + pick * cfg.kl_cov_coef * (logprobs - old).abs()
+
+
+def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> float:
+    """The entropy bonus weight of the next step, after a step that used `coef` and
+    measured mean token entropy `entropy` (None: not measured, nothing moves).
+
+    'fixed': `coef` as it is. 'adaptive':
+    clip(coef + entropy_coef_lr · (entropy_target - entropy), 0, entropy_coef_max).
+    """
+    if cfg.entropy_control == "fixed" or entropy is None or entropy != entropy:  # NaN
+        return coef
+    moved = coef + cfg.entropy_coef_lr * (cfg.entropy_target - entropy)
+    return min(max(moved, 0.0), cfg.entropy_coef_max)
+
+
 @dataclass
 class LossOutput:
     """One micro-batch's loss and its metric contributions.
@@ -306,8 +434,10 @@ def penalties(
     ref_logprobs: torch.Tensor | None,
     entropy: torch.Tensor | None,
     sums: dict[str, torch.Tensor],
+    entropy_coef: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss with the KL penalty and entropy bonus added, and each part."""
+    """The per-token loss with the KL penalty and entropy bonus (weight `entropy_coef`)
+    added, and each part."""
     total = pg
     parts = {"pg_loss": (pg * weights).sum().detach()}
     if cfg.kl_coef > 0:
@@ -319,8 +449,8 @@ def penalties(
         sums["kl_ref"] = (kl.detach() * m).sum()
     if entropy is not None:
         sums["entropy"] = (entropy.detach() * m).sum()
-        if cfg.entropy_coef > 0:
-            total = total - cfg.entropy_coef * entropy
+        if entropy_coef > 0:
+            total = total - entropy_coef * entropy
             parts["entropy_bonus"] = (entropy * weights).sum().detach()
     return total, parts
 
@@ -338,6 +468,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     same_version: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> LossOutput:
     """The RL loss of one micro-batch. All tensors are [B, T] over target positions.
 
@@ -351,7 +482,8 @@ def policy_loss(
     segment_ids: the sequence of each position in packed rows (GSPO's
     sequence ratio; None: one sequence per row); same_version: 1 on tokens the
     engine generated with the weights of the trainer's pre-update logprobs
-    (the train–inference mismatch metrics; None: not measured).
+    (the train–inference mismatch metrics; None: not measured); entropy_coef:
+    this step's bonus weight (the adaptive controller's; None: cfg.entropy_coef).
     """
     m = mask.float()
     old = old_logprobs.detach()
@@ -365,6 +497,7 @@ def policy_loss(
     sums["approx_kl"] = (kl_penalty(logprobs.detach(), old, "k3") * m).sum()
     if cfg.dual_clip_c is not None:
         sums["dual_clip_frac"] = ((r > cfg.dual_clip_c) & (advantages < 0) & on).float().sum()
+    pg = covariance_control(pg, logprobs, old, ratio, advantages, m, cfg, sums)
     if cfg.old_logprobs == "recompute" and cfg.tis_cap is not None:
         pg = pg * truncated_is(old, rollout_logprobs, m, cfg.tis_cap, sums)
     masked_ratio = torch.where(on, r, torch.zeros_like(r))
@@ -380,7 +513,8 @@ def policy_loss(
             pg = pg * keep
     elif cfg.mis_token_band is not None or cfg.mis_seq_band is not None:
         raise ValueError("MIS (mis_token_band / mis_seq_band) needs rollout_logprobs")
-    total, parts = penalties(pg, logprobs, weights, m, cfg, ref_logprobs, entropy, sums)
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+    total, parts = penalties(pg, logprobs, weights, m, cfg, ref_logprobs, entropy, sums, coef)
     return LossOutput(
         loss=(total * weights).sum(), tokens=m.sum(), sums=sums, parts=parts, maxes=maxes
     )

@@ -1,8 +1,9 @@
-"""A `verifiers` environment's own rollout against the CPU engine's /v1/chat/completions
-(extra: verifiers; skipped without it): the step before wiring multi-turn envs into
-the rollout worker (docs/verifiers.md).
+"""A classic (legacy) `verifiers` environment's own rollout against the CPU engine's
+/v1/chat/completions (extra: verifiers; skipped without it): verifiers 0.2.1's API,
+`verifiers.legacy` in 0.3 (aliased at the top level). v1 envs run through Flywheel's
+own client instead (test_verifiers_v1_rollout.py).
 
-verifiers 0.2.1 validates each answer as OpenAI's ChatCompletion, whose
+The classic client validates each answer as OpenAI's ChatCompletion, whose
 `metadata` is {str: str}; SGLang (0.5.19+) and so this engine send
 `metadata.weight_versions` as a list of spans, and the rollout fails. A
 transport that drops that one field lets it run; the token ids and logprobs

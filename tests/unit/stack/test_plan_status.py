@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 from services.stack.plan import plan
@@ -163,3 +164,23 @@ def test_samples_per_second_after_a_worker_restart_is_not_negative() -> None:
     window = RateWindow(min_s=0.0)
     window.start(Status(step=1, samples_total=500, at=0.0))
     assert window.start(Status(step=1, samples_total=20, at=2.0)) is None  # counter began again
+
+
+def test_plan_starts_the_teacher_engines_and_gives_every_worker_their_urls(
+    tmp_path: Path,
+) -> None:
+    from services.engine_api.teacher import TeacherSettings
+
+    t = TeacherSettings(model=tmp_path / "teacher", engines=2, engine_threads=3)
+    s = StackSettings(run_dir=tmp_path, model=tmp_path / "m", engines=2, teacher=t)
+    specs = plan(s, tmp_path / "run.toml", "nats://x:1", lambda: next(PORTS))
+    kinds = [p.kind for p in specs]
+    assert kinds[:4] == ["engine", "engine", "teacher", "teacher"]
+    teachers = [p for p in specs if p.kind == "teacher"]
+    assert all(str(tmp_path / "teacher") in p.argv for p in teachers)
+    assert all(p.env["FLYWHEEL_ENGINE_NUM_THREADS"] == "3" for p in teachers)
+    urls = [(p.ready_url or "").removesuffix("/health_generate") for p in teachers]
+    for w in (p for p in specs if p.kind == "rollout"):
+        assert json.loads(w.env["FLYWHEEL_ROLLOUT_TEACHER_URLS"]) == urls
+    plain = plan(StackSettings(run_dir=tmp_path), tmp_path / "r.toml", "nats://x:1", lambda: 1)
+    assert not any("FLYWHEEL_ROLLOUT_TEACHER_URLS" in p.env for p in plain)

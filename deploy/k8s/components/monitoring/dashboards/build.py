@@ -96,6 +96,56 @@ OVERVIEW = Dashboard(
             ),
         ),
         (
+            "Collapse and curriculum",
+            (
+                p(
+                    "Flat groups",
+                    ("max(flywheel_buffer_flat_share)", "share of the last step's groups"),
+                    unit="percentunit",
+                    description="Groups with no reward spread (zero advantage: nothing to "
+                    "learn). Near 100% with few distinct completions is a collapsed policy "
+                    "(docs/learning.md).",
+                ),
+                p(
+                    "Distinct completions per group",
+                    ("max(flywheel_buffer_distinct_completions)", "distinct (mean)"),
+                    ("max(flywheel_buffer_group_samples)", "samples per group"),
+                    description="Different response token sequences among a group's samples, "
+                    "over the last step's groups: 1 is a policy that says one thing.",
+                ),
+                p(
+                    "Policy entropy",
+                    ("flywheel_trainer_entropy", "mean token entropy (trainer)"),
+                ),
+                p(
+                    "Prompts by difficulty",
+                    (
+                        "sum by (difficulty) (flywheel_buffer_curriculum_prompts)",
+                        "{{difficulty}}",
+                    ),
+                    description="Prompts seen, by pass rate: easy and hard ones are drawn "
+                    "less, retired (solved) ones never ([buffer] curriculum_*).",
+                ),
+                p(
+                    "Flat groups handled",
+                    (f"sum(rate(flywheel_buffer_refilled_groups_total[{RI}]))", "refilled"),
+                    (f"sum(rate(flywheel_buffer_rested_prompts_total[{RI}]))", "prompts rested"),
+                    (
+                        f"sum by (reason) (rate(flywheel_buffer_curriculum_skipped_total[{RI}]))",
+                        "skipped: {{reason}}",
+                    ),
+                    unit="ops",
+                ),
+                p(
+                    "Groups in a row with nothing trainable",
+                    ("max(flywheel_buffer_untrainable_groups)", "groups"),
+                    (f"sum(increase(flywheel_buffer_stalls_total[{RI}]))", "stalls said"),
+                    description="A stall is said once in the console after [buffer] "
+                    "stall_warn_steps steps' worth of such groups.",
+                ),
+            ),
+        ),
+        (
             "Freshness",
             (
                 p(

@@ -1,0 +1,152 @@
+"""`flywheel replay rescore`: a recorded run's completions scored with another reward.
+
+Each recorded sample's completion (decoded from its token ids, samples.py)
+is scored by the reward of the run file's task, or of `--reward` (a TOML
+value for `[task] reward`: `'"math"'`, `'{fn = "pkg.mod:f"}'`), in the same
+sandboxed verifier pool a rollout worker uses (services/tasks/scoring.py),
+with the row and answer of the prompt it answered (the buffer's
+`task_finder`, handed in by services/cli.py: the recorded task id names the
+buffer's epoch and position). Nothing is re-generated and nothing is
+written to the run: the old and new reward of every sample go to a JSONL
+report, and a summary to the console.
+
+An episode's sample (tool or environment tokens in its completion) is not
+rescored (`skipped`): its reward was computed on the episode, which the
+recorded tokens alone do not give back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proto.messages import PromptTask
+from services.replay import records
+from services.replay.samples import parse_task_id, rows_of, tokenizer_decode
+from services.replay.source import RecordedRun, connected
+from services.runtime.errors import ConfigError
+
+TaskAt = Callable[[int, int], PromptTask]
+
+
+def reward_value(text: str) -> Any:
+    """`--reward`'s text as the TOML value of `reward = …` (a bare word: a reward's name)."""
+    try:
+        return tomllib.loads(f"reward = {text}")["reward"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def reward_overrides(rec: RecordedRun, reward: str | None) -> dict[str, Any]:
+    """ReplaySettings overrides that give every task of the run file `reward`."""
+    if reward is None:
+        return {}
+    value = reward_value(reward)
+    doc = rec.doc
+    if isinstance(doc.get("task"), dict):
+        return {"task": {**doc["task"], "reward": value}}
+    tasks = doc.get("tasks")
+    if isinstance(tasks, dict):
+        return {"tasks": {n: {**t, "reward": value} for n, t in tasks.items()}}
+    raise ConfigError("--reward: the run file has no [task] or [tasks.<name>] table")
+
+
+@dataclass
+class Summary:
+    samples: int = 0
+    scored: int = 0
+    skipped: int = 0
+    errors: int = 0  # the new reward could not be computed
+    changed: int = 0
+    old_sum: float = 0.0
+    new_sum: float = 0.0
+
+    def add(self, old: float | None, new: float | None) -> None:
+        self.samples += 1
+        if new is None:
+            return
+        self.scored += 1
+        self.new_sum += new
+        self.old_sum += old or 0.0
+        self.changed += int(old is None or abs(new - old) > 1e-9)
+
+    def as_dict(self) -> dict[str, Any]:
+        n = max(self.scored, 1)
+        return {
+            "samples": self.samples,
+            "rescored": self.scored,
+            "skipped": self.skipped,
+            "errors": self.errors,
+            "changed": self.changed,
+            "mean_old": self.old_sum / n,
+            "mean_new": self.new_sum / n,
+        }
+
+
+async def rescore(rec: RecordedRun, url: str, task_at: TaskAt, out: Path) -> dict[str, Any]:
+    """Score every recorded sample again; per-sample lines in `out`, the summary returned."""
+    from services.tasks.scoring import Scorer, verifier_pool
+
+    async with connected(rec, url) as js:
+        groups = await records.sample_groups(js, rec.run)
+    decode = await asyncio.to_thread(tokenizer_decode, rec.model)
+    tasks = rec.settings.task_set()
+    s = Summary()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pool = verifier_pool(
+        tasks, size=rec.settings.verifier_workers, timeout_s=rec.settings.verifier_timeout_s
+    )
+    async with pool:
+        scorer = Scorer(tasks, pool)
+        with out.open("w") as f:
+            for seq, g in groups.messages:
+                for line in await _group(scorer, task_at, rows_of(seq, g, decode, None), s):
+                    f.write(json.dumps(line) + "\n")
+    return {**s.as_dict(), "undecodable_seqs": groups.undecodable, "report": str(out)}
+
+
+async def _group(
+    scorer: Any, task_at: TaskAt, rows: list[dict[str, Any]], s: Summary
+) -> list[dict[str, Any]]:
+    """One recorded group's rows, scored again: one report line each."""
+    where = parse_task_id(rows[0]["task_id"])
+    if where is None:
+        raise ConfigError(
+            f"task id {rows[0]['task_id']!r} is not the buffer's: cannot find its row"
+        )
+    task = task_at(*where)
+    if task.task_name != rows[0]["task_name"]:
+        raise ConfigError(
+            f"task {rows[0]['task_id']} was {rows[0]['task_name']!r} in the run, "
+            f"{task.task_name!r} by this run file: not the run file the run ran with"
+        )
+    todo = [r for r in rows if r["env_tokens"] == 0]
+    got = await scorer.score_group(
+        task.task_name,
+        task.index,
+        task.answer,
+        [(r["completion"], len(r["response_ids"])) for r in todo],
+    )
+    new = {r["sample_id"]: x for r, x in zip(todo, got, strict=True)}
+    lines = []
+    for r in rows:
+        old = None if r["verifier_error"] else r["reward"]
+        x = new.get(r["sample_id"])
+        if x is None:
+            s.skipped += 1
+        elif x.error is not None:
+            s.errors += 1
+        reward = None if x is None or x.error is not None else x.reward
+        s.add(old, reward)
+        lines.append({
+            "sample_id": r["sample_id"], "group_id": r["group_id"], "task_name": r["task_name"],
+            "row": task.index, "old_reward": old, "new_reward": reward,
+            "old_parts": json.loads(r["reward_parts"]), "new_parts": None if x is None else x.parts,
+            "new_error": None if x is None else x.error, "skipped": x is None,
+        })  # fmt: skip
+    return lines

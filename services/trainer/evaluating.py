@@ -1,0 +1,188 @@
+"""Held-out evaluations beside the training loop: the trainer never waits for one.
+
+An evaluation that is due (`eval_every`) is handed here and the loop goes
+on training; it runs as an asyncio task (the model load and generation on
+a thread, the scoring on the event loop, heldout.py) while later steps
+train. At most one is in flight. A version that falls due while one runs
+waits as the one pending evaluation; a newer one replaces it (the older is
+skipped, logged and counted), so a slow evaluation never builds a queue:
+the next evaluation is always of the newest due version.
+
+Each result is attached to the version it evaluated: a row of its own in
+the metrics file (`step` = that version, `elapsed` = when that version was
+trained, `eval_s` how long the evaluation took, `eval_lag_steps` how many
+steps were trained meanwhile; no `batch_id`, like the step-0 row), the
+eval gauges, and the best-weights choice (`keep_if_best`: validation only,
+highest accuracy, ties keep the older). The evaluations run one after the
+other in version order, so the choice among the versions evaluated is the
+same whatever the timing; which due versions get evaluated does depend on
+timing once an evaluation outlasts `eval_every` steps.
+
+A version's directory may be pruned by sync while it is evaluated (sync
+keeps only the last few): each evaluation first hard-links the directory
+into `<checkpoint_dir>/.eval/` (no bytes copied on one filesystem), reads
+and keeps the best from there, and removes its link copy at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.trainer.heldout import HeldOut, eval_line
+from services.trainer.metrics import Recorder
+from services.weights.best import keep_if_best, link_or_copy
+
+log = logging.getLogger(__name__)
+
+STAGE_DIR = ".eval"
+
+
+@dataclass(frozen=True)
+class Due:
+    """One version to evaluate."""
+
+    step: int
+    weights: Path  # what is evaluated: a link copy of the published directory (step 0: the model)
+    elapsed: float  # seconds of RL when that version was trained
+    owned: bool  # `weights` is this module's link copy, removed after
+
+
+class Evaluations:
+    """The held-out evaluations of one run, at most one in flight (module docstring)."""
+
+    def __init__(
+        self, heldout: HeldOut, recorder: Recorder, checkpoint_dir: Path, trainer_step: Any
+    ) -> None:
+        self.heldout, self.recorder = heldout, recorder
+        self.stage = checkpoint_dir / STAGE_DIR
+        self.checkpoint_dir = checkpoint_dir
+        self.trainer_step = trainer_step  # () -> the trainer's step now (for the lag)
+        self.running: asyncio.Task[None] | None = None
+        self.pending: Due | None = None
+        self.failure: BaseException | None = None
+        self.skipped = 0
+        shutil.rmtree(self.stage, ignore_errors=True)  # link copies a crash left behind
+
+    @property
+    def in_flight(self) -> bool:
+        return self.running is not None
+
+    async def submit(self, step: int, weights: Path, elapsed: float) -> None:
+        """Evaluate `weights` (version `step`) now, or next if one is running (module doc).
+
+        Raises what a finished evaluation raised (a broken verifier stops the
+        run as it did when evaluations ran in the loop).
+        """
+        self.raise_failure()
+        trained = step > 0  # step 0 is the user's own directory: never pruned, never "best"
+        if trained:
+            weights = await asyncio.to_thread(self._link_copy, step, weights)
+        due = Due(step, weights, elapsed, owned=trained)
+        if self.running is None:
+            self._start(due)
+            return
+        if self.pending is not None:
+            self._skip(self.pending, newer=step)
+        self.pending = due
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
+
+    async def close(self, finish_pending: bool) -> None:
+        """Wait for the evaluation in flight; then the pending one too when `finish_pending`
+        (a run that ended by itself), else it is skipped (a run told to stop)."""
+        if not finish_pending and self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._skip(pending, newer=None)
+        while self.running is not None:
+            await asyncio.wait({self.running})
+            await asyncio.sleep(0)  # its done-callback runs (and may start the pending one)
+        self.raise_failure()
+
+    def cancel(self) -> None:
+        """On an error in the loop: stop waiting for the evaluation (its thread ends alone)."""
+        if self.pending is not None:
+            self._discard(self.pending)
+            self.pending = None
+        if self.running is not None:
+            self.running.cancel()
+
+    # ---- one evaluation ------------------------------------------------------
+
+    def _start(self, due: Due) -> None:
+        self.recorder.metrics.eval_in_flight.set(1)
+        task = asyncio.create_task(self._run(due), name=f"evaluate-v{due.step}")
+        task.add_done_callback(self._finished)
+        self.running = task
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        """An evaluation ended: its failure kept for the loop to raise, or the next one on."""
+        self.running = None
+        self.recorder.metrics.eval_in_flight.set(0)
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:  # raised in the loop by the next submit() or close()
+            log.error("trainer: held-out evaluation failed: %r", failure)
+            self.failure = failure
+            return
+        if self.pending is not None:
+            due, self.pending = self.pending, None
+            self._start(due)
+
+    async def _run(self, due: Due) -> None:
+        try:
+            await self._evaluate(due)
+        finally:
+            self._discard(due)
+
+    async def _evaluate(self, due: Due) -> None:
+        started = time.perf_counter()
+        report = await self.heldout.run(due.weights)
+        row: dict[str, Any] = {
+            "step": due.step,
+            "time": time.time(),
+            "elapsed": due.elapsed,
+            "eval_s": time.perf_counter() - started,
+            "eval_lag_steps": self.trainer_step() - due.step,
+        }
+        self.recorder.evaluated(report, row)
+        if due.step > 0:
+            await asyncio.to_thread(
+                keep_if_best, self.checkpoint_dir, due.weights, due.step, row["eval_accuracy"]
+            )
+        self.recorder.write(row)
+        log.info(
+            "trainer: held-out evaluation of v%d (%.1fs, %d steps trained meanwhile):%s",
+            due.step,
+            row["eval_s"],
+            row["eval_lag_steps"],
+            eval_line(row),
+        )
+
+    # ---- the link copies ---------------------------------------------------------
+
+    def _link_copy(self, step: int, published: Path) -> Path:
+        target = self.stage / published.name
+        shutil.rmtree(target, ignore_errors=True)  # a crash's leftover
+        shutil.copytree(published, target, copy_function=link_or_copy)
+        return target
+
+    def _discard(self, due: Due) -> None:
+        if due.owned:
+            shutil.rmtree(due.weights, ignore_errors=True)
+
+    def _skip(self, due: Due, newer: int | None) -> None:
+        self.skipped += 1
+        self.recorder.metrics.evals_skipped.inc()
+        why = f"v{newer} is newer" if newer is not None else "the run is stopping"
+        log.info("trainer: held-out evaluation of v%d skipped: %s", due.step, why)
+        self._discard(due)

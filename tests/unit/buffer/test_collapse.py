@@ -1,0 +1,163 @@
+"""Flat groups and collapse made visible (services/buffer/collapse.py), and the refill of
+a flat group's slot with a recent group (services/buffer/core.py, Assembler)."""
+
+from __future__ import annotations
+
+from proto.messages import Sample, SampleGroup, pack_f32, pack_i32, pack_u8
+from services.buffer.admission import Policy
+from services.buffer.collapse import (
+    StallWatch,
+    StepWindow,
+    Tally,
+    distinct_completions,
+    is_flat,
+    stall_line,
+)
+from services.buffer.core import Assembler, BufferState, Verdict, position_of, task_id
+from tests.unit.buffer.test_core import group
+
+
+def replies(gid: str, texts: list[list[int]], rewards: list[float], version: int = 0):
+    """A group whose sample i answered the token ids `texts[i]` for `rewards[i]`."""
+    samples = tuple(
+        Sample(
+            sample_id=f"{gid}:s{i}",
+            group_id=gid,
+            task_id=gid,
+            index=i,
+            prompt_ids=pack_i32([1]),
+            response_ids=pack_i32(t),
+            logprobs=pack_f32([0.0] * len(t)),
+            loss_mask=pack_u8([1] * len(t)),
+            reward=r,
+            finish_reason="stop",
+            weight_version=version,
+            weight_version_last=version,
+            engine_id="e",
+        )
+        for i, (t, r) in enumerate(zip(texts, rewards, strict=True))
+    )
+    return SampleGroup(
+        run="r", group_id=gid, task_id=gid, task_name="t", worker_id="w", samples=samples
+    )
+
+
+SENTENCE = [10, 11, 12, 13]  # "The last word in this list is button."
+
+
+def test_distinct_completions_count_token_sequences_not_rewards() -> None:
+    collapsed = replies("a", [SENTENCE] * 8, [0.15] * 8)
+    assert distinct_completions(collapsed) == 1 and is_flat(collapsed)
+    # different replies, same reward: still flat (every sample earns the same)
+    alike = replies("b", [[1], [2], [3], [1]], [1.0] * 4)
+    assert distinct_completions(alike) == 3 and is_flat(alike)
+    spread = replies("c", [[1], [1], [2, 3]], [0.0, 0.0, 1.0])
+    assert distinct_completions(spread) == 2 and not is_flat(spread)
+
+
+def test_a_verifier_error_is_no_reward_for_flatness() -> None:
+    g = group("g", 0, rewards=(0.0, 1.0, 1.0), failed=(0,))  # the 0.0 is a timed-out check
+    assert is_flat(g)
+
+
+def test_step_window_shows_the_last_step_then_a_stalled_step_live() -> None:
+    w = StepWindow(per_step=2)
+    for gid in ("a", "b", "c"):
+        w.add(replies(gid, [[1], [2]], [0.0, 1.0]))
+    w.add(replies("d", [SENTENCE] * 2, [0.0, 0.0]))
+    assert w.shown().flat_share == 0.25  # the first step: nothing before it
+    w.closed()
+    assert w.shown().flat_share == 0.25 and w.shown().distinct_mean == 1.75
+    w.add(replies("e", [SENTENCE] * 2, [0.0, 0.0]))
+    assert w.shown().flat_share == 0.25  # one group of a step of 2: the last step still
+    w.add(replies("f", [SENTENCE] * 2, [0.0, 0.0]))
+    shown = w.shown()  # a step's worth without a batch: the stall shows itself
+    assert (shown.flat_share, shown.distinct_mean, shown.group_size) == (1.0, 1.0, 2.0)
+
+
+def test_a_stall_is_said_once_with_its_cause_and_rearmed_by_a_trainable_group() -> None:
+    watch = StallWatch(limit=6)
+    flat = replies("x", [SENTENCE] * 8, [0.15] * 8)
+    lines = []
+    for _ in range(20):
+        watch.observe(flat, trainable=False)
+        lines.append(watch.stalled(per_step=4))
+    said = [ln for ln in lines if ln]
+    assert len(said) == 1 and lines.index(said[0]) == 5  # at the 6th group, once
+    assert "no trainable group in the last 6 (1.5 steps' worth)" in said[0]
+    assert "every group flat and 1.0 distinct completions of 8 per group" in said[0]
+    for key in ("temperature", "flat_rest_steps", "refill_max_share", "curriculum_",
+                "entropy"):  # fmt: skip
+        assert key in said[0]
+    watch.observe(replies("y", [[1], [2]], [0.0, 1.0]), trainable=True)
+    assert watch.streak.groups == 0
+    for _ in range(6):
+        watch.observe(flat, trainable=False)
+    assert watch.stalled(per_step=4) is not None  # a new stall is said again
+    assert StallWatch(limit=0).stalled(4) is None
+
+
+def test_the_stall_line_tells_flat_from_other_causes() -> None:
+    alike = Tally(groups=8, flat=6, distinct=24, samples=64)
+    assert "75% of groups flat" in stall_line(alike, 4)
+    assert "3.0 distinct completions of 8" in stall_line(alike, 4)
+    stale = Tally(groups=8, flat=1, distinct=40, samples=64)
+    assert "stale" in stall_line(stale, 4)
+
+
+# ── refill ──
+def spread(gid: str, version: int) -> SampleGroup:
+    return group(gid, version, rewards=(0.0, 1.0))
+
+
+def flat(gid: str, version: int) -> SampleGroup:
+    return group(gid, version, rewards=(1.0, 1.0))
+
+
+def test_a_flat_groups_slot_is_refilled_from_a_recent_group_at_most_once() -> None:
+    a = Assembler(Policy(2, 1), BufferState(), refill_max=1, refill_max_staleness=1)
+    assert a.offer(spread("a", 0)) == Verdict.ACCEPTED
+    assert a.offer(flat("f0", 0)) == Verdict.ZERO_VARIANCE and a.last_refill is None  # none yet
+    assert a.offer(spread("b", 0)) == Verdict.ACCEPTED
+    step, groups = a.take_batch() or (-1, [])
+    assert step == 0 and [g.group_id for g in groups] == ["a", "b"]
+    # step 1 fills: a flat group's slot takes the newest recent group (b), once
+    assert a.offer(flat("f1", 0)) == Verdict.ZERO_VARIANCE
+    assert a.last_refill is not None and a.last_refill.group_id == "b"
+    assert a.offer(flat("f2", 0)) == Verdict.ZERO_VARIANCE
+    assert a.last_refill is None  # refill_max 1 per batch
+    assert a.offer(spread("c", 1)) == Verdict.ACCEPTED
+    step, groups = a.take_batch() or (-1, [])
+    assert step == 1 and [g.group_id for g in groups] == ["b", "c"]
+    assert a.state.settled["b"] == (1, Verdict.ACCEPTED)
+    # b trained twice: never again; a (version 0) is too stale for step 2 (w >= 2 - 1)
+    assert [g.group_id for g in a.recent] == ["c"]
+    assert a.offer(flat("f3", 1)) == Verdict.ZERO_VARIANCE
+    assert a.last_refill is not None and a.last_refill.group_id == "c"
+
+
+def test_refills_respect_their_staleness_bound_and_keep_the_filter_rate_honest() -> None:
+    a = Assembler(Policy(1, 5), BufferState(), refill_max=1, refill_max_staleness=0)
+    assert a.offer(spread("old", 0)) == Verdict.ACCEPTED
+    a.take_batch()
+    assert a.offer(flat("f", 1)) == Verdict.ZERO_VARIANCE
+    assert a.last_refill is None  # version 0 at step 1 with a bound of 0: too stale
+    assert a.rate > 0  # the flat group counted as filtered: admission over-samples
+    b = Assembler(Policy(1, 5), BufferState(), refill_max=1, refill_max_staleness=1)
+    b.offer(spread("old", 0))
+    b.take_batch()
+    b.offer(flat("f", 1))
+    assert b.last_refill is not None and b.rate == 0.0  # the slot was filled
+
+
+def test_refill_is_off_by_default() -> None:
+    a = Assembler(Policy(1, 1), BufferState())
+    a.offer(spread("a", 0))
+    a.take_batch()
+    assert a.offer(flat("f", 0)) == Verdict.ZERO_VARIANCE
+    assert a.last_refill is None and not a.recent
+
+
+def test_task_positions_parse_back() -> None:
+    assert position_of(task_id("my:run", 3, 17)) == (3, 17)
+    assert position_of("something-else") is None
