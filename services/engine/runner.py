@@ -70,6 +70,17 @@ def verify_directory(path: Path, check: str = "sha256") -> None:
             raise WeightsLoadError(path, f"manifest check failed: {e}") from e
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name a model's forward takes its KV cache by: `cache` from the transformers that
+    renamed it (5.x; `past_key_values` warns there and goes in 5.40), `past_key_values` in
+    the releases before. Read from the forward's signature (the deprecation decorator keeps
+    it), so the engine passes the name the installed release expects and warns about none."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) [B, H, T, D] of every layer of a transformers DynamicCache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
@@ -95,6 +106,7 @@ class ModelRunner:
         self.context_len = int(getattr(config, "max_position_embeddings", 2048))
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         self._cache: Any = None  # DynamicCache mirroring the scheduler's KVBatch
+        self._cache_kwarg = cache_kwarg(self.model)
         self.lora = LoraLayers(self.model)  # adapters loaded by /load_lora_adapter
 
     # ---- forward passes -------------------------------------------------------------
@@ -115,9 +127,9 @@ class ModelRunner:
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions(mask),
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_kwarg: cache},
             )
         layers = _cache_tensors(cache)
         lengths = mask.sum(-1)
@@ -159,8 +171,8 @@ class ModelRunner:
                 input_ids=tokens[:, None],
                 attention_mask=mask,
                 position_ids=kv.lengths[:, None],
-                past_key_values=self._cache,
                 use_cache=True,
+                **{self._cache_kwarg: self._cache},
             )
         kv.layers = _cache_tensors(self._cache)
         kv.mask = mask

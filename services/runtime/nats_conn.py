@@ -133,12 +133,16 @@ def auth_options(settings: NatsSettings) -> dict[str, Any]:
     return opts
 
 
-def _callbacks(name: str) -> dict[str, Any]:
+def _callbacks(name: str, client: list[Client] | None = None) -> dict[str, Any]:
+    """nats-py's callbacks; `client` holds the connection once there is one."""
+
     async def on_error(e: Exception) -> None:
         log.warning("nats[%s]: %s: %s", name, type(e).__name__, e)
 
     async def on_disconnected() -> None:
-        log.warning("nats[%s]: disconnected", name)
+        # drain()/close() (the service stopping) is no news; a lost server is a warning.
+        closing = client is not None and bool(client) and client[0].is_closed
+        log.log(logging.INFO if closing else logging.WARNING, "nats[%s]: disconnected", name)
 
     async def on_reconnected() -> None:
         log.info("nats[%s]: reconnected", name)
@@ -154,8 +158,10 @@ def _callbacks(name: str) -> dict[str, Any]:
     }
 
 
-def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
-    """nats-py's connect() options for one start-up attempt."""
+def connect_options(
+    settings: NatsSettings, name: str, client: list[Client] | None = None
+) -> dict[str, Any]:
+    """nats-py's connect() options for one start-up attempt (`client`: see _callbacks)."""
     return {
         "servers": [u.strip() for u in settings.url.split(",") if u.strip()],
         "name": name,
@@ -169,7 +175,7 @@ def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
         "max_reconnect_attempts": 1,
         "reconnect_time_wait": 0,
         **auth_options(settings),
-        **_callbacks(name),
+        **_callbacks(name, client),
     }
 
 
@@ -178,10 +184,12 @@ async def connect(settings: NatsSettings, name: str) -> Client:
     from nats.aio.client import Client
     from nats.errors import Error as NatsError
 
-    opts = connect_options(settings, name)
+    client: list[Client] = []
+    opts = connect_options(settings, name, client)
     last: Exception | None = None
     for attempt in range(1, settings.connect_attempts + 1):
         nc = Client()
+        client[:] = [nc]
         try:
             await nc.connect(**opts)
         except (OSError, TimeoutError, NatsError) as e:

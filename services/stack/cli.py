@@ -3,7 +3,9 @@
 Starts the embedded nats-server (unless the run file points at an external
 one), then engines, rollout workers, sync, trainer and buffer in readiness
 order (`[stack] services` picks a subset, as Kubernetes pods would), shows
-a status line every few seconds, and stops everything on Ctrl-C, on
+a status line every few seconds and, of the services' output, only what the
+user must act on (warnings, errors: their INFO lines go to `<run_dir>/logs/`,
+`--verbose` shows them too), and stops everything on Ctrl-C, on
 `--steps N` reached, or when a service dies and may not be restarted.
 `--dry-run` prints every process's GPUs, command and environment instead.
 """
@@ -32,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel up", description=__doc__.split("\n\n")[0])
     p.add_argument("-c", "--config", required=True, help="TOML run file")
     p.add_argument("--steps", type=int, help="stop once the trainer has done this many steps")
-    p.add_argument("--quiet", action="store_true", help="service output to log files only")
+    add_console_flags(p)
     p.add_argument("--print-config", action="store_true", help="print [stack] settings and exit")
     p.add_argument(
         "--dry-run",
@@ -40,6 +42,18 @@ def parser() -> argparse.ArgumentParser:
         help="print each process's GPUs, command and environment; start nothing",
     )
     return p
+
+
+def add_console_flags(p: argparse.ArgumentParser) -> None:
+    """`--verbose` / `--quiet`: how much of the services' output the console shows (all of it
+    goes to `<run_dir>/logs/<service>.log` either way)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="every line of every service on the console (default: warnings and errors only)",
+    )
+    g.add_argument("--quiet", action="store_true", help="service output to log files only")
 
 
 def trainer_max_steps(config: Path) -> int | None:
@@ -57,6 +71,7 @@ async def up(
     *,
     steps: int | None,
     quiet: bool,
+    verbose: bool = False,
     target_accuracy: float | None = None,
     max_seconds: float | None = None,
 ) -> int:
@@ -82,6 +97,7 @@ async def up(
         ready_timeout_s=s.ready_timeout_s,
         stop_grace_s=s.stop_grace_s,
         console=None if quiet else sys.stdout,
+        verbose=verbose,
         pids_file=run_dir / "pids.json",
     )
     stop = asyncio.Event()
@@ -90,7 +106,8 @@ async def up(
     goal = Goal(None if local_trainer else steps, target_accuracy, max_seconds)
     try:
         await sup.start_all()
-        print(f"flywheel up: all services ready; logs in {run_dir / 'logs'}")
+        more = "" if verbose or quiet else " (--verbose shows them here)"
+        print(f"flywheel up: all services ready; their logs in {run_dir / 'logs'}{more}")
         watcher = asyncio.create_task(sup.watch(stop))
         await show_status(s, sup, run_dir / "status.log", stop, goal)
         await watcher
@@ -285,4 +302,5 @@ def up_main(argv: list[str] | None = None) -> int:
         print(dry_run(settings, Path(args.config)))
         return 0
     settings = with_model(settings)  # preflight has checked it resolves
-    return asyncio.run(up(settings, Path(args.config), steps=args.steps, quiet=args.quiet))
+    console = {"quiet": args.quiet, "verbose": args.verbose}
+    return asyncio.run(up(settings, Path(args.config), steps=args.steps, **console))

@@ -96,8 +96,9 @@ def plot_tools(rows: list[dict[str, Any]], out: Path) -> Path | None:
     ax.set_xlabel("optimizer step")
     ax.set_ylim(0, 1.5)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    # under the axes, clear of the curves (services/stack/demo.py legend_below)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, frameon=False)
     fig.suptitle("Flywheel demo: async GRPO learns to call a calculator (3-digit ×)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(out, dpi=110)
     return out

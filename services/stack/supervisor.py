@@ -1,7 +1,10 @@
 """Supervise the local stack's processes: start in order, watch, restart or stop.
 
-Each process's stdout+stderr goes to `<run_dir>/logs/<name>.log` and, line
-by line with a `[name]` prefix, to the console (unless quiet). A process
+Each process's stdout+stderr goes to `<run_dir>/logs/<name>.log`. The console
+(`[name]`-prefixed) gets only what a user must act on: warnings, errors and
+tracebacks (`for_console`); a service's INFO lines stay in its log file, where
+an operator reads them, and `verbose` sends every line to the console as well
+(no console at all: `flywheel up --quiet`). A process
 counts as started once its ready URL answers 200 (`/readyz` of a service,
 `/health_generate` of an engine: a real one-token generation, which takes
 a second or more on SGLang and on the CPU engine alike). A process that
@@ -25,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -44,6 +48,33 @@ TAIL_LINES = 30
 FINAL = (EXIT_CONFIG, EXIT_HALTED, EXIT_MISSING)  # exit codes after which a restart cannot help
 
 
+# A record of a service's own logging (services/runtime/lifecycle.py setup_logging):
+# `2026-11-27T09:20:00.123Z buffer INFO services.buffer.app: message`.
+RECORD = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z \S+ ([A-Z]+) ")
+ACT_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})
+# What must reach the console in output that is not one of those records: another
+# program's warning or error (torchrun, SGLang), a traceback, a service's exit error
+# (`flywheel buffer: ...`). Upper case only: Python's `UserWarning:` lines are a
+# library's notes to its developers, not something the user can act on.
+ACT_LINE = re.compile(
+    r"\b(?:WARNING|ERROR|CRITICAL|FATAL)\b|^Traceback \(most recent call last\)|^flywheel \S+: "
+)
+
+
+def for_console(line: str, after_shown: bool) -> bool:
+    """Whether the console shows `line` of a service's output (not verbose).
+
+    A service's log record shows by its level (WARNING and above); any other line
+    shows if it says WARNING/ERROR, starts a traceback or is a `flywheel <service>:`
+    exit error, and otherwise goes with the line before it (`after_shown`): the
+    traceback or the continued message of the record it belongs to.
+    """
+    m = RECORD.match(line)
+    if m is not None:
+        return m.group(1) in ACT_LEVELS
+    return ACT_LINE.search(line) is not None or after_shown
+
+
 class StackError(FlywheelError, RuntimeError):
     """A service could not be started, or died and may not be restarted."""
 
@@ -57,6 +88,7 @@ class Proc:
     started_at: float = 0.0
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     pump: asyncio.Task[None] | None = None
+    shown: bool = False  # whether the console showed its last line (for_console)
 
     @property
     def name(self) -> str:
@@ -118,6 +150,7 @@ class Supervisor:
         ready_timeout_s: float = 180.0,
         stop_grace_s: float = 15.0,
         console: TextIO | None = sys.stdout,
+        verbose: bool = False,
         pids_file: Path | None = None,
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +160,7 @@ class Supervisor:
         self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
         self.console = console
+        self.verbose = verbose  # every line to the console, not only what to act on
         self.pids_file = pids_file
         self.failed: str | None = None  # why the stack stopped on its own
         self.finished: str | None = None  # a process that finished its work ended the run
@@ -142,7 +176,8 @@ class Supervisor:
                 f.write(line + "\n")
                 f.flush()
                 p.tail.append(line)
-                if self.console is not None:
+                p.shown = self.verbose or for_console(line, p.shown)
+                if self.console is not None and p.shown:
                     self.console.write(f"[{p.name}] {line}\n")
 
     async def spawn(self, p: Proc) -> None:

@@ -23,8 +23,8 @@ class SyncSettings(TaskServiceSettings):
         "'abort' ends them (the worker generates them again), 'retract' requeues them "
         "(they re-prefill with the new weights and go on), 'in_place' keeps them and "
         "their cache. retract and in_place keep partial rollouts (tokens from two "
-        "versions, recorded per sample) and need SGLang >= 0.5.6; see README "
-        "'SGLang engines' for the GPU choice.",
+        "versions, recorded per sample) and need SGLang >= 0.5.6; see docs/sglang.md "
+        "for the GPU choice.",
     )
     engine_api_key: SecretStr | None = Field(
         None,

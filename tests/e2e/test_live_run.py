@@ -10,8 +10,8 @@ random model with small steps, started once for the module. Against it:
   targets come from where each logs "<service>: metrics and health on
   http://host:port"; every dashboard query returns data;
 - `flywheel status -c run.toml` finds the running run from its run file
-  alone, and an engine and a worker started by hand with the README's
-  recipe (told only the engine's URL and id) join it: sync brings the new
+  alone, and an engine and a worker started by hand with the recipe of
+  docs/operations.md (told only the engine's URL and id) join it: sync brings the new
   engine to the run's weights;
 - stopped with Ctrl-C, `up` exits 0, and `status` then says no run is up.
 
@@ -191,7 +191,7 @@ def test_status_and_an_added_worker_find_the_running_run(live: Live, tmp_path: P
 
     s = status()
     assert s["run"] == "live" and "engine-0" in s["engines"]
-    # The README's recipe, as written: an engine, and a worker told only its engine.
+    # docs/operations.md's recipe, as written: an engine, and a worker told only its engine.
     port = free_port()
     extra = [start(["engine", "--model", str(live.model), "--port", str(port)],
                    tmp_path / "engine.log", live.env, tmp_path)]  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -115,19 +116,26 @@ tick_s = 0.1
 """
 
 
+# A service's INFO record as the console shows it: `[buffer] 2026-…Z buffer INFO logger: …`
+SERVICE_INFO = re.compile(r"^\[[\w-]+\] \S+Z \S+ INFO ", re.M)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["--steps", "run file"])
+@pytest.mark.parametrize(("where", "verbose"), [("--steps", False), ("run file", True)])
 def test_up_steps_trains_exactly_that_many_steps(
-    tiny_model: Path, tmp_path: Path, where: str
+    tiny_model: Path, tmp_path: Path, where: str, verbose: bool
 ) -> None:
     """`flywheel up --steps 3` trained 7: the stop was decided on the status line, seconds
     after the step, while the batches in flight went on training. Now the trainer stops
     itself after step 3 and its exit ends the run. `[trainer] max_steps = 3` in the run
-    file is the same end (it was a trainer exit the supervisor restarted)."""
+    file is the same end (it was a trainer exit the supervisor restarted).
+
+    The console: the services' INFO lines go to their log files only, unless `--verbose`."""
     run_dir = tmp_path / "run"
     config = tmp_path / "run.toml"
     text = STEPS_RUN.format(run_dir=run_dir, model=tiny_model)
     args = ("--steps", "3") if where == "--steps" else ()
+    args += ("--verbose",) if verbose else ()
     if where == "run file":
         text = text.replace("[trainer.runtime]", "[trainer]\nmax_steps = 3\n\n[trainer.runtime]")
     config.write_text(text)
@@ -144,3 +152,9 @@ def test_up_steps_trains_exactly_that_many_steps(
     assert "trainer finished (3 steps)" in out, out[-3000:]
     # transformers' bars (a line per redraw in every engine's and the trainer's output) are off
     assert "Loading weights" not in out and "Writing model shards" not in out
+    assert " INFO " in up.service_log("trainer") and " INFO " in up.service_log("buffer")
+    if verbose:
+        assert SERVICE_INFO.search(out), out[-3000:]
+    else:
+        assert not SERVICE_INFO.search(out), SERVICE_INFO.findall(out)[:5]
+        assert "(--verbose shows them here)" in out

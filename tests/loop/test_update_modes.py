@@ -19,7 +19,7 @@ trainer's steps have no gap, nothing is dead-lettered. Then per mode:
   workers count them), so no trained sample spans an update of this phase.
 
 Each phase prints what it cost (aborted generations, spanning samples,
-publish→ready latency): the GPU default (README, "SGLang engines") was
+publish→ready latency): the GPU default (docs/sglang.md) was
 picked from these.
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -169,3 +170,33 @@ def test_publish_rides_out_a_server_restart(tmp_path, run_async):
             await nc.close()
 
     run_async(body())
+
+
+def test_a_lost_server_is_a_warning_a_drain_is_not(run_async, caplog):
+    """The console of `flywheel up` shows services' warnings: a service that drains its own
+    connection on the way out must not warn "disconnected", a lost server must."""
+    import logging
+
+    def disconnects() -> list[int]:
+        return [r.levelno for r in caplog.records if r.getMessage() == "nats[q]: disconnected"]
+
+    async def body() -> tuple[list[int], list[int]]:
+        with NatsServer() as server:
+            nc = await connect(NatsSettings(url=server.url, connect_attempts=1), "q")
+            await nc.drain()
+            drained = disconnects()
+            caplog.clear()
+            nc = await connect(NatsSettings(url=server.url, connect_attempts=1), "q")
+            server.stop()
+            for _ in range(100):  # nats-py notices the lost socket in its read loop
+                if disconnects():
+                    break
+                await asyncio.sleep(0.05)
+            lost = disconnects()
+            await nc.close()
+            return drained, lost
+
+    with caplog.at_level(logging.INFO, logger="services.runtime.nats_conn"):
+        drained, lost = run_async(body())
+    assert drained == [logging.INFO]
+    assert lost[:1] == [logging.WARNING]
