@@ -172,7 +172,8 @@ def create_state(settings: EngineSettings) -> EngineState:
     """Load the model and tokenizer and start the scheduler thread (heavy imports here)."""
     from transformers import AutoTokenizer
 
-    from services.engine.runner import ModelRunner, eos_ids
+    from services.engine.core.openai_protocol import generation_defaults
+    from services.engine.runner import ModelRunner, eos_ids, generation_config
 
     if settings.model is None:
         raise RequestError("no model directory given (--model or [engine] model)")
@@ -204,6 +205,13 @@ def create_state(settings: EngineSettings) -> EngineState:
         model_path=str(settings.model),
         started=time.time(),
         caps=caps,
+        chat_defaults=(
+            generation_defaults(
+                generation_config(settings.model), caps.generation_config_fills_hf_defaults
+            )
+            if settings.sampling_defaults == "model"
+            else {}
+        ),
         health=probes.Health(caps, settings.health_generation, settings.health_check_timeout_s),
         lora=loras.Loras(
             loras.limits_of(settings.lora), caps, scheduler, runner.model, runner.vocab_size

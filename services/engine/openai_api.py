@@ -22,7 +22,7 @@ from services.engine.state import STATE, EngineState
 
 
 def _model(state: EngineState) -> str:
-    """SGLang's served model name defaults to the model path."""
+    """SGLang's served model name (/v1/models) defaults to the model path."""
     return str(state.settings.model)
 
 
@@ -56,19 +56,17 @@ async def completions(request: web.Request, state: EngineState, body: Any) -> we
     if isinstance(out, web.Response):
         return out
     ids = _prompt_ids(state, native)
-    return web.json_response(
-        oa.completion_response(body, out[0], ids, _token_text(state), _model(state))
-    )
+    return web.json_response(oa.completion_response(body, out[0], ids, _token_text(state)))
 
 
 @json_route
 async def chat_completions(request: web.Request, state: EngineState, body: Any) -> web.Response:
-    native = oa.chat_request(body, _template(state))
+    native = oa.chat_request(body, _template(state), state.chat_defaults)
     out = await native_generate(request, state, native)
     if isinstance(out, web.Response):
         return out
     ids = native["input_ids"]
-    return web.json_response(oa.chat_response(body, out[0], ids, _token_text(state), _model(state)))
+    return web.json_response(oa.chat_response(body, out[0], ids, _token_text(state)))
 
 
 async def models(request: web.Request) -> web.Response:

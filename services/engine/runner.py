@@ -51,6 +51,16 @@ def eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def generation_config(model_dir: Path) -> dict[str, Any] | None:
+    """The model's generation_config.json, or None where there is none or it is no JSON
+    object (SGLang's get_generation_config: transformers' OSError becomes None)."""
+    try:
+        doc = json.loads((model_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def verify_directory(path: Path, check: str = "sha256") -> None:
     """Refuse a missing directory, and check it against its manifest when it has one.
 

@@ -44,6 +44,14 @@ class EngineSettings(TaskServiceSettings, EngineLoraSettings):
         "pause modes, duplicate-rid and flush rules (services/engine_api/sglang_api.py). "
         "Reported as `version` by /server_info.",
     )
+    sampling_defaults: Literal["model", "openai"] = Field(
+        "model",
+        description="SGLang's --sampling-defaults: 'model' (its default) makes "
+        "/v1/chat/completions take temperature, top_p, top_k, min_p and "
+        "repetition_penalty a request leaves out from the model's generation_config.json; "
+        "'openai' uses 1.0, 1.0, -1, 0.0, 1.0. /v1/completions and /generate always use "
+        "the latter.",
+    )
     weight_version: str = Field(
         "default", description="Version reported before the first update (SGLang's default)."
     )

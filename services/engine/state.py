@@ -37,6 +37,9 @@ class EngineState:
     caps: Capabilities
     health: Health
     lora: Loras
+    # /v1/chat/completions' sampling defaults from generation_config.json (SGLang's
+    # --sampling-defaults model; empty with "openai" or no file).
+    chat_defaults: dict[str, Any] = field(default_factory=dict)
     in_flight: dict[str, asyncio.Event] = field(default_factory=dict)
     requests: dict[int, web.Request] = field(default_factory=dict)  # open /generate calls
     on_crash: Callable[[str], None] | None = None  # the scheduler died: the server must go too

@@ -31,6 +31,9 @@ through 0.5.23 (the newest 0.5.x when written), reading
 | 0.5.8  | `/v1/loads` (entrypoints/v1_loads.py)                                      |
 | 0.5.9  | k = -1 with return_logprob starts at len - 1 for max_new_tokens = 0 too    |
 | 0.5.10 | a request id already in flight is refused (400 "Duplicate request ...");  |
+|        | `/v1/chat/completions` defaults: only what generation_config.json sets     |
+|        | (0.5.4-0.5.9 pin transformers 4.57.1, whose GenerationConfig fills the     |
+|        | rest: temperature 1.0, top_k 50, top_p 1.0, repetition_penalty 1.0)       |
 |        | k = -1 with return_logprob starts at len: no input logprobs ([]);           |
 |        | `meta_info.output_token_logprobs_length` (tokenizer_manager)               |
 |        | a lora_path without --enable-lora is refused (400), no longer ignored      |
@@ -50,7 +53,14 @@ entry's logprob null), `max_new_tokens = 0` (prefill only, finish "length"),
 finish reasons, per-sample random ids with `n > 1`, `top_k` -1 or >= 1
 (`SamplingParams.verify`), `/health` and `/health_generate` generating one
 token (at least 1 s; no answer while generation is paused),
-`/update_weights_from_disk` with `weight_version`, an update asked for while
+`/update_weights_from_disk` with `weight_version`, OpenAI routes: a request
+without `model` answers `"model": "default"` (protocol.py DEFAULT_MODEL_NAME;
+else the request's, echoed), `/v1/chat/completions` takes temperature,
+top_p, top_k, min_p, repetition_penalty the request leaves out from the
+model's generation_config.json (`--sampling-defaults model`, the default:
+ModelConfig.get_default_sampling_params, ChatCompletionRequest.
+to_sampling_params), `/v1/completions` and `/generate` never do,
+an update asked for while
 generation runs holding `model_update_lock`'s writer lock until the
 scheduler has answered, flush included (new requests wait on the reader lock
 in the tokenizer manager; 0.5.6+ take no writer lock when paused), and the
@@ -235,6 +245,15 @@ class Capabilities:
     def reports_logprobs_length(self) -> bool:
         """`meta_info.output_token_logprobs_length` beside the logprobs (0.5.10+)."""
         return self.at_least(0, 5, 10)
+
+    @property
+    def generation_config_fills_hf_defaults(self) -> bool:
+        """The chat defaults read from generation_config.json include transformers'
+        own GenerationConfig defaults for what the file leaves out (temperature 1.0,
+        top_k 50, top_p 1.0, repetition_penalty 1.0): 0.5.4-0.5.9 pin transformers
+        4.57.1, whose `to_dict()` carries them; 0.5.10+ pin transformers 5, whose
+        defaults are None, so only the file's own values apply. (No file: none.)"""
+        return not self.at_least(0, 5, 10)
 
     @property
     def ping_reports_health(self) -> bool:

@@ -460,13 +460,17 @@ class V1Runner:
         sampling (SGLang names: max_new_tokens is OpenAI's max_tokens)."""
         import verifiers.v1 as vf
 
-        extra = {"top_k": sampling["top_k"]} if sampling.get("top_k", -1) != -1 else {}
+        # Every parameter the chat route would otherwise take from the model's
+        # generation_config.json (SGLang's --sampling-defaults model) is sent, at
+        # /generate's defaults where the task leaves it out: the samples must come
+        # from the task's distribution, as the native route's do, not the model card's.
+        extra = {"top_k": sampling.get("top_k", -1), "min_p": 0.0, "repetition_penalty": 1.0}
         s = vf.Sampling(
-            temperature=sampling.get("temperature"),
-            top_p=sampling.get("top_p"),
+            temperature=sampling.get("temperature", 1.0),
+            top_p=sampling.get("top_p", 1.0),
             max_tokens=sampling.get("max_new_tokens"),
             **({"stop": list(sampling["stop"])} if sampling.get("stop") else {}),
-            **({"extra_body": extra} if extra else {}),
+            extra_body=extra,
         )
         return vf.ModelContext(model=self.model, client=self._config(), sampling=s)
 

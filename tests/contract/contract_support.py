@@ -11,7 +11,8 @@ same pairs:
   and equal, except the paths in `vary` (same JSON type only: model-dependent
   text, token ids, logprobs, timings), `patterns` (a regex) and `distinct`
   (pairwise different); `absent` paths must be missing; `min_seconds` /
-  `max_seconds` bound how long the answer takes;
+  `max_seconds` bound how long the answer takes; `same` paths must hold one value
+  everywhere (`choices[*].message.content`: every sample alike);
 - the engine client, against a server replaying the example, must send the
   fixture's request and read the answer as `client` says.
 
@@ -23,6 +24,9 @@ sent once the case's request is pending in the engine (a weight update
 waiting on the in-flight generation); each must answer as
 `given.during_response` says (same rules as `response`, no `vary`).
 `{weights_dir}` in a request stands for a valid weights directory.
+
+`given.generation_config` starts the engine on a copy of the model whose
+generation_config.json has these keys too (SGLang's chat sampling defaults).
 
 LoRA: `given.lora` starts the engine with these LoRA settings (enable_lora,
 max_lora_rank, lora_target_modules, max_loras_per_batch; a fresh engine per
@@ -56,6 +60,7 @@ class Case:
     vary: tuple[str, ...] = ()
     patterns: dict[str, str] = field(default_factory=dict)
     distinct: tuple[str, ...] = ()
+    same: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
     absent_in_request: tuple[str, ...] = ()
     min_seconds: float | None = None
@@ -86,6 +91,7 @@ def load_cases() -> list[Case]:
                     vary=tuple(c.get("vary", ())),
                     patterns=c.get("patterns", {}),
                     distinct=tuple(c.get("distinct", ())),
+                    same=tuple(c.get("same", ())),
                     absent=tuple(c.get("absent", ())),
                     absent_in_request=tuple(c.get("absent_in_request", ())),
                     min_seconds=c.get("min_seconds"),
@@ -200,6 +206,10 @@ def check_body(case: Case, actual: Any) -> list[str]:
         values = select(actual, path)
         if len(set(map(json.dumps, values))) != len(values):
             problems.append(f"{path}: values repeat: {values}")
+    for path in case.same:
+        values = select(actual, path)
+        if len(set(map(json.dumps, values))) != 1:
+            problems.append(f"{path}: values differ: {values}")
     for path in case.absent:
         if any(v is not MISSING for v in select(actual, path)):
             problems.append(f"{path}: present, but this release does not send it")

@@ -9,6 +9,9 @@ fixture's answer and records what the client sent.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +47,8 @@ class Engines:
         from services.runtime.settings import load_settings
 
         g = case.given
-        options: dict[str, Any] = {"model": self.model, "weight_version": case.weight_version,
+        model = self.variant(g["generation_config"]) if "generation_config" in g else self.model
+        options: dict[str, Any] = {"model": model, "weight_version": case.weight_version,
                                    "sglang_version": case.version}  # fmt: skip
         for key in ("api_key", "health_generation", "health_check_timeout_s"):
             if key in g:
@@ -56,6 +60,16 @@ class Engines:
         if key not in self.states:
             self.states[key] = create_state(load_settings(EngineSettings, **options))
         return self.states[key]
+
+    def variant(self, generation_config: dict[str, Any]) -> Path:
+        """A copy of the model whose generation_config.json has these keys too."""
+        text = json.dumps(generation_config, sort_keys=True)
+        out = self.model.parent / f"model-gc-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        if not out.exists():
+            shutil.copytree(self.model, out)
+            gen = out / "generation_config.json"
+            gen.write_text(json.dumps({**json.loads(gen.read_text()), **generation_config}))
+        return out
 
     def close(self) -> None:
         for state in self.states.values():

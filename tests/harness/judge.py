@@ -82,7 +82,7 @@ class JudgeServer:
         meta = {"id": f"judge-{self.requests}", "prompt_tokens": 1, "completion_tokens": n,
                 "weight_version": "0", "finish_reason": {"type": "stop"}}  # fmt: skip
         outs = [{"text": reply, "output_ids": list(range(n)), "meta_info": meta}]
-        return web.json_response(oa.chat_response(body, outs, [0], str, "judge"))
+        return web.json_response(oa.chat_response(body, outs, [0], str))
 
     async def _work(self) -> None:
         if not self.capacity:

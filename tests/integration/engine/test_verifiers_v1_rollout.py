@@ -11,7 +11,10 @@ env's turns masked out, the rubric's reward.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from tests.harness import REPO
-from tests.harness.engines import EngineProcess
+from tests.harness.engines import EngineProcess, start_engine, stop_engine
 from tests.harness.extras import require_verifiers_v1
 
 require_verifiers_v1()
@@ -87,6 +90,28 @@ def test_a_multi_turn_episode_keeps_every_turn_and_masks_the_envs(
         got = torch.tensor(ep.logprobs)
         policy = torch.tensor(ep.loss_mask, dtype=torch.bool)
         assert torch.allclose(got[policy], _recomputed(engine, ep)[policy], atol=1e-4, rtol=0)
+
+
+def test_episodes_sample_as_the_task_says_not_as_the_model_card_does(
+    run_async: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A model whose generation_config.json asks for top_k 1 and a repetition penalty:
+    SGLang's chat route would apply both to what a request leaves out, so the client
+    sends the task's sampling in full (top_k -1, no penalty, no min_p)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    gen = model / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "top_k": 1,
+                               "repetition_penalty": 1.1}))  # fmt: skip
+    eng = start_engine(model, tmp_path / "engine.log")
+    try:
+        src = VerifiersV1Source(type="verifiers-v1", taskset="fw-add-v1", args={"num_tasks": 2})
+        samples = _run(run_async, eng, src, 4)
+    finally:
+        stop_engine(eng)
+    assert all(s.error is None for s in samples), [s.error for s in samples]
+    # top_k 1 would make every episode the greedy one
+    assert len({tuple(s.episode.response_ids) for s in samples}) > 1
 
 
 def _recomputed(engine: EngineProcess, ep: Any) -> torch.Tensor:
