@@ -512,7 +512,8 @@ print(f"forks={n}")
 """)
     assert 0 < out.number("forks") < LIMITS.processes, out
     assert uid is not None
-    wait_for(lambda: len(with_uid(uid)) == 1, 10, "only the zygote left of the sandbox's uid")
+    # Processes left behind put the slot in doubt: killed, reaped, and the slot replaced.
+    wait_for(lambda: len(with_uid(uid)) <= 1, 10, "nothing of the call left of its uid")
 
 
 def exceed_file_size(run: Run, h: Host, p: Pools, kind: str) -> None:
