@@ -789,6 +789,8 @@ class VerifierPool:
         for child in children:
             self._idle.put_nowait(child)
         self.confined = all(c.confined for c in children)
+        if self.remote is None:
+            log.info("%s: memory per call: %s", type(self).__name__, jail.memory_mode())
         if not self.confined:
             log.warning(
                 "%s runs as plain processes (limits, no walls): the sandbox is unavailable%s",

@@ -968,3 +968,39 @@ print(f"found={{found('tk{tok}' + '-K-') + ('FW_TOOL_KEY' in os.environ)}}")
     before, own, after = asyncio.run(body())
     assert own == f"FW_TOOL_KEY={key}", own
     assert before == "found=0\n" and after == "found=0\n", (before, after)
+
+
+def test_a_calls_processes_share_one_memory_limit(pools: Pools) -> None:
+    """Six processes of one call each fill 150 MB (each under its own RLIMIT_AS): where the
+    host delegates cgroups, together they stay under the child's one limit (the tool
+    pool's 512 MB), so at most three of them get there. Elsewhere the limit is per
+    process (jail.memory_mode) and this is skipped, saying so."""
+    from services.tasks import jail
+
+    if jail.cgroups() is None:
+        pytest.skip(f"no cgroup is delegated here: {jail.memory_mode()}")
+    out = pools.run(
+        "tool",
+        """
+import os, select, time
+r, w = os.pipe()
+for _ in range(6):
+    if os.fork() == 0:
+        try:
+            x = b"\\1" * (150 << 20)
+            os.write(w, b"1")
+            time.sleep(30)
+        finally:
+            os._exit(0)
+os.close(w)
+done, deadline = 0, time.monotonic() + 3
+while done < 6 and time.monotonic() < deadline:
+    if select.select([r], [], [], max(0, deadline - time.monotonic()))[0]:
+        got = os.read(r, 16)
+        if not got:
+            break
+        done += len(got)
+print(f"filled={done}")
+""",
+    )
+    assert 0 < out.number("filled") <= 3, out
