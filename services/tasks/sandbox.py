@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import logging
 import math
@@ -487,6 +488,9 @@ def _unkept(path: str, keep: set[str]) -> list[str]:
 def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str | None:
     """Run requests first..first+k-1 of call `rid` in a new process, relay its answer, then
     kill and reap all it started, clear IPC and /tmp. Why this slot is in doubt, or None."""
+    # The zygote's objects out of the collector's reach: a call's collections then never
+    # write to (and copy) the pages of the warm imports it inherits.
+    gc.freeze()
     r, w = os.pipe()
     try:
         pid = _fork()

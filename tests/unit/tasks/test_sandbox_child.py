@@ -23,6 +23,18 @@ CUSTOM = {"fn": "pkg.mod:fn"}
         (R.SCORE, ([EXACT, {"fn": "format"}], "x", "7", {}), None, True),
         (R.SCORE, ([EXACT, MATH], "7", "7", {}), None, False),  # sympy parses the text
         (R.SCORE, ([CUSTOM], "x", "7", {}), None, False),
+        (
+            R.SCORE,
+            ([EXACT, {"fn": "services.tasks.last_word:brevity_credit"}], "x", "7", {}),
+            None,
+            True,
+        ),
+        (
+            R.SCORE,
+            ([{"fn": "services.tasks.last_word:brevity_credit", "env": {"K": "v"}}], "x", "7", {}),
+            None,
+            False,
+        ),
         (R.SCORE, ([{"fn": "reasoning_gym"}], "7", "7", {}), None, False),
         (CALL, ({"type": "calculator"}, "1+1"), "value", True),
         (CALL, ({"type": "python"}, "1+1"), "value", False),
