@@ -50,6 +50,7 @@ EXACT = [
 ]  # fmt: skip
 MATH = [{"fn": "math", "fallback": True, "name": None, "weight": 1.0, "_module": R.__name__}]
 
+
 def zygote_pid(pool: VerifierPool) -> int:
     """The Python process that answers (bubblewrap's grandchild, or the child itself)."""
     root = pool._all[0].pid

@@ -16,11 +16,18 @@ open. What a child gets:
   top-level packages of the code it runs (Flywheel's, the user's reward and
   tool modules): no /proc, no /data, no working directory, no repository;
 - one writable place, a private /tmp (a size-limited tmpfs), wiped after
-  every call (sandbox.py);
+  every call, and dropped whole with the child when it cannot be
+  (sandbox.py);
 - an empty environment, plus fixed harmless values and what a tool declares;
 - a uid of its own with no capabilities and no_new_privs, and RLIMIT_AS /
   NPROC / FSIZE / NOFILE (and RLIMIT_CPU per call, set by the child);
 - the seccomp filter of seccomp.py;
+- where the host delegates cgroups to this process (v2, or v1's memory and
+  pids hierarchies: `cgroups`), a cgroup of its own, joined before
+  bubblewrap starts: the child and every process of the call it runs
+  together under one memory limit (`memory_mb`) and one process limit;
+  elsewhere memory is limited per process (`memory_mode` says which, and
+  `flywheel sandbox --check` prints it);
 - death with its parent (`--die-with-parent`), and the whole PID namespace
   dies when the pool kills bubblewrap on a time-out.
 
@@ -40,8 +47,11 @@ says why, and the pools refuse to run custom rewards and tools unless the
 run file says `sandbox = "insecure-allow"` for the task (scoring.py); they
 then run as plain processes with the same rlimits, an empty environment, a
 private temp directory, a process group killed on a time-out and, under a
-root service, a uid of their own from the first call on (the warm-up imports
-run before the switch; a call's own imports need files that uid can read).
+root service, a uid of their own from the first call on. The warm-up imports
+run before the switch, and the code a call imports later (its sys.path, the
+packages already imported) is reached through directory fds opened before
+it (/proc/self/fd/N): a checkout in root's 0700 home works, and no file's
+permissions are widened.
 """
 
 from __future__ import annotations
@@ -91,7 +101,7 @@ BASE_ENV = {
 class Limits:
     """What one child may use (each process of it; the time limit is the pool's)."""
 
-    memory_mb: int = 4096  # RLIMIT_AS of each process
+    memory_mb: int = 4096  # RLIMIT_AS of each process; with a cgroup, also all of them
     processes: int = 32  # RLIMIT_NPROC: processes and threads of the child's uid
     file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
     tmp_mb: int = 64  # size of its private /tmp

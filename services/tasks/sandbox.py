@@ -13,37 +13,56 @@ pure-Python or C loop, which is why this is a process.
 Children are started by jail.py: inside bubblewrap (their own PID and
 network namespaces, a read-only root with only the interpreter and the
 code they run, a private /tmp, an empty environment, a uid of their own,
-rlimits, seccomp), or where the host has no sandbox and the run file allows
+rlimits, seccomp, and a cgroup of their own where the host delegates one:
+`jail.memory_mode`), or where the host has no sandbox and the run file allows
 it, as plain processes with the same limits. Killing a child on a time-out
 kills everything it started: the whole PID namespace (or process group).
 
 Each child is a warm *zygote*: it imports the rewards and tools once
 (`ZYGOTE_MODULES`, then the pool's `PRELOAD` and `warmup`, all before it
 serves: none of it counts against a call's time limit), and then forks a
-fresh process for every request, which runs the call and exits; the zygote
-itself never runs a request's code. So a call
-that monkeypatches a reward, leaves a background process or a file in /tmp,
-or crashes, affects nothing after it: the zygote kills what the call left
-(everything else in its PID namespace) and empties /tmp before answering.
+fresh process for every call, which runs it and exits; the zygote itself
+never runs, nor even reads, a call. A call sees nothing of any other:
+
+- the zygote reads only control frames; a call's request is read from the
+  pipe by the call's own process after the fork, and its answer goes back
+  through a pipe the zygote splices to the pool (`os.splice`): no request
+  or answer of one call is ever in memory another call inherits;
+- a tool's or reward's declared `env` (a secret) reaches only its own
+  calls: the warm-up carries the functions' names, never their `env`;
+- a group's completions (`call_many`) each get a process of their own, in
+  one pipe round trip; only requests that run Flywheel's own code reading
+  the completion as text (`_pure`: the built-in rewards but math, the
+  calculator) share one, as they cannot run the completion;
+- after each call the zygote, the subreaper of everything the call started
+  (orphans and CLONE_PARENT children come to it), kills and reaps every
+  process of it, removes the SysV IPC objects of its IPC namespace, and
+  empties /tmp (a flattening wipe that no depth or lock defeats); a slot
+  whose state is in doubt — a call that crashed, left processes behind or
+  left /tmp too full or locked to empty — is replaced, and with it goes its
+  whole /tmp (a tmpfs of its mount namespace);
+- every request carries a fresh random id that its answers echo; a frame
+  that does not (a desynchronised stream) kills and replaces the child, and
+  so does a call its caller cancelled (its answer would be the next call's).
+
 A fork, and the copy-on-write faults of the call in it, cost milliseconds
-of CPU (bench/results_sandbox.md); a group's completions share one
-(`call_many`: one request). Requests that run only Flywheel's own code
-reading the completion as text — the built-in rewards but math, the
-calculator — are answered by the zygote itself (`_pure`), as before the
-sandbox: they cannot run the completion as code.
+of CPU (bench/results_sandbox.md).
 
 The protocol is length-prefixed MessagePack on the child's stdin/stdout — no
 pickle, and no fork of a parent that runs an event loop, NATS and torch
-threads. Request `[path, args]`; answer `["ok", reward, parts]` or
-`["error", message]`. Request `[path, args, "value"]` (a tool call) answers
-`["value", text]`. Request `[path, [args, ...], "many"]` (a group's
-completions) answers `["many", [answer, ...]]`, one `["ok", ...]` or
-`["error", ...]` per call: one pipe round trip per group instead of per
-completion, which at k = 1 was the rollout worker's largest cost outside the
-engine's HTTP (bench/results_cpu.md). Request `[path, args, "warm"]` runs in
-the zygote itself (warm-up: imports, caches). A call whose process died
-without answering answers `["crashed", why]`. What a call's process sends
-back is checked before it is passed on: a call cannot answer for another.
+threads. The pool sends control frames, which the zygote reads:
+`["warm", id, path, args]` runs in the zygote itself (warm-up: imports,
+caches; the service's own requests) and is answered `["warmed", id,
+answer]`; `["calls", id, n, pure]` is followed by n request frames
+`[id, i, path, args, mode]` (mode None: a reward, answered `["ok", reward,
+parts]` or `["error", message]`; "value": a tool call, answered `["value",
+text]`), which the zygote does not read: it forks a process for each (for
+all n when `pure`), which reads its own. For each such process the zygote
+writes `["answer", id, i, k]` followed by that process's own frame
+`[id, i, [answer, ...]]` (k answers, spliced), or `["crashed", id, i, k,
+why]` when it died without one; then `["done", id, doubt]`, doubt None or
+why the slot must be replaced. What a call's process sends back is checked
+by the pool, per answer, for the shape its request asks for.
 """
 
 from __future__ import annotations
