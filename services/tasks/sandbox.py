@@ -432,6 +432,17 @@ def _clear_ipc() -> int:
     return removed
 
 
+def _clear_dev_shm() -> None:
+    """Plain processes with a uid of their own: remove the POSIX shared memory (and named
+    semaphores) that uid made in the host's /dev/shm."""
+    uid = os.geteuid()
+    with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                if e.stat(follow_symlinks=False).st_uid == uid:
+                    os.unlink(e.path)
+
+
 def _keep(root: str) -> set[str]:
     """What is in `root` before any call: the mount points of what is bound below /tmp and
     the directories that lead to them (not entered: another filesystem)."""
@@ -540,6 +551,8 @@ def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str |
         doubt = f"a call left {left} processes"
     if opts.pidns or (opts.uid >= 0 and os.geteuid() != 0):  # IPC namespace, or uid, its own
         _clear_ipc()
+    if not opts.pidns and opts.uid >= 0 and os.geteuid() != 0:
+        _clear_dev_shm()  # plain processes share the host's /dev/shm: the uid's own files
     if not _wipe(os.getcwd(), keep):
         doubt = "a call left /tmp too full or locked to empty"
     return doubt
@@ -918,7 +931,11 @@ class VerifierPool:
         if self._idle is None:
             raise RuntimeError(f"{type(self).__name__} used before start()")
         slot = await self._idle.get()
-        child = slot if slot is not None else await self._respawn()
+        try:
+            child = slot if slot is not None else await self._respawn()
+        except BaseException:  # cancelled while a new child started: the slot stays
+            self._idle.put_nowait(None)
+            raise
         if child is None:
             self._idle.put_nowait(None)
             return "crashed", f"{path}: no sandbox process could start"
