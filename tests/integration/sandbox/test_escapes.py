@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from services.tasks.jail import UID_BASE, Limits
+from services.tasks.jail import UID_BASE, Limits, mounts
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
 from services.tasks.sandbox import ToolPool, VerifierPool
@@ -46,6 +46,9 @@ TIMEOUT_S = 5.0
 SECRET_VAR = "FLYWHEEL_NATS__PASSWORD"
 SECRET = f"secret-{token_hex(12)}"
 LIMITS = Limits()
+# What the sandbox's /tmp holds before any call: the top of a checkout or virtualenv
+# that lives under /tmp, bound there (jail.mounts). A call's leftovers are the rest.
+KEPT = sorted({Path(a).parts[2] for a in mounts(CONFINED.modules)[0] if a.startswith("/tmp/")})
 # Before every case's code: should a regression ever run it outside the walls (root,
 # the host's /proc), it stops instead of trying a fork bomb or kill(-1) on this host.
 # The case then fails for want of its output; `unprivileged` says why.
@@ -518,26 +521,27 @@ print(f"forks={n}")
 
 def exceed_file_size(run: Run, h: Host, p: Pools, kind: str) -> None:
     """RLIMIT_FSIZE stops one file; the size of /tmp stops many."""
-    out = run("""
+    out = run(f"""
 import os
+KEPT = {KEPT!r}
 try:
     with open("/tmp/big", "wb") as f:
         for _ in range(100):
             f.write(b"x" * (1 << 20))
             f.flush()
 except OSError as e:
-    print(f"big_errno={e.errno}")
-print(f"big={os.path.getsize('/tmp/big')}")
+    print(f"big_errno={{e.errno}}")
+print(f"big={{os.path.getsize('/tmp/big')}}")
 total = 0
 try:
     for i in range(100):
-        with open(f"/tmp/part{i}", "wb") as f:
+        with open(f"/tmp/part{{i}}", "wb") as f:
             for _ in range(15):
                 f.write(b"x" * (1 << 20))
                 f.flush()
 except OSError as e:
-    print(f"tmp_errno={e.errno}")
-print(f"tmp={sum(os.path.getsize('/tmp/' + n) for n in os.listdir('/tmp'))}")
+    print(f"tmp_errno={{e.errno}}")
+print(f"tmp={{sum(os.path.getsize('/tmp/' + n) for n in os.listdir('/tmp') if n not in KEPT)}}")
 """)
     assert out.number("big_errno") == errno.EFBIG, out
     assert out.number("big") <= LIMITS.file_mb << 20, out
@@ -612,7 +616,8 @@ builtins.len = lambda x: 42
 tools.run_python = None
 rewards.score = lambda *a, **k: {"reward": 1.0, "parts": {}}
 """)
-    out = run("import os\nprint(f\"left={len(os.listdir('/tmp'))} two={len('ab')}\")")
+    left = f"len(set(os.listdir('/tmp')) - set({KEPT!r}))"
+    out = run(f"import os\nprint(f\"left={{{left}}} two={{len('ab')}}\")")
     assert out.number("left") == 0 and out.number("two") == 2, out
 
 
@@ -756,7 +761,8 @@ os.chmod("/tmp/d/d", 0o500)
 print("nested=600")
 """)
     t0 = time.monotonic()
-    out = run("import os\nprint(f\"left={len(os.listdir('/tmp'))}\")")
+    left = f"len(set(os.listdir('/tmp')) - set({KEPT!r}))"
+    out = run(f'import os\nprint(f"left={{{left}}}")')
     assert out.number("left") == 0, out
     t1 = time.monotonic()
     assert run("print('again=1')").number("again") == 1
