@@ -999,7 +999,7 @@ for _ in range(6):
         finally:
             os._exit(0)
 os.close(w)
-done, deadline = 0, time.monotonic() + 3
+done, deadline = 0, time.monotonic() + 4
 while done < 6 and time.monotonic() < deadline:
     if select.select([r], [], [], max(0, deadline - time.monotonic()))[0]:
         got = os.read(r, 16)
