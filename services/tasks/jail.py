@@ -292,6 +292,7 @@ def make_cgroups(limits: Limits) -> tuple[str, ...]:
     cg = cgroups()
     if cg is None:
         return ()
+    _sweep(cg)
     name = f"flywheel-{os.getpid()}-{next(_cgroup_ids)}"
     mem = os.path.join(cg.memory, name)
     made: list[str] = []
@@ -320,6 +321,25 @@ def make_cgroups(limits: Limits) -> tuple[str, ...]:
             _remove_cgroup(d)
         return ()
     return tuple(made)
+
+
+@functools.cache
+def _sweep(cg: Cgroups) -> None:
+    """Once per process: remove the empty cgroups of services that died without removing
+    theirs (killed with SIGKILL), so none pile up on a long-lived host."""
+    for parent in filter(None, (cg.memory, cg.pids)):
+        with contextlib.suppress(OSError), os.scandir(parent) as entries:
+            for e in entries:
+                owner = e.name.split("-")
+                if len(owner) != 3 or owner[0] != "flywheel" or not owner[1].isdigit():
+                    continue
+                try:
+                    os.kill(int(owner[1]), 0)
+                except ProcessLookupError:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(e.path)  # fails while a process is still in it
+                except PermissionError:
+                    pass  # alive, someone else's
 
 
 def in_cgroups(argv: list[str], dirs: tuple[str, ...]) -> list[str]:
