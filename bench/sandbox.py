@@ -1,23 +1,22 @@
-"""What the sandbox costs per verifier call and per tool call, against the design before it.
+"""What the sandbox costs per verifier call, per group and per tool call.
 
     .venv/bin/python bench/sandbox.py [--calls 200] [--rounds 3] [--group 8]
 
-Three ways to run the same reward (`rewards.score` with exact_match, and with
+Two ways to run the same reward (`rewards.score` with exact_match, and with
 math when math-verify is installed) and the same python tool call:
 
-- before: the pre-sandbox design, vendored below (`BEFORE_CHILD`): one plain
-  process per pool slot that calls the function in itself; the parent
-  exchanges the same length-prefixed MessagePack frames;
-- plain:  today's pool without walls (a fork per request from the warm
-  zygote; what `insecure-allow` runs where the host has no bubblewrap);
-- bwrap:  today's pool in bubblewrap (jail.py), as the services run it.
+- plain:  the pool without walls (what `insecure-allow` runs where the host
+  has no bubblewrap);
+- bwrap:  the pool in bubblewrap (jail.py), as the services run it.
 
 Per call: `call` (one completion per round trip) and `call_many` (a group of
-`--group` completions per round trip, reported per completion) for rewards,
-`run` for the tool. Also the time to start one child and warm it. The three
-ways are measured in turns, round after round, so load from elsewhere on
-the machine falls on all of them alike; the ratio to `before` is taken
-within the same run. Medians over the rounds.
+`--group` completions per round trip, reported per completion and per group)
+for rewards, `run` for the tool. Also the time to start one child and warm
+it. The ways are measured in turns, round after round, so load from
+elsewhere on the machine falls on all of them alike. Medians over the
+rounds. A change to the sandbox is measured by running this script of the
+commit before it and of the commit after it, back to back
+(bench/results_sandbox.md).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from services.tasks import jail  # noqa: E402
 from services.tasks import rewards as R  # noqa: E402
 from services.tasks.jail import Sandbox  # noqa: E402
-from services.tasks.sandbox import ToolPool, VerifierPool, _Child  # noqa: E402
+from services.tasks.sandbox import ToolPool, VerifierPool  # noqa: E402
 from services.tasks.tools import CALL  # noqa: E402
 
 PY = {"type": "python", "tag": "python", "description": ""}
@@ -50,69 +49,6 @@ EXACT = [
      "case_sensitive": True, "name": None, "weight": 1.0, "_module": R.__name__},
 ]  # fmt: skip
 MATH = [{"fn": "math", "fallback": True, "name": None, "weight": 1.0, "_module": R.__name__}]
-
-# The child of the design before the sandbox (the sandbox module's `_child_main` at
-# f00cfdb, without the tool confinement): the call runs in the child itself.
-BEFORE_CHILD = """
-import importlib, struct, sys, msgpack
-L = struct.Struct("<I")
-from services.tasks.sandbox import resolve, to_reward
-def verdict(fn, args):
-    try:
-        r = to_reward(fn(*args))
-    except Exception as e:
-        return ["error", str(e)]
-    return ["ok", r.reward, r.parts]
-cache = {}
-inp, out = sys.stdin.buffer, sys.stdout.buffer
-while True:
-    h = inp.read(4)
-    if len(h) < 4:
-        break
-    path, args, *mode = msgpack.unpackb(inp.read(L.unpack(h)[0]), raw=False)
-    fn = cache.get(path) or cache.setdefault(path, resolve(path))
-    if mode == ["value"]:
-        a = ["value", str(fn(*args))]
-    elif mode == ["many"]:
-        a = ["many", [verdict(fn, x) for x in args]]
-    else:
-        a = verdict(fn, args)
-    d = msgpack.packb(a, use_bin_type=True)
-    out.write(L.pack(len(d)) + d)
-    out.flush()
-"""
-
-
-class BeforePool(VerifierPool):
-    """The pool of the design before: the same pool-side code (queue, deadline, frames)
-    over children that run `BEFORE_CHILD`."""
-
-    async def start(self) -> None:
-        self._idle = asyncio.Queue()
-        for _ in range(self.size):
-            self._idle.put_nowait(await self._spawn())
-        self.confined = False
-
-    async def _spawn(self, strict: bool = False) -> _Child:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", BEFORE_CHILD, cwd=ROOT,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        assert proc.stdin is not None and proc.stdout is not None
-
-        async def stop() -> None:
-            proc.kill()
-            await proc.wait()
-
-        child = _Child(proc.stdout, proc.stdin, False, stop, proc.pid)
-        self._all.append(child)
-        for path, args in self.warmup:
-            await child.roundtrip(path, args, "warm")
-        return child
-
-
-class BeforeTools(BeforePool, ToolPool):
-    pass
 
 
 def zygote_pid(pool: VerifierPool) -> int:
@@ -177,6 +113,8 @@ async def measure(
             "call CPU ms": call[1],
             "call_many ms/completion": many[0] / group,
             "call_many CPU ms/completion": many[1] / group,
+            "call_many ms/group": many[0],
+            "call_many CPU ms/group": many[1],
             "python tool ms": tool[0],
             "python tool CPU ms": tool[1],
         }
@@ -204,7 +142,6 @@ async def main(args: argparse.Namespace) -> None:
         return way
 
     ways: dict[str, Callable[[list[dict[str, Any]]], Awaitable[dict[str, float]]]] = {
-        "before": pools(BeforePool, BeforeTools),
         "plain": lambda p: _plain(pools(VerifierPool, ToolPool), p),
         "bwrap": pools(VerifierPool, ToolPool),
     }
@@ -215,14 +152,14 @@ async def main(args: argparse.Namespace) -> None:
         for _ in range(args.rounds):
             for way, fn in ways.items():
                 runs[way].append(await fn(parts))
-        metrics = list(runs["before"][0])
+        metrics = list(runs["bwrap"][0])
         print(f"## reward {label}\n")
-        print("| metric | " + " | ".join(ways) + " | bwrap / before |")
-        print("|---|" + "---:|" * (len(ways) + 1))
+        print("| metric | " + " | ".join(ways) + " |")
+        print("|---|" + "---:|" * len(ways))
         for m in metrics:
             med = {w: statistics.median(r[m] for r in runs[w]) for w in ways}
             cells = " | ".join(f"{med[w]:.3f}" for w in ways)
-            print(f"| {m} | {cells} | {med['bwrap'] / med['before']:.1f}x |")
+            print(f"| {m} | {cells} |")
         print()
 
 
@@ -239,7 +176,7 @@ async def _plain(way: Callable[..., Awaitable[dict[str, float]]], parts: Any) ->
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--calls", type=int, default=200, help="calls per measurement")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of all three ways")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of both ways")
     p.add_argument("--group", type=int, default=8, help="completions per call_many")
     logging.basicConfig(level=logging.ERROR)  # not the plain pools' warning, each round
     asyncio.run(main(p.parse_args()))

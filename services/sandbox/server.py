@@ -110,6 +110,7 @@ class Server:
             else f"this host has no sandbox ({reason}); only pools that allow it get plain "
             "processes",
         )
+        log.info("sandbox server: memory per call: %s", jail.memory_mode())
         try:
             while not self.stop.is_set():
                 try:

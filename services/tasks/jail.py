@@ -16,11 +16,18 @@ open. What a child gets:
   top-level packages of the code it runs (Flywheel's, the user's reward and
   tool modules): no /proc, no /data, no working directory, no repository;
 - one writable place, a private /tmp (a size-limited tmpfs), wiped after
-  every call (sandbox.py);
+  every call, and dropped whole with the child when it cannot be
+  (sandbox.py);
 - an empty environment, plus fixed harmless values and what a tool declares;
 - a uid of its own with no capabilities and no_new_privs, and RLIMIT_AS /
   NPROC / FSIZE / NOFILE (and RLIMIT_CPU per call, set by the child);
 - the seccomp filter of seccomp.py;
+- where the host delegates cgroups to this process (v2, or v1's memory and
+  pids hierarchies: `cgroups`), a cgroup of its own, joined before
+  bubblewrap starts: the child and every process of the call it runs
+  together under one memory limit (`memory_mb`) and one process limit;
+  elsewhere memory is limited per process (`memory_mode` says which, and
+  `flywheel sandbox --check` prints it);
 - death with its parent (`--die-with-parent`), and the whole PID namespace
   dies when the pool kills bubblewrap on a time-out.
 
@@ -40,17 +47,22 @@ says why, and the pools refuse to run custom rewards and tools unless the
 run file says `sandbox = "insecure-allow"` for the task (scoring.py); they
 then run as plain processes with the same rlimits, an empty environment, a
 private temp directory, a process group killed on a time-out and, under a
-root service, a uid of their own from the first call on (the warm-up imports
-run before the switch; a call's own imports need files that uid can read).
+root service, a uid of their own from the first call on. The warm-up imports
+run before the switch, and the code a call imports later (its sys.path, the
+packages already imported) is reached through directory fds opened before
+it (/proc/self/fd/N): a checkout in root's 0700 home works, and no file's
+permissions are widened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -89,7 +101,7 @@ BASE_ENV = {
 class Limits:
     """What one child may use (each process of it; the time limit is the pool's)."""
 
-    memory_mb: int = 4096  # RLIMIT_AS of each process
+    memory_mb: int = 4096  # RLIMIT_AS of each process; with a cgroup, also all of them
     processes: int = 32  # RLIMIT_NPROC: processes and threads of the child's uid
     file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
     tmp_mb: int = 64  # size of its private /tmp
@@ -159,6 +171,7 @@ class Spawn:
     cwd: str | None = None
     confined: bool = True  # in bubblewrap: killing argv's process ends its PID namespace
     tmpdir: str | None = None  # plain processes: the private temp dir, removed with the child
+    cgroups: tuple[str, ...] = ()  # the child's own cgroup directories, removed with it
 
     def close_fds(self) -> None:
         """Close the parent's copies of pass_fds once the child has them."""
@@ -168,6 +181,189 @@ class Spawn:
     def cleanup(self) -> None:
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)  # a child's leftovers, if any
+        for d in self.cgroups:
+            _remove_cgroup(d)
+
+
+# ── memory per call: a cgroup per child where the host lets this process make one ────
+@dataclass(frozen=True)
+class Cgroups:
+    """Where this process may make cgroups: `memory` (and `pids`) parent directories, of
+    the unified hierarchy (v2) or of v1's per-controller ones."""
+
+    version: int
+    memory: str
+    pids: str | None
+
+    def describe(self) -> str:
+        return (
+            f"cgroup v{self.version}: each child (its zygote and the call it runs) under one "
+            f"memory limit (memory_mb) and one process limit, in {self.memory}"
+        )
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per controller ("" for v2's unified one)."""
+    out: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+def _cgroup_mounts() -> dict[str, str]:
+    """Mount points of the cgroup hierarchies: "" for v2, else each v1 controller."""
+    out: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, (fstype, _src, opts) = left.split(), right.split()[:3]
+            if fstype == "cgroup2":
+                out.setdefault("", fields[4])
+            elif fstype == "cgroup":
+                for opt in opts.split(","):
+                    if opt in ("memory", "pids"):
+                        out.setdefault(opt, fields[4])
+    return out
+
+
+def _can_make(parent: str, files: tuple[str, ...]) -> bool:
+    """Whether a child cgroup of `parent` can be made here and has `files` (its limits)."""
+    trial = os.path.join(parent, f"flywheel-probe-{os.getpid()}")
+    try:
+        os.mkdir(trial)
+    except OSError:
+        return False
+    try:
+        return all(os.path.exists(os.path.join(trial, f)) for f in files)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(trial)
+
+
+@functools.cache
+def cgroups() -> Cgroups | None:
+    """Where children's cgroups go, or None where the host delegates none to this process
+    (then memory is limited per process only: see `memory_mode`)."""
+    try:
+        own, mounts_ = _own_cgroups(), _cgroup_mounts()
+    except (OSError, ValueError):
+        return None
+    if "" in own and "" in mounts_:
+        v2 = os.path.join(mounts_[""], own[""].lstrip("/"))
+        if _can_make(v2, ("memory.max", "pids.max")):
+            return Cgroups(2, v2, None)
+    if "memory" in own and "memory" in mounts_:
+        mem = os.path.join(mounts_["memory"], own["memory"].lstrip("/"))
+        pids = None
+        if "pids" in own and "pids" in mounts_:
+            pids = os.path.join(mounts_["pids"], own["pids"].lstrip("/"))
+            pids = pids if _can_make(pids, ("pids.max",)) else None
+        if _can_make(mem, ("memory.limit_in_bytes",)):
+            return Cgroups(1, mem, pids)
+    return None
+
+
+def memory_mode() -> str:
+    """How a call's memory is bounded on this host, in one line (`flywheel sandbox --check`
+    and the pools' start-up log say it)."""
+    cg = cgroups()
+    if cg is not None:
+        return cg.describe()
+    return (
+        "per process (no cgroup is delegated to this process): RLIMIT_AS (memory_mb) per "
+        "process, RLIMIT_NPROC (processes) per child, /tmp of tmp_mb, SysV IPC removed "
+        "after each call; a call's processes together may use up to processes x memory_mb"
+    )
+
+
+_cgroup_ids = itertools.count()
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def make_cgroups(limits: Limits) -> tuple[str, ...]:
+    """A child's own cgroups (memory, and processes), limited; () where there are none."""
+    cg = cgroups()
+    if cg is None:
+        return ()
+    _sweep(cg)
+    name = f"flywheel-{os.getpid()}-{next(_cgroup_ids)}"
+    mem = os.path.join(cg.memory, name)
+    made: list[str] = []
+    try:
+        os.mkdir(mem)
+        made.append(mem)
+        limit = str(limits.memory_mb << 20)
+        pids = str(limits.processes + 4)  # + bubblewrap's two processes, the zygote's slack
+        if cg.version == 2:
+            _write(os.path.join(mem, "memory.max"), limit)
+            with contextlib.suppress(OSError):  # no swap to spill into
+                _write(os.path.join(mem, "memory.swap.max"), "0")
+            _write(os.path.join(mem, "pids.max"), pids)
+        else:
+            _write(os.path.join(mem, "memory.limit_in_bytes"), limit)
+            with contextlib.suppress(OSError):
+                _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), limit)
+            if cg.pids is not None:
+                p = os.path.join(cg.pids, name)
+                os.mkdir(p)
+                made.append(p)
+                _write(os.path.join(p, "pids.max"), pids)
+    except OSError as e:
+        log.warning("sandbox: cannot make a cgroup (%s); per-process limits only", e)
+        for d in made:
+            _remove_cgroup(d)
+        return ()
+    return tuple(made)
+
+
+@functools.cache
+def _sweep(cg: Cgroups) -> None:
+    """Once per process: remove the empty cgroups of services that died without removing
+    theirs (killed with SIGKILL), so none pile up on a long-lived host."""
+    for parent in filter(None, (cg.memory, cg.pids)):
+        with contextlib.suppress(OSError), os.scandir(parent) as entries:
+            for e in entries:
+                owner = e.name.split("-")
+                if len(owner) != 3 or owner[0] != "flywheel" or not owner[1].isdigit():
+                    continue
+                try:
+                    os.kill(int(owner[1]), 0)
+                except ProcessLookupError:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(e.path)  # fails while a process is still in it
+                except PermissionError:
+                    pass  # alive, someone else's
+
+
+def in_cgroups(argv: list[str], dirs: tuple[str, ...]) -> list[str]:
+    """`argv` started inside `dirs`: a shell joins them, then execs it, so that everything
+    it starts (bubblewrap, the zygote, every call) is born inside."""
+    if not dirs:
+        return argv
+    joins = " && ".join(f"echo $$ > {shlex.quote(os.path.join(d, 'cgroup.procs'))}" for d in dirs)
+    return ["/bin/sh", "-c", f'{joins} && exec "$@"', "flywheel-sandbox", *argv]
+
+
+def _remove_cgroup(d: str) -> None:
+    """Remove a child's cgroup once its processes are gone (a moment after the kill)."""
+    import time
+
+    for _ in range(100):
+        try:
+            os.rmdir(d)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+    log.warning("sandbox: cgroup %s still busy; left behind", d)
 
 
 _uids = itertools.count()
@@ -341,10 +537,11 @@ def probe() -> str | None:
 
 def plan(sandbox: Sandbox, cpu_s: int) -> Spawn:
     """How to start one child of `sandbox` (whose `check` has passed or said why not)."""
+    groups = make_cgroups(sandbox.limits)
     if probe() is None:
         opts = child_options(sandbox.limits, cpu_s, pidns=True, audit=False)
         argv, fd = bwrap_argv(opts, sandbox.modules, sandbox.limits)
-        return Spawn(argv, env={}, pass_fds=(fd,))
+        return Spawn(in_cgroups(argv, groups), env={}, pass_fds=(fd,), cgroups=groups)
     # Plain processes: the same child with the same limits, minus the walls. Never
     # root: a call run as root could signal or write anything on the host, so a root
     # service's child switches to a uid of its own before its first call.
@@ -355,4 +552,5 @@ def plan(sandbox: Sandbox, cpu_s: int) -> Spawn:
     _, entries = mounts(sandbox.modules)
     opts = child_options(sandbox.limits, cpu_s, pidns=False, audit=sandbox.audit, uid=uid)
     env = {**BASE_ENV, "HOME": tmp, "TMPDIR": tmp}
-    return Spawn([*boot(entries), *opts], env=env, cwd=tmp, confined=False, tmpdir=tmp)
+    argv = in_cgroups([*boot(entries), *opts], groups)
+    return Spawn(argv, env=env, cwd=tmp, confined=False, tmpdir=tmp, cgroups=groups)

@@ -414,12 +414,20 @@ SCORE = "services.tasks.rewards:score"
 WARM = "services.tasks.rewards:warm"
 
 
+# Flywheel's own function rewards that read the completion only as text (no eval, no
+# state kept): trusted as the text-only built-ins are (`pure`).
+TEXT_ONLY_FUNCTIONS = frozenset({"services.tasks.last_word:brevity_credit"})
+
+
 def pure(parts: list[dict[str, Any]]) -> bool:
     """Every part is one of this module's built-ins that read the completion only as text
-    (`RewardPart.text_only`): the sandbox answers such a group in its warm process,
-    without a fork per request (sandbox.py `_pure`). A class defined elsewhere, a user's
-    included, never is: only Flywheel's own code is trusted not to leave state behind."""
+    (`RewardPart.text_only`), or one of TEXT_ONLY_FUNCTIONS: the sandbox scores a group
+    of such completions in one process (sandbox.py `_pure`) instead of a process each.
+    A class or function defined elsewhere, a user's included, never is: only
+    Flywheel's own code is trusted not to run the completion or leave state behind."""
     for p in parts:
+        if isinstance(p, dict) and p.get("fn") in TEXT_ONLY_FUNCTIONS and not p.get("env"):
+            continue
         cls = REWARDS.kinds.get(str(p.get("fn"))) if isinstance(p, dict) else None
         if cls is None or not cls.text_only or cls.__module__ != __name__:
             return False

@@ -13,47 +13,68 @@ pure-Python or C loop, which is why this is a process.
 Children are started by jail.py: inside bubblewrap (their own PID and
 network namespaces, a read-only root with only the interpreter and the
 code they run, a private /tmp, an empty environment, a uid of their own,
-rlimits, seccomp), or where the host has no sandbox and the run file allows
+rlimits, seccomp, and a cgroup of their own where the host delegates one:
+`jail.memory_mode`), or where the host has no sandbox and the run file allows
 it, as plain processes with the same limits. Killing a child on a time-out
 kills everything it started: the whole PID namespace (or process group).
 
 Each child is a warm *zygote*: it imports the rewards and tools once
 (`ZYGOTE_MODULES`, then the pool's `PRELOAD` and `warmup`, all before it
 serves: none of it counts against a call's time limit), and then forks a
-fresh process for every request, which runs the call and exits; the zygote
-itself never runs a request's code. So a call
-that monkeypatches a reward, leaves a background process or a file in /tmp,
-or crashes, affects nothing after it: the zygote kills what the call left
-(everything else in its PID namespace) and empties /tmp before answering.
+fresh process for every call, which runs it and exits; the zygote itself
+never runs, nor even reads, a call. A call sees nothing of any other:
+
+- the zygote reads only control frames; a call's request is read from the
+  pipe by the call's own process after the fork, and its answer goes back
+  through a pipe the zygote splices to the pool (`os.splice`): no request
+  or answer of one call is ever in memory another call inherits;
+- a tool's or reward's declared `env` (a secret) reaches only its own
+  calls: the warm-up carries the functions' names, never their `env`;
+- a group's completions (`call_many`) each get a process of their own, in
+  one pipe round trip; only requests that run Flywheel's own code reading
+  the completion as text (`_pure`: the built-in rewards but math, the
+  calculator) share one, as they cannot run the completion;
+- after each call the zygote, the subreaper of everything the call started
+  (orphans and CLONE_PARENT children come to it), kills and reaps every
+  process of it, removes the SysV IPC objects of its IPC namespace, and
+  empties /tmp (a flattening wipe that no depth or lock defeats); a slot
+  whose state is in doubt — a call that crashed, left processes behind or
+  left /tmp too full or locked to empty — is replaced, and with it goes its
+  whole /tmp (a tmpfs of its mount namespace);
+- every request carries a fresh random id that its answers echo; a frame
+  that does not (a desynchronised stream) kills and replaces the child, and
+  so does a call its caller cancelled (its answer would be the next call's).
+
 A fork, and the copy-on-write faults of the call in it, cost milliseconds
-of CPU (bench/results_sandbox.md); a group's completions share one
-(`call_many`: one request). Requests that run only Flywheel's own code
-reading the completion as text — the built-in rewards but math, the
-calculator — are answered by the zygote itself (`_pure`), as before the
-sandbox: they cannot run the completion as code.
+of CPU (bench/results_sandbox.md).
 
 The protocol is length-prefixed MessagePack on the child's stdin/stdout — no
 pickle, and no fork of a parent that runs an event loop, NATS and torch
-threads. Request `[path, args]`; answer `["ok", reward, parts]` or
-`["error", message]`. Request `[path, args, "value"]` (a tool call) answers
-`["value", text]`. Request `[path, [args, ...], "many"]` (a group's
-completions) answers `["many", [answer, ...]]`, one `["ok", ...]` or
-`["error", ...]` per call: one pipe round trip per group instead of per
-completion, which at k = 1 was the rollout worker's largest cost outside the
-engine's HTTP (bench/results_cpu.md). Request `[path, args, "warm"]` runs in
-the zygote itself (warm-up: imports, caches). A call whose process died
-without answering answers `["crashed", why]`. What a call's process sends
-back is checked before it is passed on: a call cannot answer for another.
+threads. The pool sends control frames, which the zygote reads:
+`["warm", id, path, args]` runs in the zygote itself (warm-up: imports,
+caches; the service's own requests) and is answered `["warmed", id,
+answer]`; `["calls", id, n, pure]` is followed by n request frames
+`[id, i, path, args, mode]` (mode None: a reward, answered `["ok", reward,
+parts]` or `["error", message]`; "value": a tool call, answered `["value",
+text]`), which the zygote does not read: it forks a process for each (for
+all n when `pure`), which reads its own. For each such process the zygote
+writes `["answer", id, i, k]` followed by that process's own frame
+`[id, i, [answer, ...]]` (k answers, spliced), or `["crashed", id, i, k,
+why]` when it died without one; then `["done", id, doubt]`, doubt None or
+why the slot must be replaced. What a call's process sends back is checked
+by the pool, per answer, for the shape its request asks for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import logging
 import math
 import os
+import secrets
 import signal
 import struct
 import sys
@@ -61,7 +82,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO, Self
+from typing import Any, Self
 
 import msgpack
 
@@ -72,16 +93,14 @@ from services.tasks.jail import Limits, Sandbox, Spawn
 
 log = logging.getLogger(__name__)
 
+
+class _Desync(Exception):
+    """A child's frames do not answer the request sent (wrong id, order or shape): its
+    stream cannot be trusted, so the child is replaced."""
+
+
 _LEN = struct.Struct("<I")
 MAX_FRAME = 64 << 20  # a call's answer larger than this is refused
-
-
-def _read_frame(stream: BinaryIO) -> Any:
-    header = stream.read(_LEN.size)
-    if len(header) < _LEN.size:
-        raise EOFError
-    (n,) = _LEN.unpack(header)
-    return msgpack.unpackb(stream.read(n), raw=False)
 
 
 def _frame(obj: Any) -> bytes:
@@ -206,8 +225,6 @@ def _answer(fn: Callable[..., Any], args: Sequence[Any], mode: str | None) -> li
     try:
         if mode == "value":
             return ["value", str(fn(*args))]
-        if mode == "many":
-            return ["many", [_verdict(fn, a) for a in args]]
         return _verdict(fn, args)
     except Exception as e:  # noqa: BLE001 -- reported to the parent, which counts it
         return ["error", f"{type(e).__name__}: {e}"]
@@ -228,7 +245,7 @@ def _is_verdict(v: Any) -> bool:
     )
 
 
-def checked(answer: Any, mode: str | None, n: int) -> list[Any]:
+def checked(answer: Any, mode: str | None) -> list[Any]:
     """A call's answer if it has the shape its request asks for, else an error: what a
     call's process sends is not trusted (its code may be the policy's)."""
     ok = False
@@ -237,10 +254,6 @@ def checked(answer: Any, mode: str | None, n: int) -> list[Any]:
     elif mode == "value":
         ok = isinstance(answer, list) and len(answer) == 2 and answer[0] == "value"
         ok = ok and isinstance(answer[1], str)
-    elif mode == "many":
-        ok = isinstance(answer, list) and len(answer) == 2 and answer[0] == "many"
-        ok = ok and isinstance(answer[1], list) and len(answer[1]) == n
-        ok = ok and all(_is_verdict(v) for v in answer[1])
     else:
         ok = _is_verdict(answer)
     return answer if ok else ["error", "sandbox: the call sent back a malformed answer"]
@@ -257,18 +270,23 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _read_answer(fd: int) -> Any:
+def _read_frame_fd(fd: int) -> Any:
+    """One frame from `fd`, read unbuffered: not a byte past it (what follows is the next
+    reader's: a zygote reads only its control frames, never a call's request)."""
     header = _read_exact(fd, _LEN.size)
     if header is None:
-        return None
+        raise EOFError
     (n,) = _LEN.unpack(header)
     body = _read_exact(fd, n) if n <= MAX_FRAME else None
     if body is None:
-        return None
-    try:
-        return msgpack.unpackb(body, raw=False)
-    except (ValueError, msgpack.ExtraData) as e:
-        return ["error", f"sandbox: the call sent back bytes that do not decode: {e}"]
+        raise EOFError
+    return msgpack.unpackb(body, raw=False)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _fork() -> int:
@@ -289,17 +307,140 @@ def _died(status: int) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
-def _clean_up(pid: int, opts: _Options, keep: set[str]) -> str:
-    """After a call: kill its process and all it started, reap it, empty the temp dir.
-    How it ended, for a call that did not answer."""
+def _serve_call(rid: int, first: int, k: int, opts: _Options) -> list[Any]:
+    """In the call's process: read its `k` request frames from stdin (the zygote has not
+    read them), close every pipe of the zygote's, answer. [rid, first, [answer, ...]] as
+    read: the pool matches them against what it sent."""
+    frames = [_read_frame_fd(0) for _ in range(k)]
+    _enter_call(opts)
+    got = [f[0], f[1]] if (f := frames[0]) and isinstance(f, list) and len(f) == 5 else [-1, -1]
+    answers: list[Any] = []
+    for j, frame in enumerate(frames):
+        if not (isinstance(frame, list) and len(frame) == 5 and frame[:2] == [rid, first + j]):
+            return [*got, []]  # not the request it was forked for: answer nothing
+        _, _, path, args, mode = frame
+        try:
+            fn = resolve(path)
+        except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
+            answers.append(["error", f"{type(e).__name__}: {e}"])
+            continue
+        answers.append(_answer(fn, args, mode))
+    return [rid, first, answers]
+
+
+def _relay(r: int, marker: bytes) -> str | None:
+    """Pass one frame of the call's pipe `r` on to the pool after `marker`: the 4-byte
+    header through this process, the body spliced pipe to pipe (the zygote never holds
+    an answer). None, or why there was none."""
+    header = _read_exact(r, _LEN.size)
+    if header is None:
+        return "without answering"
+    (n,) = _LEN.unpack(header)
+    if n > MAX_FRAME:
+        return f"with an answer of {n} bytes (the limit is {MAX_FRAME})"
+    _write_all(1, marker + header)
+    while n > 0:
+        moved = os.splice(r, 1, n)
+        if moved == 0:  # the frame is cut: the pool's stream cannot be trusted past it
+            os._exit(3)
+        n -= moved
+    return None
+
+
+def _reap(pid: int, opts: _Options) -> tuple[int, int]:
+    """Kill and reap the call's process and everything it started (this zygote is their
+    subreaper: orphans and CLONE_PARENT children come here). Its wait status, and how
+    many other processes were left."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    if opts.pidns:  # everything here but this process (and bubblewrap's init) is the call's
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(-1, signal.SIGKILL)
-    _empty(os.getcwd(), keep)
-    return _died(status)
+    left = 0
+    for _ in range(10_000):
+        targets = _others(opts)
+        if not targets:
+            break
+        for target in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGKILL)
+        left += _reap_children()
+    return status, left
+
+
+def _others(opts: _Options) -> list[int]:
+    """Processes of this slot but the zygote. In a PID namespace: [-1] while there are any
+    (kill(-1) reaches exactly them: the namespace holds only bubblewrap's init, which it
+    skips, this zygote and the calls' processes). Plain processes: this zygote's
+    children (it is their subreaper: every process a call starts stays below it)."""
+    if opts.pidns:
+        try:
+            os.kill(-1, 0)
+        except ProcessLookupError:
+            return []
+        return [-1]
+    me = str(os.getpid())
+    kids: list[int] = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[1] == me:
+                    kids.append(int(pid))
+    return kids
+
+
+def _reap_children() -> int:
+    """Reap what has died (waiting for at least one); how many."""
+    n = 0
+    flags = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, flags)
+        except ChildProcessError:
+            time.sleep(0.001)  # signalled, not (yet) ours: re-parented next
+            return n
+        if pid == 0:
+            return n
+        n += 1
+        flags = os.WNOHANG
+
+
+_IPC = (  # (ctl, *_INFO, *_STAT_ANY) of SysV shared memory, message queues, semaphores
+    ("shmctl", 14, 15),
+    ("msgctl", 12, 13),
+    ("semctl", 19, 20),
+)
+
+
+def _clear_ipc() -> int:
+    """Remove every SysV IPC object of this slot's IPC namespace (what a call made would
+    outlive it: the next call could read it). How many there were."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(1024)
+    removed = 0
+    for name, info, stat_any in _IPC:
+        ctl = getattr(libc, name)
+
+        def call(ident: int, cmd: int, arg: Any, ctl: Any = ctl, name: str = name) -> int:
+            return int(ctl(ident, 0, cmd, arg) if name == "semctl" else ctl(ident, cmd, arg))
+
+        top = call(0, info, buf)
+        for index in range(top + 1):
+            ident = call(index, stat_any, buf)
+            if ident >= 0 and call(ident, 0, None) == 0:  # IPC_RMID
+                removed += 1
+    return removed
+
+
+def _clear_dev_shm() -> None:
+    """Plain processes with a uid of their own: remove the POSIX shared memory (and named
+    semaphores) that uid made in the host's /dev/shm."""
+    uid = os.geteuid()
+    with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                if e.stat(follow_symlinks=False).st_uid == uid:
+                    os.unlink(e.path)
 
 
 def _keep(root: str) -> set[str]:
@@ -315,76 +456,118 @@ def _keep(root: str) -> set[str]:
     return keep
 
 
-def _empty(path: str, keep: set[str]) -> None:
-    """Remove what a call left in `path` (all but `keep`), directories it made unreadable
-    included: the next call must not see it."""
-    import shutil
+WIPE_BUDGET = 20_000  # entries a call may leave in /tmp before its slot is replaced instead
 
-    def unlock(_fn: Any, p: str, _exc: Any) -> None:
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(p), 0o700)
+
+def _wipe(root: str, keep: set[str]) -> bool:
+    """Remove what a call left in `root` (all but `keep`), unreadable directories and chains
+    nested past any fd or path limit included: each directory's subdirectories are moved
+    up to `root` before it is emptied, so nothing is ever more than one level deep. False
+    when it could not (or there was more than WIPE_BUDGET): the slot is then replaced and
+    its /tmp goes with its mount namespace."""
+    import stat
+
+    todo = [p for p in _unkept(root, keep)]
+    seen = 0
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        while todo:
+            seen += 1
+            if seen > WIPE_BUDGET:
+                return False
+            p = todo.pop()
+            try:
+                mode = os.lstat(p).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(mode):
+                os.unlink(p)
+                continue
             os.chmod(p, 0o700)
-        with contextlib.suppress(OSError):
-            (shutil.rmtree if os.path.isdir(p) and not os.path.islink(p) else os.unlink)(p)
+            with os.scandir(p) as it:
+                entries = [(e.path, e.is_dir(follow_symlinks=False)) for e in it]
+            if not entries:
+                os.rmdir(p)
+                continue
+            todo.append(p)  # again once its entries are gone
+            for path, is_dir in entries:
+                if is_dir:
+                    flat = os.path.join(root, f".wipe-{token}-{seen}-{len(todo)}")
+                    os.rename(path, flat)
+                    todo.append(flat)
+                else:
+                    os.unlink(path)
+    except OSError:
+        return False
+    return not _unkept(root, keep)
 
+
+def _unkept(path: str, keep: set[str]) -> list[str]:
+    """What is in `path` that was not there before any call (the kept directories that
+    lead to binds below it searched too)."""
+    out: list[str] = []
     with os.scandir(path) as entries:
         for e in entries:
-            if e.path in keep:
-                if e.is_dir(follow_symlinks=False) and any(
-                    k.startswith(e.path + "/") for k in keep
-                ):
-                    _empty(e.path, keep)
-            elif e.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.chmod(e.path, 0o700)
-                shutil.rmtree(e.path, onerror=unlock)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.path)
+            if e.path not in keep:
+                out.append(e.path)
+            elif e.is_dir(follow_symlinks=False) and any(k.startswith(e.path + "/") for k in keep):
+                out += _unkept(e.path, keep)
+    return out
 
 
-def _isolated(
-    fn: Callable[..., Any], args: Sequence[Any], mode: str | None, o: _Options, keep: set[str]
-) -> Any:
-    """Run one request in a forked process; its checked answer (or why it gave none)."""
+def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str | None:
+    """Run requests first..first+k-1 of call `rid` in a new process, relay its answer, then
+    kill and reap all it started, clear IPC and /tmp. Why this slot is in doubt, or None."""
+    # The zygote's objects out of the collector's reach: a call's collections then never
+    # write to (and copy) the pages of the warm imports it inherits.
+    gc.freeze()
     r, w = os.pipe()
     try:
         pid = _fork()
     except OSError as e:
         os.close(r)
         os.close(w)
-        return ["crashed", f"no process for the call: {e}"]
+        _write_all(1, _frame(["crashed", rid, first, k, f"no process for the call: {e}"]))
+        return "no process for a call"
     if pid == 0:  # the call's process: answer once, exit whatever happens
         try:
             os.close(r)
-            _enter_call(o)
-            data = memoryview(_frame(_answer(fn, args, mode)))
+            data = memoryview(_frame(_serve_call(rid, first, k, opts)))
             while data:
                 data = data[os.write(w, data) :]
         finally:
             os._exit(0)
     os.close(w)
+    doubt = None
     try:
-        answer = _read_answer(r)
+        why = _relay(r, _frame(["answer", rid, first, k]))
     finally:
         os.close(r)
-        how = _clean_up(pid, o, keep)
-    if answer is None:
-        return ["crashed", f"its process {how} without answering"]
-    return checked(answer, mode, len(args))
+        status, left = _reap(pid, opts)
+    if why is not None:
+        _write_all(1, _frame(["crashed", rid, first, k, f"its process {_died(status)} {why}"]))
+        doubt = "a call crashed"
+    if left:
+        doubt = f"a call left {left} processes"
+    if opts.pidns or (opts.uid >= 0 and os.geteuid() != 0):  # IPC namespace, or uid, its own
+        _clear_ipc()
+    if not opts.pidns and opts.uid >= 0 and os.geteuid() != 0:
+        _clear_dev_shm()  # plain processes share the host's /dev/shm: the uid's own files
+    if not _wipe(os.getcwd(), keep):
+        doubt = "a call left /tmp too full or locked to empty"
+    return doubt
 
 
 def _pure(path: str, args: Sequence[Any], mode: str | None) -> bool:
     """A request that runs only Flywheel's code reading the completion as text (built-in
-    rewards but math, the calculator): answered in the zygote, at the cost of the design
-    before the sandbox. Anything that may run the completion as code, or the user's
-    code, gets its own process."""
+    rewards but math, the calculator): a group of them shares one process (the pool
+    decides, the zygote forks accordingly). Anything that may run the completion as
+    code, or the user's code, gets a process of its own per completion."""
     from services.tasks import rewards, tools
 
     try:
-        if path == rewards.SCORE and mode in (None, "many"):
-            calls = args if mode == "many" else [args]
-            return all(rewards.pure(c[0]) for c in calls)
+        if path == rewards.SCORE and mode is None:
+            return rewards.pure(args[0])
         if path == tools.CALL and mode == "value":
             return tools.pure(args[0])
     except (IndexError, TypeError, KeyError):
@@ -401,42 +584,74 @@ def preload(modules: list[str]) -> float:
 
 
 _PRELOAD = "services.tasks.sandbox:preload"
-# The zygote's own imports (`_pure` reads both), before it serves: each call's fork
-# starts with them warm.
+# The zygote's own imports, before it serves: each call's fork starts with them warm.
 ZYGOTE_MODULES = ("services.tasks.rewards", "services.tasks.tools")
 
 
+def _reachable_code() -> None:
+    """Plain processes of a root service, before the uid switch: the code this child runs
+    (sys.path and the packages already imported) reachable through directory fds opened
+    now, as /proc/self/fd/N. A checkout in a 0700 home directory stays unreadable to the
+    call's uid, and no permission is widened: only what is on sys.path is reached."""
+    fds: dict[str, str] = {}
+    for entry in dict.fromkeys(sys.path):
+        if entry and os.path.isdir(entry):
+            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+            fds[entry.rstrip("/")] = f"/proc/self/fd/{fd}"
+
+    def moved(p: str) -> str:
+        for root, new in fds.items():
+            if p == root or p.startswith(root + "/"):
+                return new + p[len(root) :]
+        return p
+
+    sys.path[:] = [moved(p) for p in sys.path]
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__path__", None)
+        if isinstance(path, list):
+            path[:] = [moved(p) for p in path]
+    sys.path_importer_cache.clear()
+
+
 def _child_main(argv: Sequence[str]) -> None:
-    """The zygote: read [path, args(, mode)], answer each in a process of its own
-    (in itself: warm-up); see the module docstring for the frames."""
+    """The zygote: read control frames, answer warm-ups in itself and fork a process for
+    each call (which reads its own request); see the module docstring for the frames."""
+    import ctypes
+
     opts = _Options.parse(argv)
     _harden(opts)
+    pr_set_child_subreaper = 36
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
     for module in ZYGOTE_MODULES:
         importlib.import_module(module)
-    cache: dict[str, Callable[..., Any]] = {}
     keep = _keep(os.getcwd())  # the temp dir as it is before any call
-    out = sys.stdout.buffer
+    dropped = opts.uid < 0
     while True:
         try:
-            path, args, *rest = _read_frame(sys.stdin.buffer)
+            control = _read_frame_fd(0)
         except EOFError:
             return
-        mode = rest[0] if rest else None
-        try:  # importing here (the service names the path, not the policy): warm for forks
-            fn = cache.get(path) or cache.setdefault(path, resolve(path))
-        except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
-            answer: Any = ["error", f"{type(e).__name__}: {e}"]
-        else:
-            if mode == "warm":
-                answer = _answer(fn, args, None)
-            elif _pure(path, args, mode):
-                answer = _answer(fn, args, mode)
-            else:
-                if opts.uid >= 0:
-                    _drop_root(opts.uid)
-                answer = _isolated(fn, args, mode, opts, keep)
-        out.write(_frame(answer))
-        out.flush()
+        kind, rid, *rest = control
+        if kind == "warm":  # the service's own request (imports, caches): in the zygote
+            path, args = rest
+            try:
+                answer = _answer(resolve(path), args, None)
+            except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
+                answer = ["error", f"{type(e).__name__}: {e}"]
+            _write_all(1, _frame(["warmed", rid, answer]))
+            continue
+        n, pure = rest
+        if not dropped:
+            _reachable_code()
+            _drop_root(opts.uid)
+            dropped = True
+        doubts = []
+        # Text readers (`_pure`) share one process: they never run a completion as code.
+        for first, k in [(0, n)] if pure else [(i, 1) for i in range(n)]:
+            doubt = _call(rid, first, k, opts, keep)
+            if doubt:
+                doubts.append(doubt)
+        _write_all(1, _frame(["done", rid, "; ".join(doubts) or None]))
 
 
 # ── the pools (in the service) ───────────────────────────────────────────────
@@ -514,15 +729,34 @@ class _Child:
 
         return cls(reader, writer, bool(answer[1]), stop)
 
-    async def roundtrip(self, path: str, args: tuple[Any, ...], mode: str | None = None) -> Any:
-        self.writer.write(_frame([path, list(args), *([mode] if mode else [])]))
+    async def send(self, frames: Sequence[Any]) -> None:
+        self.writer.write(b"".join(_frame(f) for f in frames))
         await self.writer.drain()
+
+    async def read(self) -> Any:
+        """One frame; EOFError when the child is gone. A body that does not decode (a
+        call's answer, spliced through as it wrote it) reads as None."""
         try:
             header = await self.reader.readexactly(_LEN.size)
-            body = await self.reader.readexactly(_LEN.unpack(header)[0])
+            (n,) = _LEN.unpack(header)
+            if n > MAX_FRAME:
+                raise EOFError(f"a frame of {n} bytes")
+            body = await self.reader.readexactly(n)
         except asyncio.IncompleteReadError as e:
             raise EOFError("verifier process closed its pipe") from e
-        return msgpack.unpackb(body, raw=False)
+        try:
+            return msgpack.unpackb(body, raw=False)
+        except (ValueError, msgpack.ExtraData):
+            return None
+
+    async def warm(self, path: str, args: tuple[Any, ...]) -> Any:
+        """A warm-up request, answered by the zygote itself: its answer."""
+        rid = secrets.randbits(62)
+        await self.send([["warm", rid, path, list(args)]])
+        frame = await self.read()
+        if not (isinstance(frame, list) and len(frame) == 3 and frame[:2] == ["warmed", rid]):
+            raise _Desync(f"a warm-up answered {frame!r:.200}")
+        return frame[2]
 
     async def kill(self) -> None:
         await self._stop()
@@ -573,6 +807,7 @@ class VerifierPool:
         self.calls = 0
         self._idle: asyncio.Queue[_Child | None] | None = None
         self._all: list[_Child] = []
+        self._killing: set[asyncio.Task[None]] = set()  # abandoned children being killed
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -590,6 +825,8 @@ class VerifierPool:
         for child in children:
             self._idle.put_nowait(child)
         self.confined = all(c.confined for c in children)
+        if self.remote is None:
+            log.info("%s: memory per call: %s", type(self).__name__, jail.memory_mode())
         if not self.confined:
             log.warning(
                 "%s runs as plain processes (limits, no walls): the sandbox is unavailable%s",
@@ -607,10 +844,8 @@ class VerifierPool:
         # The preload first, even of nothing: the child is ready once it has answered.
         for path, args in [(_PRELOAD, (list(self.PRELOAD),)), *self.warmup]:
             try:
-                answer = await asyncio.wait_for(
-                    child.roundtrip(path, args, "warm"), self.WARMUP_TIMEOUT_S
-                )
-            except (TimeoutError, EOFError, OSError) as e:
+                answer = await asyncio.wait_for(child.warm(path, args), self.WARMUP_TIMEOUT_S)
+            except (TimeoutError, EOFError, OSError, _Desync) as e:
                 answer = ["error", f"{type(e).__name__}: {e}"]
             if answer[0] == "error":
                 if strict:
@@ -623,6 +858,17 @@ class VerifierPool:
         await child.kill()
         self._all.remove(child)
         return await self._respawn()
+
+    def _abandon(self, child: _Child) -> None:
+        """Kill `child` in the background and leave its slot empty (the next call starts a
+        new one): a cancelled call's process may still answer, and its answer must never
+        be read as another call's."""
+        assert self._idle is not None
+        self._all.remove(child)
+        self._idle.put_nowait(None)
+        task = asyncio.get_running_loop().create_task(child.kill())
+        self._killing.add(task)
+        task.add_done_callback(self._killing.discard)
 
     async def _respawn(self) -> _Child | None:
         """A new child, or None while none can start (a sandbox server restarting): the
@@ -637,49 +883,103 @@ class VerifierPool:
         for child in list(self._all):
             await child.kill()
         self._all.clear()
+        if self._killing:
+            await asyncio.gather(*self._killing, return_exceptions=True)
 
-    async def _exchange(
-        self,
-        path: str,
-        args: tuple[Any, ...],
-        limit: float,
-        mode: str | None = None,
-        count: bool = True,
-    ) -> list[Any]:
-        """One call in a child: its answer, or ["error", why] after a timeout or crash
-        (counted in `errors` unless not `count`)."""
+    async def _batch(
+        self, child: _Child, path: str, calls: Sequence[tuple[Any, ...]], mode: str | None
+    ) -> tuple[list[list[Any]], str | None]:
+        """Send `calls` as one request of a fresh id, read one answer per call (each from
+        its own process, relayed by the zygote) and the zygote's closing frame. The
+        answers, and why the slot is in doubt (None: it is not). _Desync if the zygote's
+        frames do not echo the id in order."""
+        rid = secrets.randbits(62)
+        n = len(calls)
+        pure = all(_pure(path, args, mode) for args in calls)
+        requests = [[rid, i, path, list(args), mode] for i, args in enumerate(calls)]
+        await child.send([["calls", rid, n, pure], *requests])
+        answers: list[list[Any]] = []
+        doubts: list[str] = []
+        while True:
+            frame = await child.read()
+            if not (isinstance(frame, list) and len(frame) >= 3 and frame[1] == rid):
+                raise _Desync(f"call {rid} was answered {frame!r:.200}")
+            if frame[0] == "done" and len(answers) == n:
+                doubts += [str(frame[2])] if frame[2] else []
+                return answers, "; ".join(doubts) or None
+            if frame[0] not in ("answer", "crashed") or frame[2] != len(answers):
+                raise _Desync(f"call {rid} was answered {frame!r:.200} after {len(answers)}")
+            k = frame[3]
+            if not (isinstance(k, int) and 0 < k <= n - len(answers)):
+                raise _Desync(f"call {rid} was answered for {k!r} requests")
+            if frame[0] == "crashed":
+                answers += [["crashed", str(frame[4])]] * k
+                continue
+            got = await child.read()
+            if isinstance(got, list) and len(got) == 3 and got[:2] == [rid, frame[2]]:
+                if isinstance(got[2], list) and len(got[2]) == k:
+                    answers += [checked(a, mode) for a in got[2]]
+                    continue
+            answers += [["error", "sandbox: the call sent back a malformed answer"]] * k
+            doubts.append("a call's process sent back a malformed answer")
+
+    async def _run(
+        self, path: str, calls: Sequence[tuple[Any, ...]], limit: float, mode: str | None
+    ) -> list[list[Any]] | tuple[str, str]:
+        """`calls` in a child, each in a process of its own: their answers, or (kind, why)
+        when the child as a whole failed ("timeout", "crashed"; not counted here)."""
         if self._idle is None:
             raise RuntimeError(f"{type(self).__name__} used before start()")
-        self.calls += count
         slot = await self._idle.get()
-        child = slot if slot is not None else await self._respawn()
+        try:
+            child = slot if slot is not None else await self._respawn()
+        except BaseException:  # cancelled while a new child started: the slot stays
+            self._idle.put_nowait(None)
+            raise
         if child is None:
             self._idle.put_nowait(None)
-            self.errors["crashed"] += count
-            return ["error", f"{path}: no sandbox process could start", "crashed"]
+            return "crashed", f"{path}: no sandbox process could start"
         try:
-            answer: list[Any] = await asyncio.wait_for(child.roundtrip(path, args, mode), limit)
+            answers, doubt = await asyncio.wait_for(self._batch(child, path, calls, mode), limit)
         except TimeoutError:
-            if count:
-                log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
-            self.errors["timeout"] += count
             self._idle.put_nowait(await self._retire(child))
-            return ["error", f"{path} timed out after {limit}s", "timeout"]
-        except (EOFError, OSError, ConnectionError) as e:
-            self.errors["crashed"] += count
+            return "timeout", f"{path} timed out after {limit}s"
+        except (EOFError, OSError, ConnectionError, _Desync) as e:
             self._idle.put_nowait(await self._retire(child))
-            return ["error", f"{path} process died: {e!r}", "crashed"]
-        except BaseException:
-            self._idle.put_nowait(child)  # cancelled mid-call: the child stays the pool's
+            return "crashed", f"{path} process died: {e!r}"
+        except BaseException:  # cancelled mid-call: never hand its answer to the next call
+            self._abandon(child)
             raise
-        self._idle.put_nowait(child)
+        if doubt is None:
+            self._idle.put_nowait(child)
+        else:  # a crash, processes left behind, a /tmp it could not empty: a new child
+            log.info("sandbox: replacing a %s process: %s", type(self).__name__, doubt)
+            self._idle.put_nowait(await self._retire(child))
+        return answers
+
+    def _counted(self, path: str, answer: list[Any]) -> list[Any]:
+        """A call's answer as callers read it: ["error", why, kind] counted in `errors`."""
         if answer[0] == "crashed":
-            self.errors["crashed"] += count
+            self.errors["crashed"] += 1
             return ["error", f"{path} process died: {answer[1]}", "crashed"]
         if answer[0] == "error":
-            self.errors["raised"] += count
+            self.errors["raised"] += 1
             return ["error", f"{path} raised {answer[1]}", "raised"]
         return answer
+
+    async def _one(
+        self, path: str, args: tuple[Any, ...], limit: float, mode: str | None
+    ) -> list[Any]:
+        """One call: its answer, or ["error", why, kind] after a timeout, raise or crash."""
+        self.calls += 1
+        out = await self._run(path, [args], limit, mode)
+        if isinstance(out, tuple):
+            kind, why = out
+            if kind == "timeout":
+                log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
+            self.errors[kind] += 1
+            return ["error", why, kind]
+        return self._counted(path, out[0])
 
     @staticmethod
     def _reward(answer: list[Any]) -> Reward:
@@ -689,12 +989,13 @@ class VerifierPool:
 
     async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
         """Run `path(*args)` in a child; Reward(0, error=...) on timeout, raise or crash."""
-        return self._reward(await self._exchange(path, args, timeout_s or self.timeout_s))
+        return self._reward(await self._one(path, args, timeout_s or self.timeout_s, None))
 
     async def call_many(
         self, path: str, calls: Sequence[tuple[Any, ...]], timeout_s: float | None = None
     ) -> list[Reward]:
-        """`call(path, *args)` for each of `calls`, with the same results, in one round trip.
+        """`call(path, *args)` for each of `calls`, with the same results, in one round trip:
+        each in a process of its own (a completion cannot touch its siblings' rewards).
 
         The whole batch gets one call's limit. If it runs past it (a hang, or
         verifiers slow enough that the batch does) or the child dies, the calls
@@ -703,18 +1004,11 @@ class VerifierPool:
         """
         limit = timeout_s or self.timeout_s
         if len(calls) > 1:
-            answer = await self._exchange(path, tuple(calls), limit, "many", count=False)
-            if answer[0] == "many":
+            out = await self._run(path, calls, limit, None)
+            if not isinstance(out, tuple):
                 self.calls += len(calls)
-                return [self._reward(self._raised(path, v)) for v in answer[1]]
+                return [self._reward(self._counted(path, a)) for a in out]
         return [await self.call(path, *args, timeout_s=limit) for args in calls]
-
-    def _raised(self, path: str, verdict: list[Any]) -> list[Any]:
-        """A batch's per-call verdict as `_exchange` words a raise (counted the same)."""
-        if verdict[0] != "error":
-            return verdict
-        self.errors["raised"] += 1
-        return ["error", f"{path} raised {verdict[1]}", "raised"]
 
 
 @dataclass(frozen=True)
@@ -749,8 +1043,10 @@ class ToolPool(VerifierPool):
         sandbox: Sandbox | None = None,
         remote: str | os.PathLike[str] | None = None,
     ) -> None:
-        # warm-up: import the tools module (and the user's tools) before the first call
-        warm = ("services.tasks.tools:warm", (list(tools),))
+        # warm-up: import the tools module (and the user's tools) before the first call; only
+        # their names: a tool's `env` (a secret) reaches no process but its own calls'
+        names = [{"type": t.get("type"), "fn": t.get("fn")} for t in tools]
+        warm = ("services.tasks.tools:warm", (names,))
         base = sandbox or Sandbox(modules=tool_modules(tools))
         box = replace(base, limits=replace(base.limits, memory_mb=memory_mb), audit=True)
         super().__init__(size, timeout_s, warmup=[warm], sandbox=box, remote=remote)
@@ -758,7 +1054,7 @@ class ToolPool(VerifierPool):
     async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:
         """`path(*args)` as text; a hang, raise or crash is an outcome with its error."""
         started = time.monotonic()
-        answer = await self._exchange(path, args, timeout_s or self.timeout_s, "value")
+        answer = await self._one(path, args, timeout_s or self.timeout_s, "value")
         seconds = time.monotonic() - started
         if answer[0] == "error":
             return ToolOutcome(str(answer[1]).removeprefix(f"{path} "), str(answer[2]), seconds)

@@ -154,7 +154,9 @@ def warmup(tasks: TaskSet) -> list[tuple[str, tuple[Any, ...]]]:
         for source in {id(s): s for s in (spec.source, *spec.eval.sources)}.values():
             src = source.scorer_context()
             ctx = {"source": src} if src is not None else {}
-            calls.append((rewards.WARM, (reward_payload(spec), ctx)))
+            # the parts without their `env`: a reward's secret reaches only its own calls
+            parts = [{k: v for k, v in p.items() if k != "env"} for p in reward_payload(spec)]
+            calls.append((rewards.WARM, (parts, ctx)))
     return calls
 
 

@@ -9,7 +9,13 @@ step of a kernel exploit), mounting, tracing other processes (`ptrace`,
 `process_vm_*`), and the interfaces that hold most local privilege
 escalations (`bpf`, `perf_event_open`, `userfaultfd`, `io_uring`, `keyctl`,
 module and kexec loading). Docker's and containerd's default profiles refuse
-the same list; ours is written out because a pool child must not depend on
+the same list; ours adds POSIX message queues (`mq_open`: they live in the
+IPC namespace, which a slot's calls share, and none can be listed to remove
+them after a call; SysV objects can, and are: sandbox.py) and new unix-domain
+sockets (`socket(AF_UNIX)`: a
+read-only bind does not stop `connect()` to a socket file in a bound folder;
+`socketpair`, which asyncio's self-pipe uses, connects to nothing and
+stays). Ours is written out because a pool child must not depend on
 the container runtime's profile, and bubblewrap takes a compiled program
 (`--seccomp FD`), not a policy file.
 
@@ -21,7 +27,7 @@ them in memory, out of a filter's reach). A call from another architecture
 the same calls.
 
 Why no library: libseccomp's Python binding is not on PyPI, and the program
-is a few dozen instructions with one argument check, tested against the
+is a few dozen instructions with two argument checks, tested against the
 kernel headers where they are installed (tests/unit/tasks/test_seccomp.py)
 and by the escape battery against a live kernel.
 """
@@ -43,6 +49,7 @@ _JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
 _JSET_K = 0x45  # BPF_JMP | BPF_JSET | BPF_K
 _RET_K = 0x06  # BPF_RET | BPF_K
 
+_AF_UNIX = 1
 _ALLOW = 0x7FFF0000
 _KILL_PROCESS = 0x80000000
 _ERRNO = 0x00050000
@@ -56,7 +63,8 @@ DENIED = (
     "fsmount fspick mount_setattr ptrace process_vm_readv process_vm_writev bpf "
     "perf_event_open userfaultfd io_uring_setup io_uring_enter io_uring_register keyctl "
     "add_key request_key init_module finit_module delete_module kexec_load kexec_file_load "
-    "swapon swapoff reboot acct quotactl syslog vhangup name_to_handle_at open_by_handle_at"
+    "swapon swapoff reboot acct quotactl syslog vhangup name_to_handle_at open_by_handle_at "
+    "mq_open"
 ).split()
 
 
@@ -72,6 +80,7 @@ _X86_64 = Arch(
     {
         "clone": 56,
         "clone3": 435,
+        "socket": 41,
         "unshare": 272,
         "setns": 308,
         "mount": 165,
@@ -111,6 +120,7 @@ _X86_64 = Arch(
         "vhangup": 153,
         "name_to_handle_at": 303,
         "open_by_handle_at": 304,
+        "mq_open": 240,
     },
     abi_mask=0x40000000,
 )
@@ -120,6 +130,7 @@ _AARCH64 = Arch(
     {
         "clone": 220,
         "clone3": 435,
+        "socket": 198,
         "unshare": 97,
         "setns": 268,
         "mount": 40,
@@ -159,6 +170,7 @@ _AARCH64 = Arch(
         "vhangup": 58,
         "name_to_handle_at": 264,
         "open_by_handle_at": 265,
+        "mq_open": 180,
     },
 )
 
@@ -192,6 +204,9 @@ def program(machine: str | None = None) -> bytes:
     for name in DENIED:
         op(_JEQ_K, a.numbers[name], jt="eperm")
     op(_JEQ_K, a.numbers["clone3"], jt="enosys")
+    op(_JEQ_K, a.numbers["socket"], jf=2)  # not socket: on to clone, two instructions on
+    op(_LD_W_ABS, _ARG0)  # socket's domain
+    op(_JEQ_K, _AF_UNIX, jt="eperm", jf="allow")
     op(_JEQ_K, a.numbers["clone"], jf="allow")
     op(_LD_W_ABS, _ARG0)  # clone's flags (their low 32 bits hold every CLONE_NEW*)
     op(_JSET_K, CLONE_NEW_FLAGS, jt="eperm")

@@ -29,3 +29,21 @@ def environment(name: str) -> str:
     import os
 
     return f"{name}={os.environ.get(name)} count={len(os.environ)}"
+
+
+def scored_code(completion: str, answer: str | None) -> dict:
+    """A reward that runs the completion as code: its reward is the `score=<n>` it
+    printed, every other `name=<n>` a part (the siblings case of the escape battery)."""
+    try:
+        out = run_python(completion)
+    except Exception as e:  # noqa: BLE001 -- the refusal is the outcome the test reads
+        out = f"raised {type(e).__name__}: {e}"
+    parts = {k: float(v) for k, v in re.findall(r"(\w+)=(-?\d+)", out)}
+    return {"reward": parts.pop("score", 0.0), "parts": parts}
+
+
+def secret_tool(name: str) -> str:
+    """A function tool that declares a secret in its `env`: it may read it, no one else."""
+    import os
+
+    return f"{name}={os.environ.get(name, '')}"

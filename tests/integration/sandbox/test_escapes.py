@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from services.tasks.jail import UID_BASE, Limits
+from services.tasks.jail import UID_BASE, Limits, mounts
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
 from services.tasks.sandbox import ToolPool, VerifierPool
@@ -46,6 +46,9 @@ TIMEOUT_S = 5.0
 SECRET_VAR = "FLYWHEEL_NATS__PASSWORD"
 SECRET = f"secret-{token_hex(12)}"
 LIMITS = Limits()
+# What the sandbox's /tmp holds before any call: the top of a checkout or virtualenv
+# that lives under /tmp, bound there (jail.mounts). A call's leftovers are the rest.
+KEPT = sorted({Path(a).parts[2] for a in mounts(CONFINED.modules)[0] if a.startswith("/tmp/")})
 # Before every case's code: should a regression ever run it outside the walls (root,
 # the host's /proc), it stops instead of trying a fork bomb or kill(-1) on this host.
 # The case then fails for want of its output; `unprivileged` says why.
@@ -512,31 +515,33 @@ print(f"forks={n}")
 """)
     assert 0 < out.number("forks") < LIMITS.processes, out
     assert uid is not None
-    wait_for(lambda: len(with_uid(uid)) == 1, 10, "only the zygote left of the sandbox's uid")
+    # Processes left behind put the slot in doubt: killed, reaped, and the slot replaced.
+    wait_for(lambda: len(with_uid(uid)) <= 1, 10, "nothing of the call left of its uid")
 
 
 def exceed_file_size(run: Run, h: Host, p: Pools, kind: str) -> None:
     """RLIMIT_FSIZE stops one file; the size of /tmp stops many."""
-    out = run("""
+    out = run(f"""
 import os
+KEPT = {KEPT!r}
 try:
     with open("/tmp/big", "wb") as f:
         for _ in range(100):
             f.write(b"x" * (1 << 20))
             f.flush()
 except OSError as e:
-    print(f"big_errno={e.errno}")
-print(f"big={os.path.getsize('/tmp/big')}")
+    print(f"big_errno={{e.errno}}")
+print(f"big={{os.path.getsize('/tmp/big')}}")
 total = 0
 try:
     for i in range(100):
-        with open(f"/tmp/part{i}", "wb") as f:
+        with open(f"/tmp/part{{i}}", "wb") as f:
             for _ in range(15):
                 f.write(b"x" * (1 << 20))
                 f.flush()
 except OSError as e:
-    print(f"tmp_errno={e.errno}")
-print(f"tmp={sum(os.path.getsize('/tmp/' + n) for n in os.listdir('/tmp'))}")
+    print(f"tmp_errno={{e.errno}}")
+print(f"tmp={{sum(os.path.getsize('/tmp/' + n) for n in os.listdir('/tmp') if n not in KEPT)}}")
 """)
     assert out.number("big_errno") == errno.EFBIG, out
     assert out.number("big") <= LIMITS.file_mb << 20, out
@@ -611,7 +616,8 @@ builtins.len = lambda x: 42
 tools.run_python = None
 rewards.score = lambda *a, **k: {"reward": 1.0, "parts": {}}
 """)
-    out = run("import os\nprint(f\"left={len(os.listdir('/tmp'))} two={len('ab')}\")")
+    left = f"len(set(os.listdir('/tmp')) - set({KEPT!r}))"
+    out = run(f"import os\nprint(f\"left={{{left}}} two={{len('ab')}}\")")
     assert out.number("left") == 0 and out.number("two") == 2, out
 
 
@@ -626,6 +632,197 @@ print(f"proc={int(os.path.exists('/proc/self'))} ppid={os.getppid()}")
     assert out.number("uid") >= UID_BASE and out.number("gid") == out.number("uid"), out
     assert out.number("groups") == 0 and out.number("proc") == 0, out
     assert out.number("ppid") < 10, out  # the zygote, low in a namespace of its own
+
+
+# ── one call against another: what a call can learn of, or leave to, the calls after ──
+# Run inside a call: `found(needle)` counts the strings of an earlier call (`needle`
+# followed by 16 hex digits) it can reach by walking its inherited frames and the
+# garbage collector's objects, and by reading its own memory page by page around the
+# heap, the object arenas and the mmap region (write(2) to a pipe reads a page, EFAULT
+# where none is mapped: no segfault on a hole).
+SCAN = r"""
+import ctypes, gc, os, re, sys
+
+def found(needle):
+    pat = re.compile(re.escape(needle.encode()) + rb"[0-9a-f]{16}")
+    spat = re.compile(re.escape(needle) + "[0-9a-f]{16}")
+    hits = 0
+
+    def has(v):
+        if isinstance(v, str):
+            return bool(spat.search(v))
+        if isinstance(v, (bytes, bytearray)):
+            return bool(pat.search(bytes(v)))
+        if isinstance(v, (list, tuple)):
+            return any(has(x) for x in v[:1000] if isinstance(x, (str, bytes, list, tuple)))
+        if isinstance(v, dict):
+            return any(has(x) for x in list(v.values())[:1000] if isinstance(x, (str, bytes)))
+        return False
+
+    f = sys._getframe()
+    while f is not None:
+        hits += sum(1 for v in list(f.f_locals.values()) if has(v))
+        f = f.f_back
+    for o in gc.get_objects():
+        try:
+            hits += has(o)
+        except Exception:
+            pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    libc.sbrk.restype = ctypes.c_void_p
+    r, w = os.pipe()
+    page = 4096
+    big = ctypes.create_string_buffer(1 << 20)
+    anchors = {id(object()), id(sys.modules), ctypes.addressof(big), libc.sbrk(0) or 0}
+    seen = set()
+    for anchor in anchors:
+        base = (anchor // page) * page
+        run = b""
+        for addr in range(base - (16 << 20), base + (16 << 20), page):
+            if addr in seen or addr <= 0:
+                continue
+            seen.add(addr)
+            if libc.write(w, addr, page) == page:
+                run += os.read(r, page)
+                if len(run) < (1 << 20):
+                    continue
+            hits += len(pat.findall(run))
+            run = run[-64:]
+        hits += len(pat.findall(run))
+    return hits
+"""
+
+
+def cross_call_memory(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """The issue's first route: an earlier call's program and answer, read by a later call
+    in what its process inherited (frames, objects, memory)."""
+    mark = f"xcall{h.token}"
+    secret = token_hex(8)
+    first = run(f"print('{mark}' + '-A-' + '{secret}')")
+    assert f"{mark}-A-{secret}" in first.text or kind == "reward", first
+    out = run(SCAN + f"print(f\"found={{found('{mark}' + '-A-')}}\")")
+    assert out.number("found") == 0, out
+
+
+def ipc(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """SysV shared memory, message queues and semaphores, POSIX shared memory and message
+    queues made by one call: gone for the next (and their memory with them)."""
+    key = 0x5EED0000 + random.randrange(1 << 16)
+    name = f"/fw{h.token}"
+    made = run(f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+made = 0
+made += libc.shmget({key}, 1 << 20, 0o1666) >= 0
+made += libc.msgget({key}, 0o1666) >= 0
+made += libc.semget({key}, 1, 0o1666) >= 0
+try:
+    from multiprocessing import shared_memory
+    shared_memory.SharedMemory({name!r}, create=True, size=4096)
+    made += 1
+except Exception as e:
+    print("shm_open refused", e)
+q = rt.mq_open({name.encode()!r}, os.O_CREAT | os.O_RDWR, 0o666, None)
+made += q >= 0
+print(f"made={{made}}")
+""")
+    out = run(f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+found = {{
+    "shm": libc.shmget({key}, 0, 0) >= 0,
+    "msg": libc.msgget({key}, 0) >= 0,
+    "sem": libc.semget({key}, 0, 0) >= 0,
+    "posixshm": os.path.exists("/dev/shm{name}"),
+    "mqueue": rt.mq_open({name.encode()!r}, os.O_RDWR) >= 0,
+}}
+print(" ".join(f"{{k}}={{int(v)}}" for k, v in found.items()), f"left={{sum(found.values())}}")
+""")
+    assert made.number("made") >= 3 or kind == "reward", made  # SysV at least
+    assert out.number("left") == 0, out
+
+
+def tmp_wipe_bypass(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Hundreds of nested folders (past the wiper's file-descriptor limit), one locked,
+    with a file at the bottom: the next call sees an empty /tmp, and does not pay for
+    the chain."""
+    run("""
+import os
+os.chdir("/tmp")
+for i in range(600):
+    os.mkdir("d")
+    os.chdir("d")
+open("bottom", "w").write("left for the next call")
+os.chdir("/tmp/d/d/d")
+os.chmod("/tmp/d/d", 0o500)
+print("nested=600")
+""")
+    t0 = time.monotonic()
+    left = f"len(set(os.listdir('/tmp')) - set({KEPT!r}))"
+    out = run(f'import os\nprint(f"left={{{left}}}")')
+    assert out.number("left") == 0, out
+    t1 = time.monotonic()
+    assert run("print('again=1')").number("again") == 1
+    assert time.monotonic() - t1 < 0.3 + (t1 - t0), "a later call pays for the chain"
+
+
+def zombies(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Children made with clone(CLONE_PARENT) are the zygote's: it reaps them, and the
+    calls after still start threads and processes."""
+    out = run("""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_PARENT, SIGCHLD = 0x8000, 17
+n = 0
+for _ in range(40):
+    pid = libc.syscall(56, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    n += pid > 0
+print(f"cloned={n}")
+""")
+    assert out.number("cloned") > 0 or kind == "reward", out
+    for _ in range(3):
+        out = run("""
+import subprocess, threading
+t = threading.Thread(target=lambda: None)
+t.start()
+t.join()
+print(f"sub={subprocess.run(['true']).returncode + 1} thread=1")
+""")
+        assert out.number("sub") == 1 and out.number("thread") == 1, out
+
+
+def sockets_in_bound_folders(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """A unix socket in a folder bound into the sandbox (read-only binds do not stop
+    connect()): refused."""
+    path = REPO / "tests" / f".s{h.token}"
+    s = h.listener(socket.SOCK_STREAM, str(path), socket.AF_UNIX)
+    path.chmod(0o777)  # a socket anyone may connect to (a service's, a docker.sock)
+    try:
+        out = run(f"""
+import socket
+try:
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect({str(path)!r})
+    c.sendall(b"escaped")
+    print("connected=1")
+except OSError as e:
+    print("connected=0", e)
+""")
+        h.heard_nothing(s)
+        assert out.number("connected") == 0, out
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def asyncio_still_runs(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """What the unix-socket refusal must leave: socketpair, which asyncio's loop uses."""
+    out = run("import asyncio\nprint(f'ran={asyncio.run(asyncio.sleep(0, 7))}')")
+    assert out.number("ran") == 7, out
 
 
 CASES = [
@@ -651,6 +848,12 @@ CASES = [
     forge_the_answer,
     memory,
     leftovers,
+    cross_call_memory,
+    ipc,
+    tmp_wipe_bypass,
+    zombies,
+    sockets_in_bound_folders,
+    asyncio_still_runs,
 ]
 
 
@@ -670,3 +873,140 @@ def _host_ip() -> str:
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
 def test_escape_is_refused(case: Callable[..., None], kind: str, pools: Pools, host: Host) -> None:
     case(lambda code: pools.run(kind, code), host, pools, kind)
+
+
+@pytest.mark.parametrize("kind", ["tool", "reward"])
+def test_after_a_cancelled_call_every_call_gets_its_own_answer(pools: Pools, kind: str) -> None:
+    """A caller that gives up on a call (a rollout cancelled mid-episode) must not leave
+    that call's answer to be read as the next one's: the next 100 calls each get theirs."""
+    parts = [as_fields(CustomReward(fn=REWARD, name="run"))]
+
+    async def one(code: str) -> str:
+        if kind == "tool":
+            return (await pools.tool.run(CALL, PY, SEATBELT + code)).text
+        r = await pools.verifier.call(SCORE, parts, SEATBELT + code, None, {})
+        return f"n={int(r.parts.get('run.n', -1))}\n"
+
+    async def body() -> list[str]:
+        slow = asyncio.ensure_future(one("import time\ntime.sleep(1)\nprint('n=999')"))
+        await asyncio.sleep(0.3)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        return [await one(f"print('n={i}')") for i in range(100)]
+
+    assert pools.loop.run_until_complete(body()) == [f"n={i}\n" for i in range(100)]
+
+
+def test_a_completion_cannot_change_its_siblings_rewards(pools: Pools) -> None:
+    """A group of 8 scored in one round trip, one of them trying every way to raise the
+    others' rewards (patching the reward and the code runner, a file in /tmp, the
+    environment) and to read their text: each sibling scores exactly as alone."""
+    parts = [as_fields(CustomReward(fn=f"{REWARD.partition(':')[0]}:scored_code", name="s"))]
+    tok = token_hex(4)
+    attacker = (
+        SEATBELT
+        + SCAN
+        + f"""
+import os, sys
+import services.tasks.rewards as R
+import services.tasks.tools as T
+fx = sys.modules["{REWARD.partition(":")[0]}"]
+fx.run_python = lambda code: "score=1"
+T.run_python = lambda code: "score=1"
+R.score = lambda *a, **k: {{"reward": 1.0, "parts": {{}}}}
+open("/tmp/score", "w").write("1")
+os.environ["SCORE"] = "1"
+print(f"score=0 seen={{found('sib{tok}' + '-S-')}}")
+"""
+    )
+    honest = (
+        SEATBELT
+        + """
+import os
+mark = "sib{tok}-S-{hex}"
+score = open("/tmp/score").read() if os.path.exists("/tmp/score") else os.environ.get("SCORE", "0")
+print(f"score={{score}}")
+"""
+    )
+    group = [attacker] + [honest.format(tok=tok, hex=token_hex(8)) for _ in range(7)]
+
+    async def body() -> tuple[list[Any], list[Any]]:
+        alone = [await pools.verifier.call(SCORE, parts, c, None, {}) for c in group]
+        together = await pools.verifier.call_many(SCORE, [(parts, c, None, {}) for c in group])
+        return alone, together
+
+    alone, together = pools.loop.run_until_complete(body())
+    assert [r.reward for r in alone] == [0.0] * 8, alone
+    assert together == alone
+    assert together[0].parts.get("s.seen") == 0.0, together[0]
+
+
+def test_a_tools_secret_reaches_only_its_own_calls() -> None:
+    """A function tool's `env` (an API key) reaches that tool's calls, and no python-tool
+    call of the same pool, before or after it, by any route above."""
+    require_sandbox()
+    from services.tasks.episode_spec import FunctionTool
+
+    tok = token_hex(4)
+    key = f"tk{tok}-K-{token_hex(8)}"
+    tool = FunctionTool.model_validate({
+        "type": "function", "tag": "key", "fn": f"{REWARD.partition(':')[0]}:secret_tool",
+        "parameters": {"name": {"type": "string"}}, "env": {"FW_TOOL_KEY": key},
+    }).model_dump(mode="json")  # fmt: skip
+    probe = (
+        SEATBELT
+        + SCAN
+        + f"""
+import os
+print(f"found={{found('tk{tok}' + '-K-') + ('FW_TOOL_KEY' in os.environ)}}")
+"""
+    )
+
+    async def body() -> list[str]:
+        async with ToolPool(1, 10.0, tools=[PY, tool], sandbox=CONFINED) as pool:
+            assert pool.confined
+            before = await pool.run(CALL, PY, probe)
+            own = await pool.run(CALL, tool, '{"name": "FW_TOOL_KEY"}')
+            after = await pool.run(CALL, PY, probe)
+            return [before.text, own.text, after.text]
+
+    before, own, after = asyncio.run(body())
+    assert own == f"FW_TOOL_KEY={key}", own
+    assert before == "found=0\n" and after == "found=0\n", (before, after)
+
+
+def test_a_calls_processes_share_one_memory_limit(pools: Pools) -> None:
+    """Six processes of one call each fill 150 MB (each under its own RLIMIT_AS): where the
+    host delegates cgroups, together they stay under the child's one limit (the tool
+    pool's 512 MB), so at most three of them get there. Elsewhere the limit is per
+    process (jail.memory_mode) and this is skipped, saying so."""
+    from services.tasks import jail
+
+    if jail.cgroups() is None:
+        pytest.skip(f"no cgroup is delegated here: {jail.memory_mode()}")
+    out = pools.run(
+        "tool",
+        """
+import os, select, time
+r, w = os.pipe()
+for _ in range(6):
+    if os.fork() == 0:
+        try:
+            x = b"\\1" * (150 << 20)
+            os.write(w, b"1")
+            time.sleep(30)
+        finally:
+            os._exit(0)
+os.close(w)
+done, deadline = 0, time.monotonic() + 4
+while done < 6 and time.monotonic() < deadline:
+    if select.select([r], [], [], max(0, deadline - time.monotonic()))[0]:
+        got = os.read(r, 16)
+        if not got:
+            break
+        done += len(got)
+print(f"filled={done}")
+""",
+    )
+    assert 0 < out.number("filled") <= 3, out

@@ -1,5 +1,5 @@
-"""The sandbox child's pure decisions: which requests it may answer in itself, and what it
-passes on of a call's answer."""
+"""The sandbox's pure decisions: which requests a group may share one process for, and
+what the pool accepts of a call's answer."""
 
 from __future__ import annotations
 
@@ -20,49 +20,55 @@ CUSTOM = {"fn": "pkg.mod:fn"}
     ("path", "args", "mode", "pure"),
     [
         (R.SCORE, ([EXACT], "7", "7", {}), None, True),
+        (R.SCORE, ([EXACT, {"fn": "format"}], "x", "7", {}), None, True),
+        (R.SCORE, ([EXACT, MATH], "7", "7", {}), None, False),  # sympy parses the text
+        (R.SCORE, ([CUSTOM], "x", "7", {}), None, False),
         (
             R.SCORE,
-            [([EXACT], "7", "7", {}), ([EXACT, {"fn": "format"}], "x", "7", {})],
-            "many",
+            ([EXACT, {"fn": "services.tasks.last_word:brevity_credit"}], "x", "7", {}),
+            None,
             True,
         ),
-        (R.SCORE, ([EXACT, MATH], "7", "7", {}), None, False),  # sympy parses the text
-        (R.SCORE, [([EXACT], "7", "7", {}), ([CUSTOM], "x", "7", {})], "many", False),
+        (
+            R.SCORE,
+            ([{"fn": "services.tasks.last_word:brevity_credit", "env": {"K": "v"}}], "x", "7", {}),
+            None,
+            False,
+        ),
         (R.SCORE, ([{"fn": "reasoning_gym"}], "7", "7", {}), None, False),
         (CALL, ({"type": "calculator"}, "1+1"), "value", True),
         (CALL, ({"type": "python"}, "1+1"), "value", False),
         (CALL, ({"type": "function", "fn": "a:b"}, "{}"), "value", False),
         ("tests.unit.tasks.fixtures:shouting", ("A", None), None, False),
-        (R.SCORE, ("not", "a", "call"), "many", False),
+        (R.SCORE, ("not", "a", "call"), None, False),
+        (R.SCORE, ([EXACT], "7", "7", {}), "value", False),
     ],
 )
-def test_only_flywheels_text_readers_skip_the_fork(
+def test_only_flywheels_text_readers_share_a_process(
     path: str, args: object, mode: str | None, pure: bool
 ) -> None:
     assert _pure(path, args, mode) is pure  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
-    ("answer", "mode", "n", "ok"),
+    ("answer", "mode", "ok"),
     [
-        (["ok", 1.0, {"a": 0.5}], None, 1, True),
-        (["error", "ValueError: x"], None, 1, True),
-        (["ok", "1.0", {}], None, 1, False),  # a string where the service parses a float
-        (["ok", math.inf, {}], None, 1, False),
-        (["ok", 1.0, {"a": "x"}], None, 1, False),
-        (["value", "text"], "value", 1, True),
-        (["value", 7], "value", 1, False),
-        (["ok", 1.0, {}], "value", 1, False),  # an answer of another kind of request
-        (["many", [["ok", 1.0, {}], ["error", "e"]]], "many", 2, True),
-        (["many", [["ok", 1.0, {}]]], "many", 2, False),  # one answer for two calls
-        ({"ok": 1}, None, 1, False),
-        (None, None, 1, False),
+        (["ok", 1.0, {"a": 0.5}], None, True),
+        (["error", "ValueError: x"], None, True),
+        (["ok", "1.0", {}], None, False),  # a string where the service parses a float
+        (["ok", math.inf, {}], None, False),
+        (["ok", 1.0, {"a": "x"}], None, False),
+        (["value", "text"], "value", True),
+        (["value", 7], "value", False),
+        (["ok", 1.0, {}], "value", False),  # an answer of another kind of request
+        ({"ok": 1}, None, False),
+        (None, None, False),
     ],
 )
 def test_a_calls_answer_passes_only_in_the_shape_asked_for(
-    answer: object, mode: str | None, n: int, ok: bool
+    answer: object, mode: str | None, ok: bool
 ) -> None:
-    out = checked(answer, mode, n)
+    out = checked(answer, mode)
     assert (out == answer) is ok
     if not ok:
         assert out == ["error", "sandbox: the call sent back a malformed answer"]
