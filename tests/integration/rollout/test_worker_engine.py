@@ -186,6 +186,8 @@ def test_a_redelivered_task_does_not_reuse_a_request_id_in_flight(
 
     class Ctx:  # the worker's metrics registry; generate() publishes nothing
         registry = CollectorRegistry()
+        js = None  # its dead-letter publisher is made, never used here
+        max_payload = 1 << 20
 
     async def body() -> None:
         async with serving_engine(state) as url, EngineClient(url) as c:
