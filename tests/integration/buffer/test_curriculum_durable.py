@@ -22,13 +22,11 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
-from prometheus_client import CollectorRegistry
 
 from proto.codec import decode, encode
 from proto.messages import (
@@ -52,23 +50,11 @@ from services.runtime.nats_conn import ensure_consumer, ensure_kv, ensure_stream
 from services.runtime.settings import load_settings
 from services.stack.localdev.nats_server import NatsServer
 from tests.harness.runfile import run_file
+from tests.integration.buffer.test_buffer_state import At, Ctx
 
 RUN = "curric"
 SIZE = 6  # prompts
 G = 2  # groups per step
-
-
-@dataclass
-class Ctx:
-    js: Any
-    max_payload: int
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class At:
-    stream_seq: int
 
 
 def settings(tmp_path: Path, url: str, **buffer: Any) -> BufferSettings:
