@@ -25,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     RL loop, the other ranks train what it broadcasts."""
     import asyncio
 
+    from services.runtime.malloc import bound_heap_growth
     from services.runtime.service_main import parse_args, settings_or_exit
     from services.trainer.settings import TrainerSettings
 
+    bound_heap_growth()  # before any tensor: freed memory goes back (runtime/malloc.py)
     args = parse_args("trainer", argv)
     settings = settings_or_exit("trainer", TrainerSettings, args.config, args.print_config)
     from services.models.resolve import resolve_model

@@ -1,0 +1,58 @@
+"""glibc's allocator told to give freed tensor memory back (the trainer, the engine).
+
+Under glibc's defaults a long-running torch process on a CPU grows without
+bound: the first large tensor freed raises the mmap threshold to its size
+(up to 32 MiB), so from then on every tensor up to that size comes from an
+arena, and each thread that allocates (the training step, the evaluation
+beside it) gets arenas of its own whose 64 MiB heaps fragment and are never
+returned. Measured on the real-model demo: the trainer's RSS 3.8 GiB after
+its first step, 16.4 GiB by step 55, in ~95 thread-arena heaps of 60-63 MiB
+(/proc/PID/smaps), on a 24 GiB machine that also runs the engine.
+
+A fixed mmap threshold (which also turns the dynamic one off) sends every
+allocation of `MMAP_THRESHOLD` or more to its own mapping, unmapped on free;
+two arenas at most bound the per-thread heaps. Both are process-wide and
+take effect for later allocations, so this runs first thing in `main`.
+An environment that sets the MALLOC_* variables itself keeps its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+
+MMAP_THRESHOLD = 4 << 20  # a 135M model's activations per micro-batch are ~1-3 MiB tensors
+TRIM_THRESHOLD = 32 << 20
+ARENA_MAX = 2
+
+
+def bound_heap_growth() -> bool:
+    """Apply the settings above where the C library is glibc; True if applied."""
+    if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return False  # musl and others: their own allocator, nothing to set
+    ok = all(
+        libc.mallopt(param, value) == 1
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_ARENA_MAX, ARENA_MAX),
+        )
+    )
+    if not ok:
+        log.warning("mallopt refused a setting: the process's heap may grow with fragmentation")
+    return ok
