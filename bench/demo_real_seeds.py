@@ -25,12 +25,13 @@ validation curve):
 - flat: the status lines' `flat` share (the buffer's last step's flat
   groups), mean and max over the run; stalls: the buffer's one-line "no
   trainable group in the last ..." messages seen in the run's logs;
-- eval share: seconds in held-out evaluations over the RL seconds. Where the
-  trainer's metrics rows carry `eval_s` that is their sum; otherwise (the
-  trainer does not time them today) an estimate: the excess of the rows' gap
-  at an evaluated step over the median gap of the other steps, summed; the
-  step-0 evaluation, in the first gap with start-up, is left out (`—` under
-  4 steps).
+- eval share: what held-out evaluations cost the training, over the RL
+  seconds. Evaluations beside the loop (rows with `eval_s`): the excess of
+  the steps trained while one ran over the median step trained while none
+  ran, summed (`beside_share`; the evaluation's own seconds are not a
+  stall). Evaluations in the loop (older runs, no `eval_s`): the excess of
+  the rows' gap at an evaluated step over the median gap of the other
+  steps, summed. Both leave the step-0 evaluation out (`—` under 4 steps).
 """
 
 from __future__ import annotations
@@ -95,14 +96,12 @@ def stall_lines(run_dir: Path, console: Path) -> int:
 
 
 def eval_share(rows: list[dict[str, Any]]) -> float | None:
-    """Share of RL wall time spent in held-out evaluations: the rows' own `eval_s` where
-    the trainer records it, else estimated (see the module doc)."""
+    """Share of RL wall time that held-out evaluations cost the training (module doc)."""
     steps = [r for r in rows if "elapsed" in r]
     if not steps or steps[-1]["elapsed"] <= 0:
         return None
-    total = steps[-1]["elapsed"]
     if any("eval_s" in r for r in steps):
-        return sum(float(r.get("eval_s", 0.0)) for r in steps) / total
+        return beside_share(rows)
     if len(steps) < 4:
         return None  # too few steps to tell a typical gap
     # the first gap holds start-up and the first batch's wait besides the step-0 evaluation
@@ -112,7 +111,29 @@ def eval_share(rows: list[dict[str, Any]]) -> float | None:
         return None
     typical = statistics.median(plain)
     extra = sum(max(0.0, g - typical) for r, g in gaps if "eval_accuracy" in r)
-    return extra / total
+    return extra / steps[-1]["elapsed"]
+
+
+def beside_share(rows: list[dict[str, Any]]) -> float | None:
+    """Evaluations beside the loop (rows with `eval_s`): how much longer the steps trained
+    while one ran took than the median step trained while none ran, summed, over the
+    RL wall time from the first trained step to the last. An evaluation's seconds are
+    not the loop's: the loop goes on training meanwhile; what it costs is the CPU it
+    takes from the steps (and the engine) beside it. The step-0 evaluation runs before
+    the first step and is left out, as are steps with no timestamp."""
+    trained = [r for r in rows if "batch_id" in r and "time" in r]
+    windows = [(r["time"] - r["eval_s"], r["time"]) for r in rows
+               if "eval_s" in r and r.get("step", 0) > 0 and "time" in r]  # fmt: skip
+    if len(trained) < 4:
+        return None
+    gaps = [(a["time"], b["time"]) for a, b in itertools.pairwise(trained)]
+    beside = [t1 - t0 for t0, t1 in gaps if any(t0 < e1 and t1 > e0 for e0, e1 in windows)]
+    alone = [t1 - t0 for t0, t1 in gaps if not any(t0 < e1 and t1 > e0 for e0, e1 in windows)]
+    if not alone:
+        return None
+    typical = statistics.median(alone)
+    extra = sum(max(0.0, g - typical) for g in beside)
+    return extra / (trained[-1]["time"] - trained[0]["time"])
 
 
 def run_seed(seed: int, out_dir: Path, demo_args: list[str], bar: float, budget: float) -> SeedRun:
