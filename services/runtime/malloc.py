@@ -23,6 +23,7 @@ import ctypes.util
 import logging
 import os
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,28 @@ def bound_heap_growth() -> bool:
     if not ok:
         log.warning("mallopt refused a setting: the process's heap may grow with fragmentation")
     return ok
+
+
+def release_free_memory() -> None:
+    """Give the free pages inside the heaps back (glibc `malloc_trim`, all arenas).
+
+    Per step, the trainer allocates and frees a snapshot of the weights and its
+    activations in blocks under the mmap threshold, from two threads (the step,
+    the evaluation beside it); what is freed in the middle of a heap stays
+    resident until trimmed. A no-op where the C library has no malloc_trim.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim() -> Any:
+    global _TRIM
+    if _TRIM is None:
+        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+        libc = ctypes.CDLL(name) if name else None
+        _TRIM = getattr(libc, "malloc_trim", False) if libc is not None else False
+    return _TRIM or None
+
+
+_TRIM: Any = None

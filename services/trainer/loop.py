@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from services.runtime.lifecycle import ServiceContext
+from services.runtime.malloc import release_free_memory
 from services.trainer.batches import Batch, BatchReader
 from services.trainer.evaluating import Evaluations
 from services.trainer.heldout import HeldOut
@@ -75,6 +76,7 @@ class RLLoop:
                 result = await asyncio.to_thread(step, self.trainer, self.s, batch.wire, batch.seq)
                 computed = time.perf_counter()
                 await self.previous.done()  # the previous step's publish and record
+                release_free_memory()  # its snapshot and this step's activations: freed pages back
                 done = time.perf_counter()
                 result.metrics["blocked_s"] = done - computed
                 self.recorder.timed(batch.waited_s, done - started, done - computed)

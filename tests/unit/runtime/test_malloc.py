@@ -18,6 +18,7 @@ import pytest
 SCRIPT = r"""
 import ctypes, ctypes.util, sys
 from services.runtime.malloc import bound_heap_growth
+from services.runtime.malloc import release_free_memory
 applied = bound_heap_growth() if sys.argv[1] == "bound" else False
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
@@ -34,6 +35,8 @@ big = touched(SIZE)
 pin = touched(4096)  # keeps the heap's top in use: a block below it cannot be trimmed
 before = rss()
 libc.free(big)
+if sys.argv[1] == "trim":
+    release_free_memory()
 print(applied, (before - rss()) >> 20)
 """
 
@@ -58,3 +61,11 @@ def test_under_glibcs_defaults_it_stays_in_the_heap() -> None:
     applied, freed = freed_mib("default")
     assert not applied
     assert freed < 2, freed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_a_block_freed_inside_the_heap_goes_back_when_trimmed() -> None:
+    """What the trainer does after every step: the free pages inside a heap returned."""
+    applied, freed = freed_mib("trim")
+    assert not applied
+    assert freed >= 15, freed
