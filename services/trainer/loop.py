@@ -36,6 +36,7 @@ from typing import Any
 
 from services.runtime.lifecycle import ServiceContext
 from services.trainer.batches import Batch, BatchReader
+from services.trainer.evalbudget import EvalBudget
 from services.trainer.evaluating import Evaluations
 from services.trainer.heldout import HeldOut
 from services.trainer.metrics import Recorder
@@ -60,7 +61,10 @@ class RLLoop:
         self.recorder = Recorder(ctx.registry, s)
         self.publisher = Publisher(ctx, s, trainer, self.recorder.metrics)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
-        self.evals = Evaluations(self.heldout, self.recorder, s.checkpoint_dir, self.step_now)
+        budget = EvalBudget(s.eval_max_share)  # due evaluations deferred while over it
+        self.evals = Evaluations(
+            self.heldout, self.recorder, s.checkpoint_dir, self.step_now, budget
+        )
         self.previous = Previous()
 
     def step_now(self) -> int:
@@ -77,6 +81,7 @@ class RLLoop:
                 await self.previous.done()  # the previous step's publish and record
                 done = time.perf_counter()
                 result.metrics["blocked_s"] = done - computed
+                self.evals.stepped(done)  # what evaluations cost the steps, measured
                 self.recorder.timed(batch.waited_s, done - started, done - computed)
                 self.previous.start(self.publish_and_record(batch, result))
             await self.previous.done()
@@ -94,7 +99,8 @@ class RLLoop:
         if r.published is not None:
             await self.publisher.announce(r.step, r.published, r.sha256, r.size_bytes)
             if self.s.eval_every and r.step % self.s.eval_every == 0:
-                await self.evals.submit(r.step, r.published, row["elapsed"])
+                last = self.s.max_steps is not None and r.step >= self.s.max_steps
+                await self.evals.submit(r.step, r.published, row["elapsed"], last=last)
         self.recorder.write(row)  # last: a row means its step is checkpointed
         self.recorder.log_step(row, r, batch.waited_s)
 
