@@ -8,6 +8,12 @@ waits as the one pending evaluation; a newer one replaces it (the older is
 skipped, logged and counted), so a slow evaluation never builds a queue:
 the next evaluation is always of the newest due version.
 
+What the evaluations cost the steps beside them is measured as the run goes
+(evalbudget.py); while it is over `[trainer] eval_max_share` of the RL wall
+time, a due evaluation is deferred: not started, logged and counted (the
+step-0 evaluation and a run's last due one never are). Its rows carry the
+running estimate (`eval_cost_share`).
+
 Each result is attached to the version it evaluated: a row of its own in
 the metrics file (`step` = that version, `elapsed` = when that version was
 trained, `eval_s` how long the evaluation took, `eval_lag_steps` how many
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.trainer.evalbudget import EvalBudget
 from services.trainer.heldout import HeldOut, eval_line
 from services.trainer.metrics import Recorder
 from services.weights.best import keep_if_best, link_or_copy
@@ -57,9 +64,15 @@ class Evaluations:
     """The held-out evaluations of one run, at most one in flight (module docstring)."""
 
     def __init__(
-        self, heldout: HeldOut, recorder: Recorder, checkpoint_dir: Path, trainer_step: Any
+        self,
+        heldout: HeldOut,
+        recorder: Recorder,
+        checkpoint_dir: Path,
+        trainer_step: Any,
+        budget: EvalBudget | None = None,
     ) -> None:
         self.heldout, self.recorder = heldout, recorder
+        self.budget = budget or EvalBudget(None)  # None: never deferred
         self.stage = checkpoint_dir / STAGE_DIR
         self.checkpoint_dir = checkpoint_dir
         self.trainer_step = trainer_step  # () -> the trainer's step now (for the lag)
@@ -67,20 +80,31 @@ class Evaluations:
         self.pending: Due | None = None
         self.failure: BaseException | None = None
         self.skipped = 0
+        self.deferred = 0
         shutil.rmtree(self.stage, ignore_errors=True)  # link copies a crash left behind
 
     @property
     def in_flight(self) -> bool:
         return self.running is not None
 
-    async def submit(self, step: int, weights: Path, elapsed: float) -> None:
-        """Evaluate `weights` (version `step`) now, or next if one is running (module doc).
+    def stepped(self, at: float) -> None:
+        """A trained step ended at `at` (time.perf_counter()): the cost estimate moves on."""
+        self.budget.stepped(at)
+        self.recorder.metrics.eval_cost_share.set(self.budget.share)
+
+    async def submit(self, step: int, weights: Path, elapsed: float, last: bool = False) -> None:
+        """Evaluate `weights` (version `step`) now, or next if one is running (module doc),
+        unless the evaluations' cost is over budget (then deferred; never at step 0 nor for
+        the run's `last` step).
 
         Raises what a finished evaluation raised (a broken verifier stops the
         run as it did when evaluations ran in the loop).
         """
         self.raise_failure()
         trained = step > 0  # step 0 is the user's own directory: never pruned, never "best"
+        if self.budget.defers(step, last):
+            self._defer(step)
+            return
         if trained:
             weights = await asyncio.to_thread(self._link_copy, step, weights)
         due = Due(step, weights, elapsed, owned=trained)
@@ -119,6 +143,7 @@ class Evaluations:
 
     def _start(self, due: Due) -> None:
         self.recorder.metrics.eval_in_flight.set(1)
+        self.budget.started(due.step)
         task = asyncio.create_task(self._run(due), name=f"evaluate-v{due.step}")
         task.add_done_callback(self._finished)
         self.running = task
@@ -126,6 +151,7 @@ class Evaluations:
     def _finished(self, task: asyncio.Task[None]) -> None:
         """An evaluation ended: its failure kept for the loop to raise, or the next one on."""
         self.running = None
+        self.budget.ended()
         self.recorder.metrics.eval_in_flight.set(0)
         if task.cancelled():
             return
@@ -153,6 +179,8 @@ class Evaluations:
             "elapsed": due.elapsed,
             "eval_s": time.perf_counter() - started,
             "eval_lag_steps": self.trainer_step() - due.step,
+            "eval_cost_share": self.budget.share,  # the running estimate (evalbudget.py)
+            "evals_deferred": self.deferred,
         }
         self.recorder.evaluated(report, row)
         if due.step > 0:
@@ -179,6 +207,11 @@ class Evaluations:
     def _discard(self, due: Due) -> None:
         if due.owned:
             shutil.rmtree(due.weights, ignore_errors=True)
+
+    def _defer(self, step: int) -> None:
+        self.deferred += 1
+        self.recorder.metrics.evals_deferred.inc()
+        log.info("trainer: held-out evaluation of v%d deferred: %s", step, self.budget.line())
 
     def _skip(self, due: Due, newer: int | None) -> None:
         self.skipped += 1

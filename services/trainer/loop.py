@@ -37,6 +37,7 @@ from typing import Any
 from services.runtime.lifecycle import ServiceContext
 from services.runtime.malloc import release_free_memory
 from services.trainer.batches import Batch, BatchReader
+from services.trainer.evalbudget import EvalBudget
 from services.trainer.evaluating import Evaluations
 from services.trainer.heldout import HeldOut
 from services.trainer.metrics import Recorder
@@ -61,7 +62,10 @@ class RLLoop:
         self.recorder = Recorder(ctx.registry, s)
         self.publisher = Publisher(ctx, s, trainer, self.recorder.metrics)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
-        self.evals = Evaluations(self.heldout, self.recorder, s.checkpoint_dir, self.step_now)
+        budget = EvalBudget(s.eval_max_share)  # due evaluations deferred while over it
+        self.evals = Evaluations(
+            self.heldout, self.recorder, s.checkpoint_dir, self.step_now, budget
+        )
         self.previous = Previous()
 
     def step_now(self) -> int:
@@ -79,6 +83,7 @@ class RLLoop:
                 release_free_memory()  # its snapshot and this step's activations: freed pages back
                 done = time.perf_counter()
                 result.metrics["blocked_s"] = done - computed
+                self.evals.stepped(done)  # what evaluations cost the steps, measured
                 self.recorder.timed(batch.waited_s, done - started, done - computed)
                 self.previous.start(self.publish_and_record(batch, result))
             await self.previous.done()
@@ -96,7 +101,8 @@ class RLLoop:
         if r.published is not None:
             await self.publisher.announce(r.step, r.published, r.sha256, r.size_bytes)
             if self.s.eval_every and r.step % self.s.eval_every == 0:
-                await self.evals.submit(r.step, r.published, row["elapsed"])
+                last = self.s.max_steps is not None and r.step >= self.s.max_steps
+                await self.evals.submit(r.step, r.published, row["elapsed"], last=last)
         self.recorder.write(row)  # last: a row means its step is checkpointed
         self.recorder.log_step(row, r, batch.waited_s)
 

@@ -108,6 +108,16 @@ class TrainerMetrics:
             "evals_skipped",
             "Due held-out evaluations skipped because a newer version fell due while one ran.",
         )
+        self.evals_deferred = m.counter(
+            "evals_deferred",
+            "Due held-out evaluations deferred (not run) because the evaluations' measured cost "
+            "to the steps beside them was over [trainer] eval_max_share of the RL wall time.",
+        )
+        self.eval_cost_share = m.gauge(
+            "eval_cost_share",
+            "Running estimate of the share of RL wall time the held-out evaluations cost the "
+            "steps beside them (their excess over the median step trained with none in flight).",
+        )
         self.blocked = m.gauge(
             "blocked_fraction",
             "Fraction of wall time since start the loop spent waiting, after a step's compute, "

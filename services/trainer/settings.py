@@ -401,6 +401,17 @@ class TrainerSettings(TaskServiceSettings):
         description="Evaluate the task's held-out split ([task] eval: pass@1, pass@k) every "
         "this many steps, and at step 0 (0: never).",
     )
+    eval_max_share: float | None = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="The share of RL wall time the held-out evaluations may cost the training: "
+        "the trainer measures how much longer the steps trained beside an evaluation took "
+        "than the median step trained with none, summed; a due evaluation is deferred (that "
+        "version not evaluated, counted in evals_deferred) while that cost is over this share "
+        "of the RL seconds so far. The step-0 evaluation and a run's last step's are never "
+        "deferred. 1.0 or None: evaluate at every eval_every (docs/learning.md).",
+    )
     sandbox_socket: Path | None = Field(
         None,
         description="Unix socket of a `flywheel sandbox` server: rewards and tools run in "

@@ -50,7 +50,10 @@ def config(root: Path, model: Path) -> str:
                 "max_staleness": 1, "oversample": 0.0, "filter_zero_variance": False},
         rollout={"concurrency": 4, "heartbeat_s": 0.3, "weights_poll_s": 0.5},
         engine={"num_threads": 1},
+        # eval_max_share 1.0: every due version evaluated or skipped for a newer one, never
+        # deferred for its cost (what this test reads; the deferral: test_eval_budget.py)
         trainer={"publish_every": 1, "eval_every": EVAL_EVERY, "max_steps": STEPS,
+                 "eval_max_share": 1.0,
                  "runtime": {"cpu_threads": 1}, "optim": {"lr": 1e-3}},
         sync={"tick_s": 0.1, "keep_last": 2},
     )  # fmt: skip
@@ -105,6 +108,10 @@ def test_evaluations_run_in_version_order_and_the_last_due_one_runs(finished: Pa
     assert all(s % EVAL_EVERY == 0 for s in steps)
     assert steps[-1] == STEPS  # a run that ends by itself evaluates its last due version
     assert not list((finished / "checkpoints" / ".eval").glob("*"))  # link copies removed
+    evals = [r for r in rows(finished) if "eval_accuracy" in r]
+    # the running estimate of what they cost the steps beside them (evalbudget.py)
+    assert all(0.0 <= r["eval_cost_share"] <= 1.0 for r in evals), evals
+    assert all(r["evals_deferred"] == 0 for r in evals), evals
 
 
 def test_the_best_weights_are_the_best_evaluated_version(finished: Path) -> None:
