@@ -291,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    if hp["lr"] == "auto":  # as the trainer resolves it: from the loaded model's count
+        from services.trainer.core.lr import resolve_lr
+        from services.trainer.trainer import parameter_count
+
+        hp["lr"] = resolve_lr("auto", parameter_count(model), lora=False)
     tasks = load_tasks(Path(args.config))
     # Enough distinct prompts that the cap, not the dataset, ends training.
     rows = training_rows(tasks, hp["prompts_per_step"] * 2000)

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 def load_trainer(s: TrainerSettings, info: DistInfo) -> tuple[Trainer, int]:
     """The trainer, restored from the newest checkpoint if any, and its stream position."""
     trainer = Trainer.from_pretrained(s.model, s.train_config(), info)
+    if info.is_main and (note := trainer.auto_lr_note("trainer.optim")):
+        log.info("trainer: %s", note)
     seq = 0
     ckpt = latest_checkpoint(s.checkpoint_dir)
     if ckpt is not None:

@@ -12,7 +12,7 @@ bounds checked where each field is declared.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -209,7 +209,14 @@ class OptimConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    lr: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="Peak learning rate, or 'auto': from the policy's parameter count N "
+        "(with LoRA, the base model's): clamp(4e-5 · sqrt(1.35e8 / N), 1e-6, 4e-5), 10x that "
+        "for a LoRA adapter; 4e-5 on SmolLM2-135M, where it was measured to learn (1e-6 "
+        "learned nothing), ~1.1e-5 at 1.7B, ~5.6e-6 at 7B (services/trainer/core/lr.py). "
+        "The trainer logs what it resolved at start-up.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
@@ -476,7 +483,9 @@ class SftSettings(TaskServiceSettings):
     seed: int = Field(0, description="Seed of the data order.")
     optim: OptimConfig = Field(
         default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"),
-        description="Optimizer and LR schedule (total_steps is set to the run's steps).",
+        description="Optimizer and LR schedule (total_steps is set to the run's steps). "
+        "Without an [sft.optim] table lr is 1e-4; a table that sets no lr gets the field's "
+        "default, 'auto', resolved and logged as the RL trainer's.",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraSettings | None = Field(

@@ -41,6 +41,7 @@ from services.trainer.core.loss import (
     policy_loss,
     sample_weights,
 )
+from services.trainer.core.lr import describe_auto_lr, resolve_lr
 from services.trainer.core.packing import collate_packed, plan_packed
 from services.trainer.core.schedule import lr_multiplier
 from services.trainer.distributed import DistInfo, all_reduce, barrier
@@ -79,7 +80,11 @@ class Trainer:
         info: DistInfo,
         ref_model: torch.nn.Module | None = None,
         adapter: dict[str, Any] | None = None,
+        *,
+        n_params: int,
     ):
+        """`n_params`: the policy's parameter count before sharding and adapters (the base
+        model's with LoRA), which `optim.lr = "auto"` is resolved from (core/lr.py)."""
         self.model, self.tokenizer, self.cfg, self.info = model, tokenizer, cfg, info
         self.ref_model = ref_model
         # Weights go out in the dtype they came in (a bf16 checkpoint: half the bytes to
@@ -88,9 +93,13 @@ class Trainer:
         # With [trainer.lora]: the adapter's adapter_config.json; its versions are adapters.
         self.adapter = adapter
         o = cfg.optim
+        # The base lr, resolved once: the optimizer's, so the schedule, the metrics' `lr`
+        # and a checkpoint's param groups all carry this number, never "auto".
+        self.n_params = n_params
+        self.lr = resolve_lr(o.lr, n_params, lora=cfg.lora is not None)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
-            lr=o.lr,
+            lr=self.lr,
             betas=o.betas,
             eps=o.eps,
             weight_decay=o.weight_decay,
@@ -132,6 +141,7 @@ class Trainer:
         if cfg.lora is not None:
             lora.check_base(model_dir)  # engines load the base the adapter names, as it is
         policy = load_model(model_dir)
+        n_params = parameter_count(policy)  # every rank holds the whole model here
         adapter = None
         if cfg.lora is not None:  # before sharding: FSDP2 wraps the layers with their adapters
             policy = lora.apply(policy, cfg.lora)
@@ -147,9 +157,16 @@ class Trainer:
         if cfg.loss.kl_coef > 0:  # frozen: no float32 master copy needed
             frozen = load_model(model_dir, dtype=dtype)
             ref = prepare_model(frozen, info, dtype=dtype, trainable=False, attention=attention)
-        trainer = cls(model, load_tokenizer(model_dir), cfg, info, ref, adapter)
+        trainer = cls(model, load_tokenizer(model_dir), cfg, info, ref, adapter, n_params=n_params)
         trainer.publish_dtype = stored_dtype(model_dir)
         return trainer
+
+    def auto_lr_note(self, section: str) -> str | None:
+        """What `lr = "auto"` became, for the start-up log; None where the lr was a number."""
+        if self.cfg.optim.lr != "auto":
+            return None
+        lora = self.cfg.lora is not None
+        return describe_auto_lr(self.lr, self.n_params, lora=lora, section=section)
 
     # ---- the algorithm -------------------------------------------------------------
 
@@ -429,6 +446,12 @@ class Trainer:
             manifest = write_weights_dir(out_dir, write, overwrite=overwrite)
         barrier(self.info)
         return manifest
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """An unsharded model's parameters, a tied embedding once (`parameters()` yields a
+    shared tensor once): SmolLM2-135M counts 134,515,008."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def stored_dtype(model_dir: str | Path) -> torch.dtype | None:

@@ -62,6 +62,8 @@ def run_sft(settings: SftSettings, log=print) -> dict[str, Any]:
         lora=settings.lora,
     )
     trainer = Trainer.from_pretrained(settings.model_dir, cfg, info)
+    if info.is_main and (note := trainer.auto_lr_note("sft.optim")):
+        log(f"sft: {note}")
     show = settings.progress if settings.progress is not None else sys.stderr.isatty()
     bar = _progress(steps, show and info.is_main)
     start = time.monotonic()

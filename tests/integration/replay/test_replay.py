@@ -42,6 +42,7 @@ STEPS = 3
 S = Subjects(RUN)
 REWARD = {"fn": "format", "pattern": "[0-9]"}  # a digit anywhere
 OTHER = '{fn = "format", pattern = "[a-z]"}'  # rescore: a letter anywhere
+AUTO_LR = 4e-5  # services/trainer/core/lr.py: any model up to 135M parameters
 pytestmark = pytest.mark.slow
 
 
@@ -55,8 +56,9 @@ def config_text(root: Path, model: Path) -> str:
                 "max_staleness": 1, "oversample": 0.0, "filter_zero_variance": False},
         rollout={"concurrency": 4, "heartbeat_s": 0.3, "weights_poll_s": 0.5},
         engine={"num_threads": 1},
+        # the default lr, "auto": the run and its replay each resolve it from the model
         trainer={"publish_every": 1, "keep_checkpoints": 2, "max_steps": STEPS,
-                 "runtime": {"cpu_threads": 1}, "optim": {"lr": 1e-3}},
+                 "runtime": {"cpu_threads": 1}},
         sync={"liveness_s": 3.0, "tick_s": 0.1, "keep_last": 10},
     )  # fmt: skip
 
@@ -93,6 +95,9 @@ def recorded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     rows = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("grad_norm", 0) > 0 for r in rows if r["step"] < STEPS), rows
     assert weights(root, STEPS) != weights(root, STEPS - 1)
+    # "auto" on the tiny model: the top clamp, said once at start-up, trained at
+    assert {r["lr"] for r in rows if "batch_id" in r} == {AUTO_LR}, rows
+    assert "trainer: lr auto -> 4.0e-05" in (root / "logs" / "trainer.log").read_text()
     yield Recorded(root, config, groups, batches, len(published))
 
 
@@ -118,6 +123,7 @@ def test_replay_with_the_run_settings_gives_its_weights_bit_for_bit(recorded: Re
     run_rows = [json.loads(ln) for ln in (recorded.root / "metrics.jsonl").read_text().splitlines()]
     trained = [r["batch_id"] for r in rows if "batch_id" in r]
     assert trained == [r["batch_id"] for r in run_rows if "batch_id" in r][:STEPS]
+    assert {r["lr"] for r in rows if "batch_id" in r} == {AUTO_LR}  # resolved alike
     report = json.loads((out / "replay.json").read_text())
     assert all(v["bytes_equal"] for v in report["versions"]), report
     assert report["replay"]["steps"] == STEPS and report["original"]["steps"] == STEPS
