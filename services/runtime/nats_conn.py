@@ -166,6 +166,7 @@ def connect_options(
         "servers": [u.strip() for u in settings.url.split(",") if u.strip()],
         "name": name,
         "connect_timeout": settings.connect_timeout_s,
+        "drain_timeout": settings.drain_timeout_s,
         "tls": tls_context(settings),
         # One start-up attempt = one quick pass over the servers: nats-py's
         # server selection retries a server until it has failed more than

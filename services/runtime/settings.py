@@ -73,6 +73,13 @@ class NatsSettings(BaseModel):
     connect_attempts: int = Field(
         30, ge=1, description="Connect attempts at start-up (with backoff) before giving up."
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="At a stop, how long the service waits for its subscriptions to drain "
+        "(messages already fetched handled, publishes flushed) before it closes the "
+        "connection anyway; JetStream redelivers what was not acked.",
+    )
     max_payload: int | None = Field(
         None, gt=0, description="Override the server's max_payload (bytes); None: ask the server."
     )

@@ -147,7 +147,9 @@ def _start(service: str, run: str, url: str, tmp: Path) -> tuple[subprocess.Pope
     cfg.write_text(
         run_file(
             run,
-            nats={"url": url, "connect_attempts": 3},
+            # The stop drains the connection first; a loop that ended leaves fetched
+            # messages nobody handles, so the drain waits out its timeout (30 s by default).
+            nats={"url": url, "connect_attempts": 3, "drain_timeout_s": 2.0},
             task={"source": {"type": "arithmetic", "size": 20}},
             buffer={"groups_per_step": 2, "samples_per_prompt": 2, "max_staleness": 0},
             sync={"weights_root": str(tmp / "weights")},
