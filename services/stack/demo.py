@@ -128,10 +128,13 @@ def role_cores(text: str) -> tuple[str, str]:
 
 def held_out_accuracy(tasks: Any, model_dir: Path, n: int) -> tuple[float, str]:
     """Greedy pass@1 on the run file's test split (never the validation split the
-    trainer chose the weights on), and the split's name (validation if no test)."""
+    trainer chose the weights on), and the split's name (validation if no test). Greedy
+    only: a run file's pass@k samples (`[task.eval] k`) would cost the demo k more
+    generations per problem for a figure it does not report (k = 4 on 200 ticket
+    messages: 361 s of the ticket-routing demo's 20 minutes went to the test before RL)."""
     from services.tasks.evaluate import evaluate_dir
 
-    report = evaluate_dir(model_dir, tasks, size=n)
+    report = evaluate_dir(model_dir, tasks, size=n, greedy_only=True)
     return report.pass_at_1, report.split
 
 

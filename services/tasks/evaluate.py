@@ -173,8 +173,10 @@ async def evaluate_task(
     size: int | None = None,
     seed: int = 0,
     split: Split = "validation",
+    greedy_only: bool = False,
 ) -> TaskEval:
-    """Greedy pass@1 (and pass@k when eval.k > 1) of one task's rows of `split`."""
+    """Greedy pass@1 (and pass@k when eval.k > 1, unless `greedy_only`) of one task's rows
+    of `split`."""
     spec, e = task.spec, task.spec.eval
     rows = task.held_out(split)[: size or e.size]
     formatted = [format_row(spec, r) for _, r in rows]
@@ -197,7 +199,7 @@ async def evaluate_task(
             for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
         ),
     )
-    if e.k == 1 or spec.episode is not None:  # episodes: greedy pass@1 only
+    if e.k == 1 or spec.episode is not None or greedy_only:  # episodes: greedy pass@1 only
         return result
     sampled = await asyncio.to_thread(
         generate,
@@ -225,12 +227,20 @@ async def evaluate(
     size: int | None = None,
     seed: int = 0,
     split: Split = "validation",
+    greedy_only: bool = False,
 ) -> EvalReport:
     """Every task with rows of `split`, evaluated (tasks without them are left out)."""
     return EvalReport(
         {
             name: await evaluate_task(
-                model, tokenizer, t, scorer, size=size, seed=seed, split=split
+                model,
+                tokenizer,
+                t,
+                scorer,
+                size=size,
+                seed=seed,
+                split=split,
+                greedy_only=greedy_only,
             )
             for name, t in loaded.items()
             if t.held_out(split)
@@ -277,8 +287,9 @@ class Evaluator:
         size: int | None = None,
         timeout_s: float = 5.0,
         split: Split | None = None,
+        greedy_only: bool = False,
     ) -> None:
-        self.tasks, self.size = tasks, size
+        self.tasks, self.size, self.greedy_only = tasks, size, greedy_only
         self.loaded = loaded if loaded is not None else tasks.load(eval_size=size)
         self.split: Split = split or report_split(self.loaded)
         self.pool = verifier_pool(tasks, timeout_s=timeout_s)
@@ -300,7 +311,15 @@ class Evaluator:
     def __call__(self, model: Any, tokenizer: Any) -> EvalReport:
         scorer = Scorer(self.tasks, self.pool, self.tools)
         return self.loop.run_until_complete(
-            evaluate(model, tokenizer, self.loaded, scorer, size=self.size, split=self.split)
+            evaluate(
+                model,
+                tokenizer,
+                self.loaded,
+                scorer,
+                size=self.size,
+                split=self.split,
+                greedy_only=self.greedy_only,
+            )
         )
 
 
@@ -311,9 +330,12 @@ def evaluate_dir(
     size: int | None = None,
     timeout_s: float = 5.0,
     split: Split | None = None,
+    greedy_only: bool = False,
 ) -> EvalReport:
     """`evaluate` a model directory once (`flywheel eval`, the demo), on `split`
-    (default: `report_split`: test where there is one)."""
+    (default: `report_split`: test where there is one); `greedy_only`: pass@1 without
+    the pass@k samples (the demo reports pass@1 alone)."""
     model, tokenizer = load_model(model_dir)
-    with Evaluator(tasks, size=size, timeout_s=timeout_s, split=split) as ev:
+    with Evaluator(tasks, size=size, timeout_s=timeout_s, split=split,
+                   greedy_only=greedy_only) as ev:  # fmt: skip
         return ev(model, tokenizer)
