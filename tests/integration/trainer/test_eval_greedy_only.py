@@ -12,8 +12,9 @@ from services.tasks.taskset import TaskSet
 def test_greedy_only_reports_pass_at_1_without_the_k_samples(tiny_model_dir) -> None:
     spec = TaskSpec(
         source=ArithmeticSource(type="arithmetic"),
-        eval=EvalSpec(source=ArithmeticSource(type="arithmetic", seed=1), size=12,
-                      max_new_tokens=4, k=3),  # fmt: skip
+        eval=EvalSpec(
+            source=ArithmeticSource(type="arithmetic", seed=1), size=12, max_new_tokens=4, k=3
+        ),
     )
     tasks = TaskSet({"arithmetic": spec}, {"arithmetic": "[task]"})
     full = evaluate_dir(tiny_model_dir, tasks).tasks["arithmetic"]
