@@ -15,7 +15,8 @@ bench/demo_real_seeds.py's `beside_share` measures it after a run:
   once, before anything is trained, and is never deferred; `beside_share`
   leaves it out too);
 - cost = sum over the beside gaps of max(0, gap - median of the last
-  `WINDOW` alone gaps); unknown (0) until `MIN_ALONE` alone gaps are seen;
+  `WINDOW` alone gaps); unknown (0) until `MIN_ALONE` alone gaps are seen,
+  and an unknown cost after `MIN_ALONE` beside gaps defers (`over`);
 - share = cost / RL seconds (the sum of all gaps).
 
 A due evaluation is deferred (not started; that version is not evaluated,
@@ -94,9 +95,15 @@ class EvalBudget:
         return self.cost_s / self.rl_s if self.rl_s > 0 else 0.0
 
     def over(self) -> bool:
-        """Whether the cost is over budget now (cost > max_share x RL seconds)."""
-        if self.max_share is None:
+        """Whether the cost is over budget now (cost > max_share x RL seconds). Unknown
+        (fewer than MIN_ALONE alone gaps) after MIN_ALONE beside ones counts as over: an
+        evaluation in flight at nearly every step is the costly case, and the loop must
+        run alone for a few steps before a cost can be told (ticket routing, k = 4 on 150
+        messages: each evaluation outlasted the 5 steps to the next one)."""
+        if self.max_share is None or self.max_share >= 1.0:
             return False
+        if self.typical_s is None:
+            return len(self.beside) >= MIN_ALONE
         return self.cost_s > self.max_share * self.rl_s
 
     def defers(self, step: int, last: bool = False) -> bool:

@@ -169,3 +169,24 @@ def test_the_trainer_s_evaluations_defer_count_and_log(
         "held-out evaluation of v10 deferred: evaluations cost 9 s of 89 s of RL (10.1%), "
         "over eval_max_share 5%" in caplog.text
     )
+
+
+def test_an_evaluation_beside_every_step_defers_until_the_loop_is_seen_alone() -> None:
+    """No alone gap yet (the step-0 evaluation, then one of v5, each outlasting the steps
+    to the next due one): the cost is unknown, and after MIN_ALONE beside gaps that
+    defers, so the loop runs alone long enough to tell what a step costs."""
+    b = EvalBudget(0.05)
+    b.started(0)
+    t = run(b, 0.0, [0.0, 60, 60])
+    b.ended()
+    b.started(5)
+    t = run(b, t, [60] * (MIN_ALONE - 1))
+    assert b.typical_s is None and not b.defers(10)
+    t = run(b, t, [60])
+    assert b.defers(10)
+    assert not EvalBudget(1.0).defers(10) and not b.defers(10, last=True)
+    b.ended()
+    # the gap it ended in is beside, the next MIN_ALONE alone: 3 x (60 - 40) of 460 s
+    run(b, t, [40] * (MIN_ALONE + 1))
+    assert b.typical_s == 40 and b.cost_s == pytest.approx(60.0) and b.defers(10)
+    assert b.rl_s == pytest.approx(460.0)
