@@ -122,14 +122,20 @@ def beside_share(rows: list[dict[str, Any]]) -> float | None:
     takes from the steps (and the engine) beside it. The step-0 evaluation runs before
     the first step and is left out, as are steps with no timestamp."""
     trained = [r for r in rows if "batch_id" in r and "time" in r]
-    windows = [(r["time"] - r["eval_s"], r["time"]) for r in rows
-               if "eval_s" in r and r.get("step", 0) > 0 and "time" in r]  # fmt: skip
+    timed = [r for r in rows if "eval_s" in r and "time" in r]
+    windows = [(r["time"] - r["eval_s"], r["time"]) for r in timed if r.get("step", 0) > 0]
+    first = [(r["time"] - r["eval_s"], r["time"]) for r in timed if r.get("step", 0) == 0]
     if len(trained) < 4:
         return None
     gaps = [(a["time"], b["time"]) for a, b in itertools.pairwise(trained)]
-    beside = [t1 - t0 for t0, t1 in gaps if any(t0 < e1 and t1 > e0 for e0, e1 in windows)]
-    alone = [t1 - t0 for t0, t1 in gaps if not any(t0 < e1 and t1 > e0 for e0, e1 in windows)]
-    if not alone:
+
+    def overlaps(t0: float, t1: float, spans: list[tuple[float, float]]) -> bool:
+        return any(t0 < e1 and t1 > e0 for e0, e1 in spans)
+
+    # a gap beside only the step-0 evaluation is neither (the trainer's rule, evalbudget.py)
+    beside = [t1 - t0 for t0, t1 in gaps if overlaps(t0, t1, windows)]
+    alone = [t1 - t0 for t0, t1 in gaps if not overlaps(t0, t1, windows + first)]
+    if len(alone) < 3:  # evalbudget.MIN_ALONE: fewer alone steps cannot tell a typical one
         return None
     typical = statistics.median(alone)
     extra = sum(max(0.0, g - typical) for g in beside)
