@@ -45,13 +45,10 @@ PARALLEL ?= -n 4 --dist loadscope
 
 # The sandbox's tests fail here rather than skip if the host cannot give one:
 # `tools` has just installed bubblewrap (tests/harness/sandbox.py).
-# --no-loadscope-reorder: modules are dealt out in collection order, which
-# tests/conftest.py sets to longest first (xdist's default, most tests first,
-# started the 5-minute demo last).
 test: setup tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
-	FLYWHEEL_SANDBOX_TESTS=required $(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL) --no-loadscope-reorder
+	FLYWHEEL_SANDBOX_TESTS=required $(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL)
 
 # The edit-test loop: everything not marked slow (no whole-stack start-ups, no
 # e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines

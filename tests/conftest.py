@@ -29,37 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
         ports.start_at(int(worker.removeprefix("gw")) / count)
 
 
-# The longest modules under `make test` (minutes each on 2 cores), longest first.
-LONGEST_FIRST = (
-    "tests/e2e/test_demo_learns.py",
-    "tests/chaos/test_chaos.py",
-    "tests/loop/test_eval_beside.py",
-    "tests/integration/trainer/test_sft.py",
-    "tests/integration/trainer/test_entropy_control.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Whole modules in the order: LONGEST_FIRST, the other modules with a slow test, the rest.
-
-    `make test` hands modules to its xdist workers in this order (`--dist loadscope
-    --no-loadscope-reorder`). xdist's own order, most tests first, dealt the heavy
-    modules of one or two tests out last, so the longest (the demo, ~5 min) started
-    when the rest were nearly done and the run waited on it alone. Longest first, the
-    many short unit tests fill the workers at the end. A module keeps its tests
-    together and in order (its module fixtures start once).
-    """
-    rank: dict[str, int] = {}
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        if module in LONGEST_FIRST:
-            r = LONGEST_FIRST.index(module)
-        else:
-            r = len(LONGEST_FIRST) + (0 if item.get_closest_marker("slow") else 1)
-        rank[module] = min(r, rank.get(module, r))
-    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])  # stable
-
-
 @pytest.fixture
 def nats_server() -> Iterator[NatsServer]:
     """A fresh nats-server with JetStream: free port, temporary store."""
