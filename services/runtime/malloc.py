@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -36,24 +37,24 @@ TRIM_THRESHOLD = 32 << 20
 ARENA_MAX = 2
 
 
+@functools.cache
+def _glibc() -> Any:
+    """The C library where it is glibc (mallopt and malloc_trim are its own), else None."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
+        return None  # musl and others: their own allocator, nothing to set
+    return libc
+
+
 def bound_heap_growth() -> bool:
     """Apply the settings above where the C library is glibc; True if applied."""
-    if not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+    libc = _glibc()
+    if libc is None or any(k.startswith("MALLOC_") for k in os.environ):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return False  # musl and others: their own allocator, nothing to set
-    ok = all(
-        libc.mallopt(param, value) == 1
-        for param, value in (
-            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-            (M_ARENA_MAX, ARENA_MAX),
-        )
-    )
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+                (M_ARENA_MAX, ARENA_MAX))  # fmt: skip
+    ok = all([libc.mallopt(param, value) == 1 for param, value in settings])  # every one tried
     if not ok:
         log.warning("mallopt refused a setting: the process's heap may grow with fragmentation")
     return ok
@@ -65,20 +66,8 @@ def release_free_memory() -> None:
     Per step, the trainer allocates and frees a snapshot of the weights and its
     activations in blocks under the mmap threshold, from two threads (the step,
     the evaluation beside it); what is freed in the middle of a heap stays
-    resident until trimmed. A no-op where the C library has no malloc_trim.
+    resident until trimmed. A no-op where the C library is not glibc.
     """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim() -> Any:
-    global _TRIM
-    if _TRIM is None:
-        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-        libc = ctypes.CDLL(name) if name else None
-        _TRIM = getattr(libc, "malloc_trim", False) if libc is not None else False
-    return _TRIM or None
-
-
-_TRIM: Any = None
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
