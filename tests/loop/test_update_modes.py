@@ -46,7 +46,11 @@ RUN = "modes"
 STALENESS = 1
 S = Subjects(RUN)
 VERSIONS_PER_PHASE = 3
-SLOW_S = 0.03  # engine sleep after each decode step: a generation takes ~0.5 s
+# Engine sleep after each decode step, per attempt: a generation takes ~0.5 s at
+# the first. An update finds a generation in flight only while generating the
+# next batch takes longer than the trainer's step; on a loaded machine the step
+# is slower, so each further attempt slows the engines again.
+SLOW_S = (0.03, 0.15, 0.6)
 
 
 def modes_config(root: Path, model: Path) -> str:
@@ -74,11 +78,16 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
         with printing_logs_on_failure(st):
             st.start("engine-0", "engine-1")
-            for i in (0, 1):  # SGLang's /slow_down: requests are mid-flight when updates come
-                post_json(f"{st[f'engine-{i}'].url}/slow_down", {"forward_sleep_time": SLOW_S})
+            slow_engines(st, SLOW_S[0])
             st.start("rollout-0", "rollout-1", "trainer")  # sync: one per phase, by the test
             st.start("buffer")
         yield st
+
+
+def slow_engines(st: Stack, seconds: float) -> None:
+    """SGLang's /slow_down: requests are mid-flight when updates come."""
+    for i in (0, 1):
+        post_json(f"{st[f'engine-{i}'].url}/slow_down", {"forward_sleep_time": seconds})
 
 
 def ready(st: Stack) -> list[WeightsReady]:
@@ -160,7 +169,8 @@ def test_partial_rollouts_keep_their_tokens_and_versions(stack: Stack, mode: str
     # engines idle at every update of a phase; so up to three phases, until
     # one trained sample spans an update (what this test is about).
     floor, aborted_total = None, 0.0
-    for _ in range(3):
+    for slow in SLOW_S:
+        slow_engines(stack, slow)
         phase = run_phase(stack, mode)
         floor = phase["floor"] if floor is None else floor
         aborted_total += phase["aborted"]
@@ -169,6 +179,7 @@ def test_partial_rollouts_keep_their_tokens_and_versions(stack: Stack, mode: str
         report(mode, phase, len(spanning), len(samples))
         if spanning:
             break
+    slow_engines(stack, SLOW_S[0])
     assert aborted_total == 0, "a pausing mode that keeps requests aborted some"
     assert spanning, f"no trained sample spans a {mode} update (spans reach the trainer)"
     for smp in spanning:
@@ -179,8 +190,9 @@ def test_partial_rollouts_keep_their_tokens_and_versions(stack: Stack, mode: str
 @pytest.mark.slow
 def test_abort_regenerates_what_it_aborts(stack: Stack) -> None:
     # As above: up to three phases, until an update finds a generation in
-    # flight (a CI run once had the engines idle at all three of a phase's).
-    for _ in range(3):
+    # flight (CI runs have had the engines idle at all three of a phase's, twice).
+    for slow in SLOW_S:
+        slow_engines(stack, slow)
         phase = run_phase(stack, "abort")
         samples = check_whole_run(stack)
         spanning = [smp for _, smp in samples
@@ -189,6 +201,7 @@ def test_abort_regenerates_what_it_aborts(stack: Stack) -> None:
         assert spanning == []  # aborted ones started again, on the new version only
         if phase["aborted"] >= 1:
             break
+    slow_engines(stack, SLOW_S[0])
     assert phase["aborted"] >= 1, (
         "no generation was in flight at any abort-mode update\n"
         + phase["sync_log"][-3000:]
