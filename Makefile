@@ -1,7 +1,7 @@
 # Flywheel — the targets the README and the guides in docs/ name.
 #   make setup   create .venv (torch CPU wheel first, then the project + dev tools)
 #   make test    lint + the whole test suite (what CI runs)
-#   make test-fast  the edit-test loop: unit + integration, no stack start-ups
+#   make test-fast  the edit-test loop (~1 min): unit, contract and fuzz tests
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
 #   make demo-real   a real pretrained model (SmolLM2-135M-Instruct) learns, no warm start
@@ -50,14 +50,15 @@ test: setup tools
 	$(VENV)/bin/lint-imports --no-cache
 	FLYWHEEL_SANDBOX_TESTS=required $(PY) -m pytest -q --durations=20 -m "not long" $(PARALLEL)
 
-# The edit-test loop: everything not marked slow (no whole-stack start-ups, no
-# e2e, chaos or live-deploy runs, no learning runs); real nats-servers, engines
-# and subprocesses all the same. `make test` runs these and the slow ones.
+# The edit-test loop, under 2 minutes on 2 cores: the unit, contract and fuzz
+# tests (real nats-servers and subprocesses where a unit needs them). Everything
+# else, the components against each other and the whole stack, is test-slow.
+FAST_TESTS := tests/unit tests/contract tests/fuzz
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PARALLEL)
+	$(PY) -m pytest -q -m "not long" $(PARALLEL) $(FAST_TESTS)
 
-# Learning runs too long for make test (the tool-use demo's: SFT + RL, ~9 min; the real
-# model's, ~15 min).
+# Learning runs too long for make test (the demo's: SFT + async and synchronous GRPO,
+# ~7 min; the tool-use demo's, ~9 min; the real model's, ~15 min).
 test-long: setup tools smollm2
 	$(PY) -m pytest -q -m long $(LONG_ARGS)
 
@@ -97,9 +98,10 @@ test-deps: setup
 		assert m.version('nats-py') == '$(NATS_PY_LOWEST)', m.version('nats-py')"
 	PYTHONPATH=$(DEPS_DIR) $(PY) -m pytest -q $(DEPS_TESTS)
 
-# Only what test-fast leaves out: the whole-stack suites (tests/loop, chaos, e2e).
+# What make test runs beyond test-fast: components against each other (integration)
+# and the whole stack (loop, chaos, e2e, deploy).
 test-slow: setup tools
-	$(PY) -m pytest -q -m slow $(PARALLEL)
+	$(PY) -m pytest -q -m "not long" $(PARALLEL) $(foreach d,$(FAST_TESTS),--ignore=$(d))
 
 demo: setup
 	$(VENV)/bin/flywheel demo
