@@ -80,11 +80,13 @@ class RLLoop:
                 result = await asyncio.to_thread(step, self.trainer, self.s, batch.wire, batch.seq)
                 computed = time.perf_counter()
                 await self.previous.done()  # the previous step's publish and record
+                unblocked = time.perf_counter()
                 release_free_memory()  # its snapshot and this step's activations: freed pages back
                 done = time.perf_counter()
-                result.metrics["blocked_s"] = done - computed
+                result.metrics["blocked_s"] = unblocked - computed
+                result.metrics["trim_s"] = done - unblocked  # work, not waiting: not in blocked_s
                 self.evals.stepped(done)  # what evaluations cost the steps, measured
-                self.recorder.timed(batch.waited_s, done - started, done - computed)
+                self.recorder.timed(batch.waited_s, done - started, unblocked - computed)
                 self.previous.start(self.publish_and_record(batch, result))
             await self.previous.done()
             # A run that ended by itself (max_steps) gets its last due evaluation; one told
