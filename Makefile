@@ -1,6 +1,6 @@
 # Flywheel — the targets the README and the guides in docs/ name.
 #   make setup   create .venv (torch CPU wheel first, then the project + dev tools)
-#   make test    lint + the whole test suite (what CI runs)
+#   make test    lint + every test but the learning runs marked long (what CI runs first)
 #   make test-fast  the edit-test loop (~1 min): unit, contract and fuzz tests
 #   make demo    SFT warm start, then async GRPO through the local stack
 #   make demo-tools  the same, teaching a tiny model to call a calculator (multi-turn)
