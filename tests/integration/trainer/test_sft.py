@@ -15,10 +15,14 @@ from services.trainer.model import load_tokenizer
 from services.trainer.sft.data import SftDataError, load_sft_file, tokenize_chat
 from services.weights import verify_weights_dir
 
-# Measured on the shared 2-core box (45 s budget, <= 900 steps): 10.6% to 26.3% held-out
-# exact match depending on load
-# (random init: 0%). The threshold leaves room for a slower machine.
+# A fixed number of steps and one thread, so the run is the same on any load: 900 steps
+# gave the same weights (one sha256) and 9.75% held-out exact match in every run here
+# (random init: 0%). A wall-clock budget made it load-dependent: CI's loaded machine
+# trained fewer steps, stopped before the learning rate decayed, and read 3.25%.
 MIN_ACCURACY = 0.04
+SFT_MAIN = (
+    "import sys; from services.trainer.sft.cli import sft_main; sys.exit(sft_main(sys.argv[1:]))"
+)
 
 
 @pytest.mark.slow  # a learning run (hundreds of steps), then `flywheel sft` again
@@ -51,7 +55,6 @@ train_file = "{tmp_path / "train.jsonl"}"
 eval_file = "{tmp_path / "eval.jsonl"}"
 output_dir = "{tmp_path / "out"}"
 steps = 900
-max_time_s = 45
 batch_size = 32
 log_every = 300
 progress = false
@@ -65,18 +68,14 @@ min_lr_ratio = 0.05
 [sft.model]
 cpu_threads = 1
 """)
-    code = (
-        "import sys; from services.trainer.sft.cli import sft_main; "
-        "sys.exit(sft_main(sys.argv[1:]))"
-    )
     proc = subprocess.run(
-        [sys.executable, "-c", code, "-c", str(tmp_path / "run.toml")],
+        [sys.executable, "-c", SFT_MAIN, "-c", str(tmp_path / "run.toml")],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "saved" in proc.stdout
+    assert "after 900 steps" in proc.stdout
 
     verify_weights_dir(tmp_path / "out")
     # the one held-out evaluation (services/tasks/evaluate.py) on the same problems
@@ -93,6 +92,32 @@ cpu_threads = 1
     # the untrained model is at chance on the same problems
     base = evaluate_dir(tiny_model_dir, tasks, size=100).tasks["arithmetic"]
     assert base.total == 100 and base.pass_at_1 < 0.02
+
+
+def test_a_time_budget_stops_sft_early_and_still_saves(tiny_model_dir, tmp_path):
+    (tmp_path / "train.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in arithmetic_records(64, seed=0))
+    )
+    (tmp_path / "run.toml").write_text(f"""
+[sft]
+model_dir = "{tiny_model_dir}"
+train_file = "{tmp_path / "train.jsonl"}"
+output_dir = "{tmp_path / "out"}"
+steps = 1000000
+max_time_s = 1
+batch_size = 4
+progress = false
+""")
+    proc = subprocess.run(
+        [sys.executable, "-c", SFT_MAIN, "-c", str(tmp_path / "run.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = int(proc.stdout.split(" after ")[1].split(" steps")[0])
+    assert 1 <= done < 1_000_000
+    verify_weights_dir(tmp_path / "out")
 
 
 def test_chat_records_train_only_assistant_turns(tiny_model_dir, tmp_path):
