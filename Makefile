@@ -57,8 +57,9 @@ FAST_TESTS := tests/unit tests/contract tests/fuzz
 test-fast: setup
 	$(PY) -m pytest -q -m "not long" $(PARALLEL) $(FAST_TESTS)
 
-# Learning runs too long for make test (the demo's: SFT + async and synchronous GRPO,
-# ~7 min; the tool-use demo's, ~9 min; the real model's, ~15 min).
+# What make test leaves out to stay under 10 minutes: the learning runs (the demo's: SFT +
+# async and synchronous GRPO, ~7 min; the tool-use demo's, ~9 min; the real model's,
+# ~15 min; SFT on arithmetic, ~1 min) and the chaos soak (~4 min).
 test-long: setup tools smollm2
 	$(PY) -m pytest -q -m long $(LONG_ARGS)
 
@@ -76,8 +77,7 @@ test-verifiers: setup tools
 # transformers requires, installed without dependencies into a directory laid over .venv
 # (PYTHONPATH first): the engine's and trainer's tests, and the runtime's against a real
 # nats-server, on them. The newest in each range is what setup installs and every other
-# target runs. Not the SFT learning test: it trains for a 45 s budget, so what it learns
-# depends on the load, not the release. Measured on 2 shared cores: ~16 s to install,
+# target runs. Not the SFT learning test: a `long` one, ~25 CPU s. Measured on 2 shared cores: ~16 s to install,
 # 3 min for the engine's and trainer's tests, 2.5 min for the runtime's.
 TRANSFORMERS_LOWEST := 4.56.0
 NATS_PY_LOWEST := 2.15.0

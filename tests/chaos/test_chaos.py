@@ -35,6 +35,9 @@ import pytest
 
 from tests.chaos.chaos_run import RUN, TAIL_STEPS, ChaosRun, Fault, G, K, account, schedule
 
+# A soak of ~120 CPU s (a ninth of make test's): `make test-long`, which CI runs.
+pytestmark = pytest.mark.long
+
 FULL = os.environ.get("FLYWHEEL_CHAOS_FULL") == "1"
 SEED = int(os.environ.get("FLYWHEEL_CHAOS_SEED", "0"))
 

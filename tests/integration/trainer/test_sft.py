@@ -25,7 +25,7 @@ SFT_MAIN = (
 )
 
 
-@pytest.mark.slow  # a learning run (hundreds of steps), then `flywheel sft` again
+@pytest.mark.long  # a learning run of 900 steps (~25 CPU s), then `flywheel sft` again
 def test_sft_learns_arithmetic(tiny_model_dir, tmp_path):
     # The validation split's problems: those the evaluation below draws (eval.source
     # is the validation split), none of them a train problem (arithmetic_records').
