@@ -18,15 +18,24 @@ T = TypeVar("T")
 
 def wait_for(check: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = 0.1) -> T:
     """Poll `check` until it returns something true, and return that; AssertionError
-    naming `what` at the deadline. `check` may raise to fail early (a process died)."""
+    naming `what` at the deadline. `check` may raise to fail early (a process died).
+
+    The polls back off from `poll_s` to 1 s, and the pause after a check is at least
+    four times what the check took. A check that reads a whole stream costs ~0.1 CPU s
+    once a stack has run for a while, and `make test` is CPU-bound: polled every
+    0.1 s, such a wait took half a core from the stacks it was waiting on."""
     deadline = time.monotonic() + timeout_s
+    pause, longest = poll_s, max(poll_s, 1.0)
     while True:
+        began = time.monotonic()
         value = check()
         if value:
             return value
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(poll_s)
+        time.sleep(min(max(pause, 4 * (now - began)), max(deadline - now, 0.0) + 0.01))
+        pause = min(pause * 1.5, longest)
 
 
 async def eventually(
