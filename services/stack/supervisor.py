@@ -232,15 +232,23 @@ class Supervisor:
         return f"{p.name} {what} (exit code {code}); last lines of {p.log_path}:\n{tail}"
 
     async def start_all(self) -> None:
-        """Start every process in order, each once its predecessors of other kinds are ready."""
+        """Start every process in order, each once its predecessors of other kinds are ready.
+        A process planned beside another (a rollout worker beside its engine) starts with
+        it: it waits for its engine itself, so their start-ups overlap."""
         kinds: list[str] = []
         for p in self.procs:
             if p.spec.kind not in kinds:
                 kinds.append(p.spec.kind)
+        started: set[str] = set()
         for kind in kinds:
-            group = [p for p in self.procs if p.spec.kind == kind]
+            group = [p for p in self.procs if p.spec.kind == kind and p.name not in started]
+            names = {p.name for p in group}
+            group += [p for p in self.procs if p.spec.beside in names and p.name not in started]
+            if not group:
+                continue
             for p in group:
                 await self.spawn(p)
+                started.add(p.name)
             await asyncio.gather(*(self.wait_ready(p) for p in group))
             log.info("stack: %s ready", ", ".join(p.name for p in group))
 

@@ -297,10 +297,11 @@ def printing_logs_on_failure(stack: Stack) -> Iterator[Stack]:
 
 
 def start_loop(st: Stack) -> None:
-    """The whole loop in readiness order (two engines and their workers), logs on failure."""
+    """The whole loop in readiness order (two engines and their workers), logs on failure.
+    A worker starts beside its engine (it waits for it): their start-ups overlap."""
     with printing_logs_on_failure(st):
-        st.start("engine-0", "engine-1")
-        st.start("rollout-0", "rollout-1", "sync", "trainer")
+        st.start("engine-0", "engine-1", "rollout-0", "rollout-1")
+        st.start("sync", "trainer")
         st.start("buffer")
 
 

@@ -101,8 +101,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )
     with NatsServer(store_dir=root / "nats") as nats, Stack(config, nats.url) as st:
         with printing_logs_on_failure(st):
-            st.start("engine-0")
-            st.start("rollout-0", "sync", "trainer")  # no buffer: the test plays it
+            st.start("engine-0", "rollout-0")  # the worker waits for its engine
+            st.start("sync", "trainer")  # no buffer: the test plays it
         yield st
 
 

@@ -67,8 +67,8 @@ def finished(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     cfg.write_text(config(root, tiny_model))
     with NatsServer(store_dir=root / "nats") as nats, Stack(cfg, nats.url) as st:
         with printing_logs_on_failure(st):
-            st.start("engine-0")
-            st.start("rollout-0", "sync", "trainer")
+            st.start("engine-0", "rollout-0")  # the worker waits for its engine
+            st.start("sync", "trainer")
             st.start("buffer")
             trainer = st["trainer"]
             wait_for(lambda: not trainer.alive, 900, f"the trainer to finish {STEPS} steps")

@@ -161,8 +161,7 @@ def test_engine_added_mid_run_serves_the_latest_version_first(stack: Stack) -> N
     st = stack
     wait_for(lambda: latest_ready(st) >= 3, 60, "v3 ready")
     joined_at = max(published_versions(st.nats_url, RUN))
-    st.start("engine-2")
-    st.start("rollout-2")
+    st.start("engine-2", "rollout-2")  # together: the worker waits for its engine
 
     def first_group() -> SampleGroup | None:
         groups = messages(st.nats_url, RUN, "SAMPLES", S.samples, SampleGroup)

@@ -88,8 +88,7 @@ def test_engines_follow_every_version_from_deltas_exactly(stack: Stack) -> None:
 def test_a_late_engine_catches_up_from_the_snapshot_and_deltas(stack: Stack) -> None:
     st = stack
     wait_for(lambda: max(published_versions(st.nats_url, RUN), default=0) >= 7, 150, "v7 published")
-    st.start("engine-2")
-    st.start("rollout-2")
+    st.start("engine-2", "rollout-2")  # together: the worker waits for its engine
 
     def first_group() -> SampleGroup | None:
         groups = messages(st.nats_url, RUN, "SAMPLES", S.samples, SampleGroup)

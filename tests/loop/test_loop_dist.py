@@ -53,8 +53,7 @@ def test_engines_follow_every_version_over_gloo(stack: Stack, tiny_model: Path) 
 def test_a_late_engine_gets_its_own_group(stack: Stack) -> None:
     st = stack
     wait_for(lambda: max(published_versions(st.nats_url, RUN), default=0) >= 5, 150, "v5 published")
-    st.start("engine-2")
-    st.start("rollout-2")
+    st.start("engine-2", "rollout-2")  # together: the worker waits for its engine
 
     def first_group() -> SampleGroup | None:
         groups = messages(st.nats_url, RUN, "SAMPLES", S.samples, SampleGroup)

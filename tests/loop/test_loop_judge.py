@@ -61,8 +61,8 @@ def test_judge_verdicts_drive_training(tiny_model: Path, tmp_path: Path) -> None
         cfg = tmp_path / "run.toml"
         cfg.write_text(config(root, tiny_model, url))
         with Stack(cfg, nats.url) as st, printing_logs_on_failure(st):
-            st.start("engine-0")
-            st.start("rollout-0", "sync", "trainer")
+            st.start("engine-0", "rollout-0")  # the worker waits for its engine
+            st.start("sync", "trainer")
             st.start("buffer")
             wait_for(lambda: st.trained_steps() >= STEPS, timeout_s=600, what="training steps")
             rows = sorted(st.trained_rows(), key=lambda r: int(r["step"]))

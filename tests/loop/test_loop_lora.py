@@ -100,8 +100,7 @@ def test_a_late_engine_loads_the_base_once_and_the_newest_adapter(stack: Stack) 
     st = stack
     wait_for(lambda: max(published_versions(st.nats_url, RUN), default=0) >= 5, 150, "v5")
     newest_at_start = max(published_versions(st.nats_url, RUN))
-    st.start("engine-2")
-    st.start("rollout-2")
+    st.start("engine-2", "rollout-2")  # together: the worker waits for its engine
 
     def late_groups() -> list[SampleGroup]:
         groups = messages(st.nats_url, RUN, "SAMPLES", S.samples, SampleGroup)

@@ -60,8 +60,8 @@ def test_the_loop_runs_with_each_service_under_its_own_user(
     with NatsServer(config=_conf()) as nats, Stack(config, nats.url, env=logins) as st:
         observer = nats.url.replace("nats://", "nats://observer:pw-observer@")
         with printing_logs_on_failure(st):
-            st.start("engine-0")
-            st.start("rollout-0", "sync", "trainer")
+            st.start("engine-0", "rollout-0")  # the worker waits for its engine
+            st.start("sync", "trainer")
             st.start("buffer")
 
             def ready() -> int:

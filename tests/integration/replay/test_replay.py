@@ -80,8 +80,8 @@ def recorded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     config.write_text(config_text(root, tiny_model))
     with NatsServer(store_dir=root / "nats") as nats:
         with Stack(config, nats.url) as st, printing_logs_on_failure(st):
-            st.start("engine-0")
-            st.start("rollout-0", "sync", "trainer")
+            st.start("engine-0", "rollout-0")  # the worker waits for its engine
+            st.start("sync", "trainer")
             st.start("buffer")
             wait_for(lambda: st.trained_steps() >= STEPS, 240, f"{STEPS} steps trained")
             wait_for(lambda: not st["trainer"].alive, 60, "the trainer stops at max_steps")

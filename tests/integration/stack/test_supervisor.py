@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from services.stack.plan import ProcSpec
-from services.stack.supervisor import Supervisor
+from services.stack.supervisor import StackError, Supervisor
 
 SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")
 
@@ -18,7 +20,7 @@ SUPERVISED = """
 import asyncio, sys
 from pathlib import Path
 from services.stack.plan import ProcSpec
-from services.stack.supervisor import Supervisor
+from services.stack.supervisor import StackError, Supervisor
 
 async def main():
     spec = ProcSpec("sleeper", "x", {argv!r})
@@ -139,3 +141,24 @@ def test_a_pinned_service_runs_on_its_cores_only(tmp_path: Path) -> None:
     asyncio.run(scenario())
     assert (tmp_path / "logs" / "pinned.log").read_text().strip() == str(list(mine))
     assert (tmp_path / "logs" / "free.log").read_text().strip() == str(every)
+
+
+def test_a_worker_starts_beside_its_engine_and_the_next_kind_waits(tmp_path: Path) -> None:
+    """A rollout worker waits for its engine itself, so `flywheel up` starts it with its
+    engine (their start-ups overlap); a later kind still waits for both to be ready."""
+    never_ready = "http://127.0.0.1:9/readyz"  # the discard port: nothing answers
+
+    async def scenario() -> None:
+        specs = [
+            ProcSpec("engine-0", "engine", SLEEPER, ready_url=never_ready),
+            ProcSpec("sync", "sync", SLEEPER),
+            ProcSpec("rollout-0", "rollout", SLEEPER, beside="engine-0"),
+        ]
+        sup = Supervisor(specs, tmp_path / "logs", ready_timeout_s=1.0, console=None)
+        with pytest.raises(StackError, match="engine-0 not ready"):
+            await sup.start_all()
+        started = {p.name for p in sup.procs if p.proc is not None}
+        await sup.stop_all()
+        assert started == {"engine-0", "rollout-0"}
+
+    asyncio.run(scenario())

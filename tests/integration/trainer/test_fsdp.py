@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,10 @@ CFG = TrainConfig(
 )
 
 
-def _torchrun(model_dir, out, cfg: TrainConfig, resume=None) -> None:
+def _torchrun(model_dir, jobs: list[dict]) -> None:
+    """The jobs (fsdp_worker.py) in one torchrun: two ranks starting torch once for all."""
+    spec = Path(jobs[0]["out"]).parent / "jobs.json"
+    spec.write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
@@ -45,17 +49,45 @@ def _torchrun(model_dir, out, cfg: TrainConfig, resume=None) -> None:
         "-m",  # the worker as a module of the tests package, from the repository root
         "tests.integration.trainer.fsdp_worker",
         str(model_dir),
-        str(out),
-        cfg.model_dump_json(),
-        *([str(resume)] if resume is not None else []),
+        str(spec),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def _bf16(cfg: TrainConfig) -> TrainConfig:
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": "bf16"})})
+
+
+def _lora(cfg: TrainConfig) -> TrainConfig:
+    from services.weights.adapter import LoraSettings
+
+    return cfg.model_copy(update={"lora": LoraSettings(rank=4, alpha=8, heads=("lm_head",))})
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Every test's two-rank run, by name: one torchrun for the module (each test's own
+    launch cost ~15 CPU s, most of it torch starting in three processes)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    # the one-process checkpoint the "resume" run starts from (its test checks it)
+    single = Trainer.from_pretrained(tiny_model_dir, CFG)
+    single.train_step(random_batch(seed=1))
+    save_checkpoint(single, root / "one", {"seq": 3})
+    cfgs = {"fp32": (CFG, None), "bf16": (_bf16(CFG), None), "resume": (CFG, root / "one"),
+            "lora": (_lora(CFG), None)}  # fmt: skip
+    outs = {name: root / name for name in cfgs}
+    for out in outs.values():
+        out.mkdir()
+    jobs = [{"out": str(outs[n]), "cfg": c.model_dump_json(), "resume": r and str(r)}
+            for n, (c, r) in cfgs.items()]  # fmt: skip
+    _torchrun(tiny_model_dir, jobs)
+    return {**outs, "one": root / "one"}
+
+
 @pytest.mark.slow  # torchrun: two ranks, each importing torch
-def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
-    _torchrun(tiny_model_dir, tmp_path, CFG)
+def test_two_rank_fsdp_matches_single_process(tiny_model_dir, runs):
+    tmp_path = runs["fp32"]
 
     single = Trainer.from_pretrained(tiny_model_dir, CFG)
     want = single.train_step(random_batch(seed=1))
@@ -84,14 +116,13 @@ def test_two_rank_fsdp_matches_single_process(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow  # torchrun: two ranks, each importing torch
-def test_two_rank_fsdp_in_bf16_matches_single_process_bf16(tiny_model_dir, tmp_path):
+def test_two_rank_fsdp_in_bf16_matches_single_process_bf16(tiny_model_dir, runs):
     """bf16 compute with float32 master weights under FSDP2 (gloo) as in one process.
 
     FSDP2's MixedPrecisionPolicy casts every parameter to bf16, autocast only
     each matmul's inputs, so the two agree to bf16 rounding, not to 1e-5.
     """
-    cfg = CFG.model_copy(update={"model": CFG.model.model_copy(update={"precision": "bf16"})})
-    _torchrun(tiny_model_dir, tmp_path, cfg)
+    cfg, tmp_path = _bf16(CFG), runs["bf16"]
     single = Trainer.from_pretrained(tiny_model_dir, cfg)
     want = single.train_step(random_batch(seed=1))
     got = json.loads((tmp_path / "metrics.json").read_text())
@@ -111,18 +142,17 @@ def test_two_rank_fsdp_in_bf16_matches_single_process_bf16(tiny_model_dir, tmp_p
 
 
 @pytest.mark.slow  # torchrun: two ranks, each importing torch
-def test_a_one_process_checkpoint_resumes_under_two_rank_fsdp(tiny_model_dir, tmp_path):
+def test_a_one_process_checkpoint_resumes_under_two_rank_fsdp(tiny_model_dir, runs):
     """One process writes one file (the full state); two FSDP2 ranks resume from it.
 
     Each rank keeps its shards of the full model and AdamW state, so the next
     step equals the one process's next step; the two ranks' own checkpoint is DCP.
     """
-    single = Trainer.from_pretrained(tiny_model_dir, CFG)
+    tmp_path = runs["resume"]
+    single = Trainer.from_pretrained(tiny_model_dir, CFG)  # the step `runs` saved in "one"
     single.train_step(random_batch(seed=1))
-    save_checkpoint(single, tmp_path / "one", {"seq": 3})
-    assert (latest_checkpoint(tmp_path / "one") / "state.pt").is_file()
+    assert (latest_checkpoint(runs["one"]) / "state.pt").is_file()
 
-    _torchrun(tiny_model_dir, tmp_path, CFG, resume=tmp_path / "one")
     want = single.train_step(random_batch(seed=1))
     got = json.loads((tmp_path / "metrics.json").read_text())
     assert got["step"] == want["step"] == 2
@@ -135,14 +165,13 @@ def test_a_one_process_checkpoint_resumes_under_two_rank_fsdp(tiny_model_dir, tm
 
 
 @pytest.mark.slow  # torchrun: two ranks, each importing torch
-def test_two_rank_fsdp_trains_a_lora_adapter_as_one_process(tiny_model_dir, tmp_path):
+def test_two_rank_fsdp_trains_a_lora_adapter_as_one_process(tiny_model_dir, runs):
     """[trainer.lora] under FSDP2: the same step as one process, the version gathered on
     rank 0 is the adapter alone, and the two ranks' DCP checkpoint (adapter and its AdamW
     state) resumes in one process."""
-    from services.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings
+    from services.weights.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-    cfg = CFG.model_copy(update={"lora": LoraSettings(rank=4, alpha=8, heads=("lm_head",))})
-    _torchrun(tiny_model_dir, tmp_path, cfg)
+    cfg, tmp_path = _lora(CFG), runs["lora"]
     single = Trainer.from_pretrained(tiny_model_dir, cfg)
     want = single.train_step(random_batch(seed=1))
     got = json.loads((tmp_path / "metrics.json").read_text())
