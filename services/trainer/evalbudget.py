@@ -112,8 +112,14 @@ class EvalBudget:
         return step > 0 and not last and self.over()
 
     def line(self) -> str:
-        """'evaluations cost 31 s of 400 s of RL (7.8%), over eval_max_share 5%'."""
+        """'evaluations cost 31 s of 400 s of RL (7.8%), over eval_max_share 5%', or what
+        is known when no step ran alone yet (it read '0 s ... (0.0%), over' before)."""
         limit = f"{self.max_share * 100:g}%" if self.max_share is not None else "none"
+        if self.typical_s is None:  # over() says so when no step has yet run alone
+            return (
+                f"evaluations cost unknown after {self.rl_s:.0f} s of RL: {len(self.beside)} "
+                f"steps had one beside, none ran alone (eval_max_share {limit})"
+            )
         return (
             f"evaluations cost {self.cost_s:.0f} s of {self.rl_s:.0f} s of RL "
             f"({self.share:.1%}), over eval_max_share {limit}"

@@ -184,6 +184,10 @@ def test_an_evaluation_beside_every_step_defers_until_the_loop_is_seen_alone() -
     assert b.typical_s is None and not b.defers(10)
     t = run(b, t, [60])
     assert b.defers(10)
+    assert b.line() == (
+        f"evaluations cost unknown after 300 s of RL: {MIN_ALONE} steps had one beside, "
+        "none ran alone (eval_max_share 5%)"
+    )
     assert not EvalBudget(1.0).defers(10) and not b.defers(10, last=True)
     b.ended()
     # the gap it ended in is beside, the next MIN_ALONE alone: 3 x (60 - 40) of 460 s
