@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,18 @@ MIN_ACCURACY = 0.04
 SFT_MAIN = (
     "import sys; from services.trainer.sft.cli import sft_main; sys.exit(sft_main(sys.argv[1:]))"
 )
+
+
+def sft(run_toml: Path, timeout_s: float) -> str:
+    """`flywheel sft -c run_toml` (sft_main in a subprocess); its stdout, once it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SFT_MAIN, "-c", str(run_toml)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 @pytest.mark.long  # a learning run of 900 steps (~25 CPU s), then `flywheel sft` again
@@ -68,14 +81,7 @@ min_lr_ratio = 0.05
 [sft.model]
 cpu_threads = 1
 """)
-    proc = subprocess.run(
-        [sys.executable, "-c", SFT_MAIN, "-c", str(tmp_path / "run.toml")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "after 900 steps" in proc.stdout
+    assert "after 900 steps" in sft(tmp_path / "run.toml", timeout_s=300)
 
     verify_weights_dir(tmp_path / "out")
     # the one held-out evaluation (services/tasks/evaluate.py) on the same problems
@@ -108,14 +114,8 @@ max_time_s = 1
 batch_size = 4
 progress = false
 """)
-    proc = subprocess.run(
-        [sys.executable, "-c", SFT_MAIN, "-c", str(tmp_path / "run.toml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    done = int(proc.stdout.split(" after ")[1].split(" steps")[0])
+    out = sft(tmp_path / "run.toml", timeout_s=120)
+    done = int(out.split(" after ")[1].split(" steps")[0])
     assert 1 <= done < 1_000_000
     verify_weights_dir(tmp_path / "out")
 
