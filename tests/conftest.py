@@ -27,6 +27,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker:
         count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         ports.start_at(int(worker.removeprefix("gw")) / count)
+    # Held-out evaluations at the training's own CPU priority in every stack a test starts:
+    # at the default nice 19 an evaluation on cores xdist keeps full gets ~1.5% of one and
+    # a test waiting for its row times out. tests/unit/runtime/test_threads.py and
+    # tests/integration/trainer/test_heldout_priority.py test the default itself.
+    os.environ.setdefault("FLYWHEEL_TRAINER_EVAL_NICE", "0")
 
 
 @pytest.fixture

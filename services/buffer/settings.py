@@ -79,13 +79,13 @@ class BufferSettings(TaskServiceSettings):
         "0: never rests.",
     )
     refill_max_share: float = Field(
-        0.0,
+        0.5,
         ge=0.0,
         le=1.0,
         description="When a flat group is dropped, its batch slot is refilled with a recent "
         "group that had a reward spread and already trained (each such group at most once "
-        "more), up to this share of each batch. 0 (default): every group trains once; 0.5 "
-        "keeps a starved trainer stepping on at least half fresh groups.",
+        "more), up to this share of each batch. 0.5 (default) keeps a trainer starved by "
+        "flat groups stepping on at least half fresh groups; 0: every group trains once.",
     )
     refill_max_staleness: int = Field(
         2,

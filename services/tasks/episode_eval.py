@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from services.runtime.threads import Offload
 from services.tasks.episode import Episode, TurnOutput, run_episode
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.sandbox import ToolPool
@@ -65,8 +66,15 @@ class Batcher:
 
     BATCH = 64  # rows per generate, as evaluate.generate
 
-    def __init__(self, model: Any, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        stop: tuple[str, ...],
+        offload: Offload = asyncio.to_thread,
+    ) -> None:
         self.model, self.tokenizer, self.stop = model, tokenizer, stop
+        self.offload = offload
         self.waiting: list[tuple[list[int], int, asyncio.Future[TurnOutput]]] = []
         self.lock = asyncio.Lock()
 
@@ -80,7 +88,7 @@ class Batcher:
                 outs = []
                 for i in range(0, len(batch), self.BATCH):
                     chunk = batch[i : i + self.BATCH]
-                    outs += await asyncio.to_thread(
+                    outs += await self.offload(
                         generate_turns,
                         self.model,
                         self.tokenizer,
@@ -100,11 +108,12 @@ async def run_episodes(
     prompts: list[list[int]],
     max_new_tokens: int,
     tools: ToolPool,
+    offload: Offload = asyncio.to_thread,
 ) -> list[Episode]:
     """One greedy episode per prompt (the model's own turns, the tools' observations)."""
     was_training = model.training
     model.eval()
-    batcher = Batcher(model, tokenizer, spec.stop)
+    batcher = Batcher(model, tokenizer, spec.stop, offload)
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from services.runtime.errors import ConfigError
+from services.runtime.threads import Offload
 from services.tasks.episode_eval import run_episodes
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.prompts import encode, format_row, readable
@@ -141,12 +142,20 @@ def _cut(tokenizer: Any, ids: list[int], eos: int | None) -> tuple[str, int]:
 
 
 async def episode_completions(
-    model: Any, tokenizer: Any, spec: EpisodeSpec, ids: list[list[int]], e: Any, scorer: Scorer
+    model: Any,
+    tokenizer: Any,
+    spec: EpisodeSpec,
+    ids: list[list[int]],
+    e: Any,
+    scorer: Scorer,
+    offload: Offload = asyncio.to_thread,
 ) -> list[list[tuple[str, int]]]:
     """Greedy episodes (services/tasks/episode_eval.py) as (transcript, tokens)."""
     if scorer.tools is None:
         raise ConfigError("a task with [task.episode] is evaluated without a tool sandbox")
-    episodes = await run_episodes(model, tokenizer, spec, ids, e.max_new_tokens, scorer.tools)
+    episodes = await run_episodes(
+        model, tokenizer, spec, ids, e.max_new_tokens, scorer.tools, offload
+    )
     return [[(ep.text, len(ep.response_ids))] for ep in episodes]
 
 
@@ -174,18 +183,20 @@ async def evaluate_task(
     seed: int = 0,
     split: Split = "validation",
     greedy_only: bool = False,
+    offload: Offload = asyncio.to_thread,
 ) -> TaskEval:
     """Greedy pass@1 (and pass@k when eval.k > 1, unless `greedy_only`) of one task's rows
-    of `split`."""
+    of `split`; `offload` runs the generation off the event loop (the trainer's: a thread
+    at low CPU priority, services/runtime/threads.py)."""
     spec, e = task.spec, task.spec.eval
     rows = task.held_out(split)[: size or e.size]
     formatted = [format_row(spec, r) for _, r in rows]
     ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
 
     if spec.episode is not None:
-        greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer)
+        greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer, offload)
     else:
-        greedy = await asyncio.to_thread(
+        greedy = await offload(
             generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
         )
     scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy, split)]
@@ -201,7 +212,7 @@ async def evaluate_task(
     )
     if e.k == 1 or spec.episode is not None or greedy_only:  # episodes: greedy pass@1 only
         return result
-    sampled = await asyncio.to_thread(
+    sampled = await offload(
         generate,
         model,
         tokenizer,
@@ -228,6 +239,7 @@ async def evaluate(
     seed: int = 0,
     split: Split = "validation",
     greedy_only: bool = False,
+    offload: Offload = asyncio.to_thread,
 ) -> EvalReport:
     """Every task with rows of `split`, evaluated (tasks without them are left out)."""
     return EvalReport(
@@ -241,6 +253,7 @@ async def evaluate(
                 seed=seed,
                 split=split,
                 greedy_only=greedy_only,
+                offload=offload,
             )
             for name, t in loaded.items()
             if t.held_out(split)

@@ -12,13 +12,13 @@ weights directory and runs the one evaluation function
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from proto.messages import TrainBatch
 from services.runtime.errors import ConfigError
+from services.runtime.threads import niced_pool, offload_to
 from services.tasks.evaluate import EvalReport, evaluate, load_model
 from services.tasks.sandbox import ToolPool, VerifierPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
@@ -38,6 +38,9 @@ class HeldOut:
                 "set eval.holdout = 0.1 (a fraction of the source) or eval.source (a test file)"
             )
         self.remote = s.sandbox_socket
+        # the model load and generation: one thread at eval_nice, never the training step's
+        self.cpu = niced_pool(s.eval_nice, "heldout")
+        self.offload = offload_to(self.cpu)
         self.pool: VerifierPool | None = None
         self.tools: ToolPool | None = None  # tasks with episodes: their tools' sandbox
 
@@ -55,12 +58,15 @@ class HeldOut:
             await self.pool.close()
         if self.tools is not None:
             await self.tools.close()
+        self.cpu.shutdown(wait=False)  # an evaluation cancelled mid-generate ends alone
 
     async def run(self, path: Path) -> EvalReport:
         assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
-        model, tok = await asyncio.to_thread(load_model, path)
+        model, tok = await self.offload(load_model, path)
         scorer = Scorer(self.tasks, self.pool, self.tools)
-        return await evaluate(model, tok, self.loaded, scorer, split="validation")
+        return await evaluate(
+            model, tok, self.loaded, scorer, split="validation", offload=self.offload
+        )
 
 
 def reward_parts(batch: TrainBatch) -> dict[str, float]:

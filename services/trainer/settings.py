@@ -419,6 +419,15 @@ class TrainerSettings(TaskServiceSettings):
         "of the RL seconds so far. The step-0 evaluation and a run's last step's are never "
         "deferred. 1.0 or None: evaluate at every eval_every (docs/learning.md).",
     )
+    eval_nice: int = Field(
+        19,
+        ge=0,
+        le=19,
+        description="CPU priority (Linux nice) of the thread that loads and generates for the "
+        "held-out evaluations: 19 runs them in the time the cores are idle, so on a busy "
+        "CPU they take longer instead of slowing the steps and engines beside them; 0: the "
+        "same priority as training (evaluations finish sooner, the steps beside slow down).",
+    )
     sandbox_socket: Path | None = Field(
         None,
         description="Unix socket of a `flywheel sandbox` server: rewards and tools run in "
