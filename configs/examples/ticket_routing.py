@@ -103,13 +103,16 @@ def tickets(split: Split, size: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def department_reward(completion: str, answer: str | None, **_: object) -> float:
-    """1.0 when the first department the reply names is the right one, else 0.0.
+    """1.0 when the reply names the right department and no other, else 0.0.
 
     'Shipping.', 'shipping' and 'This goes to the shipping department.' all
-    pass; 'billing or shipping' names billing first and fails, as does a
-    reply that names none.
+    pass; 'billing or shipping' fails, as does a reply that names none. A
+    reply that lists the departments fails: with 1.0 for the first one
+    named, SmolLM2 learned to echo the prompt's list ('... billing,
+    shipping, returns or technical'), right on every billing message and
+    wrong on the rest (bench/results_learning.md).
     """
     if answer is None:
         return 0.0
-    named = [w for w in _WORD.findall(completion.lower()) if w in DEPARTMENTS]
-    return 1.0 if named and named[0] == answer else 0.0
+    named = {w for w in _WORD.findall(completion.lower()) if w in DEPARTMENTS}
+    return 1.0 if named == {answer} else 0.0

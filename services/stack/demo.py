@@ -298,17 +298,40 @@ def latest_weights(run_dir: Path, run: str) -> Path | None:
     return published_dir(run_dir / "weights", run, versions[-1]) if versions else None
 
 
-def best_weights(run_dir: Path, final: Path, steps: int) -> tuple[Path, int]:
-    """The weights the demo hands over, and their step: those of the trainer's best
-    validation-split evaluation of a trained version (services/weights/best.py), else the
-    last version. A run stopped on its target ends a step or two after
-    the evaluation that met it; those newer weights were never evaluated."""
+def best_weights(run_dir: Path, final: Path, steps: int, tasks: Any) -> tuple[Path, int]:
+    """The weights the demo hands over, and their step: the best on the validation split
+    among the trainer's evaluations of trained versions (services/weights/best.py) and
+    the last version. The trainer evaluates the last version only when its run ends by
+    itself; a run stopped on its time or its target ends without it (ticket routing:
+    v10 chosen at test 0.215 while the unevaluated v37 read 0.280), so the demo then
+    evaluates it here, greedy on validation as the trainer does; ties keep the older."""
     from services.weights.best import best_record
 
     best = best_record(run_dir / "checkpoints")
-    if best is None:
+    if steps in evaluated_steps(run_dir / "metrics.jsonl"):
+        return (Path(best["weights"]), int(best["step"])) if best else (final, steps)
+    last = validation_accuracy(tasks, final)
+    kept = f"v{best['step']}'s {float(best['accuracy']):.3f}" if best else "no evaluation"
+    print(f"flywheel demo: validation accuracy of the last weights (v{steps}, never "
+          f"evaluated by the trainer): {last:.3f}, against {kept}", flush=True)  # fmt: skip
+    if best is None or last > float(best["accuracy"]):
         return final, steps
     return Path(best["weights"]), int(best["step"])
+
+
+def evaluated_steps(metrics: Path) -> set[int]:
+    """The versions the trainer evaluated (its rows with `eval_accuracy`)."""
+    if not metrics.is_file():
+        return set()
+    rows = (json.loads(x) for x in metrics.read_text().splitlines() if x.strip())
+    return {int(r["step"]) for r in rows if "eval_accuracy" in r}
+
+
+def validation_accuracy(tasks: Any, model_dir: Path) -> float:
+    """Greedy pass@1 on the validation split, as the trainer's evaluations read it."""
+    from services.tasks.evaluate import evaluate_dir
+
+    return evaluate_dir(model_dir, tasks, split="validation", greedy_only=True).pass_at_1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -361,7 +384,7 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
         print("flywheel demo: the RL stage failed; see the logs above", file=sys.stderr)
         return code or 1
     steps = parse_name(final.name) or 0
-    weights, best_step = best_weights(run_dir, final, steps)
+    weights, best_step = best_weights(run_dir, final, steps, tasks)
     after, _ = held_out_accuracy(tasks, weights, args.eval_size)
     png = plot(run_dir / "metrics.jsonl", run_dir / "reward.png", TITLES[args.task])
     summary: dict[str, Any] = {"accuracy_before": before, "accuracy_after": after,

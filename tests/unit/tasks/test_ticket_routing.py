@@ -67,10 +67,13 @@ def test_the_learning_keys_are_the_defaults() -> None:
     assert trainer.loss == type(trainer.loss)()
 
 
-def test_the_reward_pays_the_first_department_named() -> None:
+def test_the_reward_pays_the_right_department_named_alone() -> None:
     assert department_reward("Shipping.", "shipping") == 1.0
     assert department_reward("This goes to the shipping department.", "shipping") == 1.0
     assert department_reward("billing or shipping", "shipping") == 0.0
+    assert department_reward("Shipping. The shipping team will help.", "shipping") == 1.0
+    listed = "Route this customer message to one department: billing, shipping, returns or tec"
+    assert department_reward(listed, "billing") == 0.0  # the prompt echoed: no department chosen
     assert department_reward("I'm sorry, I cannot help.", "returns") == 0.0
     assert department_reward("return", "returns") == 0.0
     spec = load_settings(StackSettings, CONFIG).task_set().specs["jsonl"]
