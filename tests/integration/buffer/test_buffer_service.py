@@ -59,6 +59,7 @@ max_staleness = {k}
 oversample = 0.5
 samples_per_prompt = 2
 dispatch_interval_s = 0.05
+refill_max_share = 0.0   # every group trains once: a group batched twice is then a repeat
 """
     )
     return p
