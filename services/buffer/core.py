@@ -250,7 +250,8 @@ class Assembler:
     min_scored: int | None = None  # [buffer] min_scored_per_group
     # Refill ([buffer] refill_max_share): a flat group's slot is filled by a recent
     # group that had a reward spread and already trained, at most `refill_max` per
-    # batch, each recent group at most once, its version w >= s - refill_max_staleness.
+    # batch, each recent group at most once, its version w >= s - refill_max_staleness,
+    # and never staler than max_staleness allows any sample (`_refill_floor`).
     refill_max: int = 0
     refill_max_staleness: int = 2
     recent: deque[SampleGroup] = field(default_factory=deque)  # batched, with a spread
@@ -339,7 +340,7 @@ class Assembler:
         target = self.target_step()
         if self.refill_max <= 0 or self.refilled.get(target, 0) >= self.refill_max:
             return None
-        floor = target - self.refill_max_staleness
+        floor = self._refill_floor(target)
         for i in range(len(self.recent) - 1, -1, -1):  # the newest first
             grp = self.recent[i]
             if grp.weight_version >= floor and grp.group_id not in self._pending_ids():
@@ -350,12 +351,19 @@ class Assembler:
                 return grp
         return None
 
+    def _refill_floor(self, step: int) -> int:
+        """The oldest version a group refilled into `step` may have. max_staleness bounds a
+        refill as it bounds a fresh sample: a run that asks for synchronous on-policy
+        training (0) gets no refill (a refilled group has trained once, so it is at least
+        a step stale), and the demo's `staleness_max <= 1` holds with max_staleness 1."""
+        return step - min(self.refill_max_staleness, self.policy.max_staleness)
+
     def _pending_ids(self) -> set[str]:
         return {p.group_id for p in self.pending}
 
     def _prune_recent(self) -> None:
         """Keep the groups a refill could still take (and at most 4 batches of them)."""
-        floor = self.state.next_step - self.refill_max_staleness
+        floor = self._refill_floor(self.state.next_step)
         keep = [grp for grp in self.recent if grp.weight_version >= floor]
         self.recent = deque(keep[-4 * self.policy.groups_per_step :])
 

@@ -91,7 +91,8 @@ class BufferSettings(TaskServiceSettings):
         2,
         ge=0,
         description="A refilled group's weight version w must satisfy w >= s - this at the "
-        "step s it trains again (recent, not too stale).",
+        "step s it trains again (recent, not too stale), and w >= s - max_staleness as every "
+        "sample must: max_staleness 0 (synchronous) refills nothing.",
     )
     curriculum: bool = Field(
         True,

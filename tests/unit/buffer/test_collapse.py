@@ -150,6 +150,25 @@ def test_refills_respect_their_staleness_bound_and_keep_the_filter_rate_honest()
     assert b.last_refill is not None and b.rate == 0.0  # the slot was filled
 
 
+def test_max_staleness_bounds_a_refill_as_it_bounds_any_sample() -> None:
+    """refill_max_staleness 2, but max_staleness 0 (synchronous) refills nothing and
+    max_staleness 1 refuses a group 2 versions behind."""
+    sync = Assembler(Policy(1, 0), BufferState(), refill_max=1, refill_max_staleness=2)
+    assert sync.offer(spread("a", 0)) == Verdict.ACCEPTED
+    sync.take_batch()
+    assert sync.offer(flat("f", 1)) == Verdict.ZERO_VARIANCE
+    assert sync.last_refill is None and not sync.recent  # on-policy: nothing trains twice
+    one = Assembler(Policy(1, 1), BufferState(), refill_max=1, refill_max_staleness=2)
+    one.offer(spread("a", 0))
+    one.take_batch()  # step 0
+    one.offer(spread("b", 1))
+    one.take_batch()  # step 1
+    # step 2 is next: a (v0) would be 2 behind, over max_staleness 1: no longer a candidate
+    assert [g.group_id for g in one.recent] == ["b"]
+    assert one.offer(flat("f", 1)) == Verdict.ZERO_VARIANCE
+    assert one.last_refill is not None and one.last_refill.group_id == "b"
+
+
 def test_refill_is_off_by_default() -> None:
     a = Assembler(Policy(1, 1), BufferState())
     a.offer(spread("a", 0))
