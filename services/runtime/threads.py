@@ -60,5 +60,5 @@ def offload_to(pool: ThreadPoolExecutor) -> Offload:
 
 
 def thread_nice() -> int:
-    """The calling thread's nice value (tests; the log line)."""
+    """The calling thread's nice value (the tests read it back)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
