@@ -6,7 +6,7 @@ Four departments (billing, shipping, returns, technical); a message never
 names its department, so the model has to read it. Written as a user's own
 task would be: its own field names (`ticket`, `department`), a reward by
 import path (`configs.examples.ticket_routing:department_reward`, run from
-the repo root), files written once by `configs/examples/data/make_tickets.py`.
+the repo root), files written once by `configs/examples/data/make_data.py`.
 
 Held out by construction: a message's split is a hash of its text (10%
 test, 10% validation, 80% train), so no validation or test message can be a
