@@ -20,6 +20,18 @@ to step N's: the start-up and the step-0 evaluation left out):
   after a step's compute waiting for the previous step's publish and record;
 - evaluations: how many ran and, where the rows say, their seconds.
 
+With `--run-file FILE` it measures a real run instead (e.g.
+configs/examples/ticket-routing.toml: SmolLM2, 150 validation prompts,
+pass@4), in two `flywheel up --steps N` runs back to back on the same seed:
+the baseline with no evaluation (`eval_every = 0`), then evaluations every
+`--eval-every` steps at the run file's other settings (`eval_nice`,
+`eval_max_share`: the defaults unless it sets them). Both with
+`filter_zero_variance = false`, so that every step trains the same work
+(with the filter on, a step's wait for trainable groups depends on what the
+policy has learned by then, which timing changes). The evaluations' share of
+the RL wall time is 1 - wall(baseline) / wall(with evaluations), over the
+same steps 2..N.
+
 `services` is imported from wherever Python finds it first, so
 `PYTHONPATH=/path/to/other/checkout` measures another version of the code
 with the same script (how the "before" figure was taken).
@@ -114,7 +126,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--run-dir", type=Path, default=Path("runs/bench-eval-blocking"))
     ap.add_argument("--label", default="")
+    ap.add_argument("--run-file", type=Path, help="a real run file: the A/B described above")
+    ap.add_argument("--seed", type=int, default=0, help="--run-file: both runs' seed")
     args = ap.parse_args()
+    if args.run_file:
+        real_share(args)
+        return
 
     import services
     from services.models.tiny_model import TinyModelSpec, write_tiny_model
@@ -129,15 +146,8 @@ def main() -> None:
             max_new_tokens=args.max_new_tokens, eval_every=args.eval_every,
         )
     )  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    up = [sys.executable, "-c", "from services.cli import main; raise SystemExit(main())"]
     started, load = time.time(), os.getloadavg()[0]
-    code = subprocess.call(
-        [*up, "up", "-c", str(config), "--steps", str(args.steps), "--quiet"], env=env
-    )
-    if code != 0:
-        raise SystemExit(f"flywheel up exited {code}: see {run_dir / 'run' / 'logs'}")
-    rows = [json.loads(x) for x in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = up_steps(config, args.steps, run_dir / "run")
     result = {
         "label": args.label,
         "code": str(Path(services.__file__).parent.parent),
@@ -149,6 +159,46 @@ def main() -> None:
         **figures(rows),
     }
     print(json.dumps(result))
+
+
+def up_steps(config: Path, steps: int, run_dir: Path) -> list[dict[str, Any]]:
+    """`flywheel up -c config --steps N`, then the trainer's metrics rows."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    up = [sys.executable, "-c", "from services.cli import main; raise SystemExit(main())"]
+    code = subprocess.call(
+        [*up, "up", "-c", str(config), "--steps", str(steps), "--quiet"], env=env
+    )
+    if code != 0:
+        raise SystemExit(f"flywheel up exited {code}: see {run_dir / 'logs'}")
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def real_share(args: argparse.Namespace) -> None:
+    """The A/B on a real run file: no evaluation, then evaluations every --eval-every."""
+    import tomllib
+
+    from services.stack.demo import dump_toml, run_file
+
+    doc = tomllib.loads(args.run_file.read_text())
+    model = Path(doc["stack"]["model"]).expanduser()
+    arms: dict[str, dict[str, Any]] = {}
+    for name, every in (("none", 0), ("eval", args.eval_every)):
+        run_dir = (args.run_dir / name).resolve()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        src = run_dir / "source.toml"
+        doc.setdefault("trainer", {})["eval_every"] = every
+        doc.setdefault("buffer", {})["filter_zero_variance"] = False
+        src.write_text(dump_toml(doc))
+        config = run_file(src, run_dir, model, None, seed=args.seed)
+        started, load = time.time(), os.getloadavg()[0]
+        rows = up_steps(config, args.steps, run_dir)
+        arms[name] = {"load_before": round(load, 1), "load_after": round(os.getloadavg()[0], 1),
+                      "up_s": round(time.time() - started, 1), **figures(rows)}  # fmt: skip
+        print(json.dumps({"arm": name, "eval_every": every, **arms[name]}), flush=True)
+    share = 1 - arms["none"]["wall_s"] / arms["eval"]["wall_s"]
+    print(json.dumps({"run_file": str(args.run_file), "steps": args.steps,
+                      "eval_share_of_wall": round(share, 4)}))  # fmt: skip
 
 
 if __name__ == "__main__":
