@@ -40,8 +40,9 @@ tools:
 
 # Four pytest-xdist workers on 2 cores: most of a test's time is waiting
 # (processes starting, NATS round trips, engines answering), not computing.
-# loadscope keeps a module's tests on one worker, so a module's stack starts once.
-PARALLEL ?= -n 4 --dist loadscope
+# loadscope keeps a module's tests on one worker, so a module's stack starts once; in
+# collection order, where tests/conftest.py puts the long (`slow`) modules first.
+PARALLEL ?= -n 4 --dist loadscope --no-loadscope-reorder
 
 # The sandbox's tests fail here rather than skip if the host cannot give one:
 # `tools` has just installed bubblewrap (tests/harness/sandbox.py).

@@ -34,6 +34,18 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("FLYWHEEL_TRAINER_EVAL_NICE", "0")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` modules first: longest work first, so the suite does not end on them.
+
+    With `--dist loadscope`, xdist hands modules out in collection order (the
+    Makefile turns off its reordering by test count, which put the many-case
+    modules first and the few-test stacks, the longest, at the end: one worker
+    still running a stack while the others had finished). A stable sort: the
+    order within each group stays the collection's.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def nats_server() -> Iterator[NatsServer]:
     """A fresh nats-server with JetStream: free port, temporary store."""
