@@ -16,16 +16,23 @@ machine one after the other, each given the same wall-clock budget:
 - Flywheel: `flywheel up -c <the run file, with this run's paths>` (its
   engines, workers, buffer, trainer and sync as the run file places them);
   this script notes when each metrics row lands. Its clock starts when the
-  trainer's step-0 evaluation is written (generation starts after it: the
-  buffer waits for a ready trainer) and the stack is stopped (SIGINT) after
-  `--seconds` on that clock.
+  trainer starts its RL (the first row's `elapsed` before that row landed:
+  the step-0 evaluation runs beside the first steps, so its row is not the
+  first) and the stack is stopped (SIGINT) after `--seconds` on that clock.
 - TRL: bench/trl_grpo.py in a subprocess, one process, `--trl-threads`
   torch threads (default: the threads the Flywheel run uses, engines ×
   engine_threads + the trainer's cpu_threads); its clock starts after its
   step-0 evaluation, it stops after `--seconds`.
 
 Both curves are validation pass@1 against seconds since that start, the
-evaluations included in the seconds (each pays for its own). Written to
+evaluations included in the seconds (each pays for its own): a point is
+placed when its evaluation's result is known. Each point also records when
+the weights it evaluated were trained (Flywheel's row `elapsed`; TRL's
+`elapsed` less that evaluation's own seconds), so time to target is given
+both ways: *evaluated* (when the run could know it had reached it) and
+*trained* (when it had): Flywheel's evaluations run beside training at idle
+priority and TRL's stop training while they run, so the two differ by
+different amounts on each side. Written to
 DIR: side_by_side.png (both curves in one plot), side_by_side.json (every
 point and figure), side_by_side.md (the table for bench/results_learning.md),
 the runs' own files under DIR/flywheel and DIR/trl.
@@ -65,7 +72,8 @@ class Side:
     steps: int = 0
     samples: int = 0
     signal_fraction: float = 1.0  # trained samples in groups whose rewards differ
-    curve: list[tuple[float, float, int]] = field(default_factory=list)  # seconds, acc, step
+    # seconds when evaluated, acc, step, seconds when those weights were trained
+    curve: list[tuple[float, float, int, float]] = field(default_factory=list)
     generated_per_s: float | None = None
     load: tuple[float, float] = (0.0, 0.0)
     wall_s: float = 0.0
@@ -78,8 +86,8 @@ class Side:
     def signal_per_s(self, budget: float) -> float:
         return self.per_s(budget) * self.signal_fraction
 
-    def time_to(self, target: float) -> float | None:
-        return next((t for t, acc, _ in self.curve if acc >= target), None)
+    def time_to(self, target: float, trained: bool = False) -> float | None:
+        return next((tt if trained else t for t, acc, _, tt in self.curve if acc >= target), None)
 
 
 def env() -> dict[str, str]:
@@ -131,7 +139,7 @@ def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int
         for line in lines[seen:]:
             if line.strip():
                 row = json.loads(line)
-                t0 = now if t0 is None else t0  # the step-0 evaluation's row: RL starts
+                t0 = now - float(row.get("elapsed", 0.0)) if t0 is None else t0  # RL's start
                 rows.append((now - t0, row))
         seen = len(lines)
         if t0 is not None and now - t0 >= seconds:
@@ -140,7 +148,7 @@ def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int
     log.close()
     side.wall_s, side.load = time.monotonic() - t_wall, (load0, os.getloadavg()[0])
     kept = [(t, r) for t, r in rows if t <= seconds]
-    side.curve = [(round(t, 1), float(r["eval_accuracy"]), int(r["step"]))
+    side.curve = [(round(t, 1), float(r["eval_accuracy"]), int(r["step"]), round(r["elapsed"], 1))
                   for t, r in kept if "eval_accuracy" in r]  # fmt: skip
     trained = [r for _, r in kept if "samples" in r]
     side.steps = max((int(r["step"]) for r in trained), default=0)
@@ -189,9 +197,11 @@ def run_trl(config: Path, model: Path, out: Path, seconds: float, threads: int, 
         return side
     s = json.loads(lines[-1])
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    # the end-of-budget evaluation lands just past the budget: it is the budget's last point
-    side.curve = [(round(r["elapsed"], 1), float(r["eval_accuracy"]), int(r["step"]))
-                  for r in rows]  # fmt: skip
+    # the end-of-budget evaluation lands just past the budget: it is the budget's last point;
+    # eval_s is cumulative, so a row's own evaluation is its difference from the row before
+    own = [r["eval_s"] - (rows[i - 1]["eval_s"] if i else 0.0) for i, r in enumerate(rows)]
+    side.curve = [(round(r["elapsed"], 1), float(r["eval_accuracy"]), int(r["step"]),
+                   round(r["elapsed"] - e, 1)) for r, e in zip(rows, own, strict=True)]  # fmt: skip
     side.steps, side.samples = int(s["steps"]), int(s["samples"])
     side.signal_fraction = float(s["signal_fraction"])
     # TRL checks the budget at a step's end, so its last step may end past it: its rates
@@ -216,7 +226,7 @@ def plot(sides: list[Side], target: float | None, title: str, out: Path) -> Path
             ax.plot([c[0] for c in s.curve], [c[1] for c in s.curve], "o-", label=s.name)
     if target is not None:
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target}")
-    ax.set_xlabel("seconds since the step-0 evaluation (evaluations included)")
+    ax.set_xlabel("seconds of RL, when each evaluation's result was known")
     ax.set_ylabel("validation pass@1 (greedy)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
@@ -239,22 +249,27 @@ def report(sides: list[Side], budget: float, target: float | None, command: str)
 
     lines = [f"`{command}`", "",
              "| | steps | trained samples/s | with signal/s | generated samples/s | "
-             "validation first → last | time to target s | load 1-min |",
+             "validation first → last | time to target s, evaluated / trained | load 1-min |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in (fw, trl):
         acc = f"{s.curve[0][1]:.3f} → {s.curve[-1][1]:.3f}" if s.curve else "—"
-        ttt = f(s.time_to(target)) if target is not None else "—"
+        ttt = (f"{f(s.time_to(target))} / {f(s.time_to(target, trained=True))}"
+               if target is not None else "—")  # fmt: skip
         gen = f(s.generated_per_s, ".2f") if s.generated_per_s is not None else "—"
         lines.append(f"| {s.name} | {s.steps} | {s.per_s(budget):.2f} | "
                      f"{s.signal_per_s(budget):.2f} | {gen} | {acc} | {ttt} | "
                      f"{s.load[0]:.1f} → {s.load[1]:.1f} |")  # fmt: skip
-    t_fw = fw.time_to(target) if target is not None else None
-    t_trl = trl.time_to(target) if target is not None else None
+
+    def to(s: Side, trained: bool) -> float | None:
+        return s.time_to(target, trained) if target is not None else None
+
     lines += ["",
               f"Flywheel / TRL: trained samples/s {ratio(fw.per_s(budget), trl.per_s(budget))} "
               f"(target ≥ 1.3x), with signal/s "
               f"{ratio(fw.signal_per_s(budget), trl.signal_per_s(budget))}, time to target "
-              f"{ratio(t_fw, t_trl)} (target ≤ 0.7x). Budget {budget:.0f} s each."]  # fmt: skip
+              f"{ratio(to(fw, False), to(trl, False))} evaluated, "
+              f"{ratio(to(fw, True), to(trl, True))} trained (target ≤ 0.7x). "
+              f"Budget {budget:.0f} s each."]  # fmt: skip
     for s in (fw, trl):
         lines += [f"- {s.name}: {n}" for n in s.notes]
     return "\n".join(lines) + "\n"
