@@ -223,10 +223,13 @@ def plot(sides: list[Side], target: float | None, title: str, out: Path) -> Path
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for s in sides:
         if s.curve:
-            ax.plot([c[0] for c in s.curve], [c[1] for c in s.curve], "o-", label=s.name)
+            line = ax.plot([c[0] for c in s.curve], [c[1] for c in s.curve], "o-", label=s.name)
+            trained = [c[3] for c in s.curve]  # when the evaluated weights were trained
+            ax.plot(trained, [c[1] for c in s.curve], "x--", lw=1, color=line[0].get_color(),
+                    label=f"{s.name}, weights trained at")  # fmt: skip
     if target is not None:
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target}")
-    ax.set_xlabel("seconds of RL, when each evaluation's result was known")
+    ax.set_xlabel("seconds of RL (o: when an evaluation's result was known)")
     ax.set_ylabel("validation pass@1 (greedy)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
