@@ -4,7 +4,7 @@ configs/examples/review-sentiment.toml: is a product review positive or negative
 A JSONL with its own field names, a reward by import path
 (configs/examples/review_sentiment.py), SmolLM2-135M-Instruct (`make test-long`
 runs `make smollm2` first), every learning key the services' default
-(tests/unit/tasks/test_review_sentiment.py checks that). `flywheel demo --task
+(tests/unit/tasks/test_user_examples.py checks that). `flywheel demo --task
 real` runs it through the whole stack and scores the base model and the chosen
 weights on the test split, which no stage trains or chooses on (a review's split
 is a hash of its text). The issue's bar: test pass@1 up by at least 0.2 within
