@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from services.weights.base import (
     BadWeightsUri,
@@ -31,7 +31,9 @@ def shared_path(uri: str, root: Path) -> Path:
     parsed = urlparse(uri)
     if parsed.scheme != "file":
         raise BadWeightsUri(f"unsupported weights uri {uri!r}")
-    path = Path(parsed.path).resolve()
+    # decoded: `publish` announces Path.as_uri(), which percent-encodes (a run directory
+    # with a space in it reads "%20"); decoding first also confines an encoded "..".
+    path = Path(unquote(parsed.path)).resolve()
     if not path.is_relative_to(root.resolve()):
         raise BadWeightsUri(f"weights uri {uri!r} is outside {root}")
     return path

@@ -34,9 +34,21 @@ def test_a_directory_inside_the_root_is_accepted(root: Path) -> None:
     assert local_path(f"file://{root}/run/v000001", root) == (root / "run/v000001").resolve()
 
 
+def test_the_disk_transports_own_uri_is_accepted_under_a_path_with_a_space(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "my runs" / "weights"  # as_uri() announces it as my%20runs
+    version = root / "run" / "v000001"
+    version.mkdir(parents=True)
+    uri = version.as_uri()  # what DiskTransport.publish announces
+    assert "%20" in uri
+    assert local_path(uri, root) == version.resolve()
+
+
 @pytest.mark.parametrize(
     "uri",
     [
+        "file://{root}/%2E%2E/secret",  # an encoded ".." is decoded, then confined
         "file://{root}/../secret",
         "file://{root}/run/../../secret",
         "file://{root}/run/v000001/../../../secret",
