@@ -18,9 +18,13 @@ exact, but S² work and memory on a row of S tokens. Instead:
   softmax in float32. (sdpa's CPU flash kernel on that block was not
   measured against these plain matmuls.)
 
+Prefix-shared groups (core/prefix.py) come as *views* instead of sequences:
+`view_attention` runs one masked attention per view (queries, their keys,
+visibility by position id), on any device, for either registered name.
+
 transformers passes the `cu_seq_lens_*` / `max_length_*` keyword arguments
-given to the model's forward down to every attention call; that is where
-the boundaries come from.
+(and `flywheel_views`) given to the model's forward down to every attention
+call; that is where the boundaries come from.
 """
 
 from __future__ import annotations
@@ -73,10 +77,12 @@ def _segments_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    if query.shape[0] != 1 or "cu_seq_lens_q" not in kwargs:
-        raise ValueError(f"{SEGMENTS} needs one packed row and cu_seq_lens_q/max_length_q")
     if sliding_window is not None or dropout:
         raise ValueError(f"{SEGMENTS} supports neither sliding windows nor attention dropout")
+    if "flywheel_views" in kwargs:
+        return view_attention(query, key, value, kwargs["flywheel_views"], scaling)
+    if query.shape[0] != 1 or "cu_seq_lens_q" not in kwargs:
+        raise ValueError(f"{SEGMENTS} needs one packed row and cu_seq_lens_q/max_length_q")
     cu = kwargs["cu_seq_lens_q"].to(torch.long)
     width = int(kwargs["max_length_q"])
     hq, s, d = query.shape[1], query.shape[2], query.shape[3]
@@ -108,6 +114,45 @@ def _segments_attention(
     return flat.transpose(0, 1)[None], None  # [1, S, Hq, D], as transformers' functions return
 
 
+def view_attention(
+    query: torch.Tensor,  # [1, Hq, S, D]
+    key: torch.Tensor,  # [1, Hkv, S, D]
+    value: torch.Tensor,  # [1, Hkv, S, D]
+    views: dict[str, torch.Tensor],
+    scaling: float | None,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a packed row's views (core/prefix.py): view v's queries `view_q[v]`
+    attend to its keys `view_k[v]` whose position id is not greater than theirs.
+
+    The views are gathered into [m, H, W, D] blocks (index S: a zero row, padding), so
+    the cost is the sum over views of Wq × Wk, with no [S × S] mask. Matmuls in the
+    autocast dtype when one is on (either device), softmax in float32 (or float64).
+    """
+    dev = query.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
+    m, wq = views["view_q"].shape
+    hq, d = query.shape[1], query.shape[3]
+    hkv = key.shape[1]
+
+    def gather(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # [1, H, S, D] -> [m, H, W, D]
+        h = x[0].to(dtype)
+        padded = torch.cat([h, h.new_zeros(h.shape[0], 1, d)], dim=1)  # [H, S + 1, D]
+        return padded[:, at].transpose(0, 1)
+
+    # Grouped-query attention by broadcasting: [m, Hkv, rep, Wq, D] against [m, Hkv, 1, Wk, D].
+    q = gather(query, views["view_q"]).reshape(m, hkv, hq // hkv, wq, d)
+    k = gather(key, views["view_k"])[:, :, None]
+    v = gather(value, views["view_k"])[:, :, None]
+    scale = scaling if scaling is not None else d**-0.5
+    stat = torch.promote_types(dtype, torch.float32)  # float64 stays float64 (the tests)
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(stat) * scale  # [m, Hkv, rep, Wq, Wk]
+    hidden = views["view_k_pos"][:, None, :] > views["view_q_pos"][:, :, None]  # [m, Wq, Wk]
+    probs = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(-1).to(dtype)
+    out = torch.matmul(probs, v).reshape(m, hq, wq, d)  # [m, Hq, Wq, D]
+    flat = out.transpose(0, 1).reshape(hq, m * wq, d).index_select(1, views["view_out"])
+    return flat.transpose(0, 1)[None], None  # [1, S, Hq, D]
+
+
 @functools.cache
 def _kernel_params() -> frozenset[str]:
     """The keyword arguments this torch's `varlen_attn` takes (the API is young)."""
@@ -129,10 +174,12 @@ def _varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     from torch.nn.attention.varlen import varlen_attn
 
-    if query.shape[0] != 1 or "cu_seq_lens_q" not in kwargs:
-        raise ValueError(f"{VARLEN} needs one packed row and cu_seq_lens_q/max_length_q")
     if sliding_window is not None or dropout:
         raise ValueError(f"{VARLEN} supports neither sliding windows nor attention dropout")
+    if "flywheel_views" in kwargs:  # prefix-shared groups: no varlen kernel takes a tree
+        return view_attention(query, key, value, kwargs["flywheel_views"], scaling)
+    if query.shape[0] != 1 or "cu_seq_lens_q" not in kwargs:
+        raise ValueError(f"{VARLEN} needs one packed row and cu_seq_lens_q/max_length_q")
     cu, max_len = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
     # Under autocast, RoPE leaves q and k in float32 (sdpa would be cast by autocast;
     # this custom op is not), and the kernel takes half precision only.

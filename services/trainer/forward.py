@@ -1,7 +1,9 @@
 """One forward pass of a micro-batch: per-token logprobs (and entropies) of its targets.
 
-Two layouts come in (core/batching.py padded rows, core/packing.py packed
-rows) and two ways of getting logprobs out:
+Three layouts come in (core/batching.py padded rows, core/packing.py packed
+rows, core/prefix.py prefix-shared trees, whose per-token fields are
+entries that read the hidden state at `hidden_index`) and two ways of
+getting logprobs out:
 
 - 'full': the model's own logits [B, T, V], then core/logprobs.py. Works
   for any causal LM; holds [T × V] floats several times over.
@@ -31,6 +33,7 @@ from services.trainer.core.logprobs import (
     token_entropy,
     token_logprobs,
 )
+from services.trainer.core.prefix import VIEW_KEYS
 from services.trainer.lora import head_parameters
 
 MicroBatch = dict[str, torch.Tensor]
@@ -65,14 +68,24 @@ def token_stats(
         if spec.logprobs == "full":
             targets = mb["targets"].to(device)
             logits = model(**inputs).logits
-            if logits.shape[1] != targets.shape[1]:  # padded: position j predicts token j + 1
+            if "hidden_index" in mb:  # trees: each entry's logits, [1, E, V]
+                logits = logits.index_select(1, mb["hidden_index"][0].to(device))
+            elif logits.shape[1] != targets.shape[1]:  # padded: position j predicts j + 1
                 logits = logits[:, :-1]
             logp = token_logprobs(logits, targets, temperature)
             return logp, (token_entropy(logits, temperature) if entropy else None)
         # Which positions reach the head is decided on the CPU copy: no device sync.
         select = mb["loss_mask"] > 0
         return _chunked(
-            model, inputs, mb["targets"], select, device, temperature, entropy, spec.chunk_mib
+            model,
+            inputs,
+            mb["targets"],
+            select,
+            device,
+            temperature,
+            entropy,
+            spec.chunk_mib,
+            mb.get("hidden_index"),
         )
 
 
@@ -84,7 +97,9 @@ def model_inputs(mb: MicroBatch, device: torch.device, varlen: bool) -> dict:
         return {**inputs, "attention_mask": mb["attention_mask"].to(device)}
     # Packed: no 2-D mask, so transformers reads the boundaries from the position ids.
     inputs["position_ids"] = mb["position_ids"].to(device)
-    if varlen:
+    if "view_q" in mb:  # prefix-shared trees: the attention reads the views
+        inputs["flywheel_views"] = {k: mb[k].to(device) for k in VIEW_KEYS}
+    elif varlen:
         cu = mb["cu_seqlens"].to(device)
         longest = int(mb["max_len"])
         inputs.update(
@@ -102,20 +117,25 @@ def _chunked(
     temperature: float,
     entropy: bool,
     chunk_mib: float,
+    hidden_index: torch.Tensor | None = None,  # [1, E] (trees): the hidden state of each entry
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     b, width = targets.shape
     t = inputs["input_ids"].shape[1]
-    if width != t:  # padded: the last position predicts nothing
+    if hidden_index is not None:  # trees: entries, not positions; the scatter is over entries
+        t = width
+    elif width != t:  # padded: the last position predicts nothing
         select = torch.nn.functional.pad(select, (0, t - width))
         targets = torch.nn.functional.pad(targets, (0, t - width))
     flat_idx = select.reshape(-1).nonzero().squeeze(1)  # [N] flat positions that carry loss
     picked = targets.reshape(-1).index_select(0, flat_idx).to(device, non_blocking=True)  # [N]
     idx = flat_idx.to(device, non_blocking=True)
+    # Which hidden state each of them reads: its own position, or (trees) its entry's.
+    reads = idx if hidden_index is None else hidden_index.reshape(-1)[flat_idx].to(device)
     head = model.get_output_embeddings()  # type: ignore[operator]
     got: dict[str, torch.Tensor | None] = {}
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [N]
-        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx)  # [N, H]
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, reads)  # [N, H]
         weight, bias = head_parameters(head)  # with a LoRA head: W + s·B@A
         rows = chunk_rows(weight.shape[0], chunk_mib)
         lp, got["entropy"] = chunked_token_stats(

@@ -257,6 +257,14 @@ class ModelConfig(BaseModel):
         "float32 pads (its packed step measured slower, bench/results_real_profile.md), and "
         "so does a GPU in float32 (a dense block-diagonal mask).",
     )
+    share_prefix: bool = Field(
+        True,
+        description="Where rows are packed (see `packing`), compute each RL group's common "
+        "prefix (its prompt, and more where its samples start alike) once: the group is one "
+        "tree whose replies attend to the shared prefix and to themselves "
+        "(services/trainer/core/prefix.py). Same logprobs, losses and gradients as "
+        "unshared rows, within float rounding; fewer tokens computed.",
+    )
     precision: Precision = Field(
         "auto",
         description="'bf16': bf16 compute with float32 master weights, gradients and "

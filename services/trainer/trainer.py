@@ -43,6 +43,7 @@ from services.trainer.core.loss import (
 )
 from services.trainer.core.lr import describe_auto_lr, resolve_lr
 from services.trainer.core.packing import collate_packed, plan_packed
+from services.trainer.core.prefix import Tree, collate_trees, plan_trees
 from services.trainer.core.schedule import lr_multiplier
 from services.trainer.distributed import DistInfo, all_reduce, barrier
 from services.trainer.forward import ForwardSpec, token_stats
@@ -199,7 +200,7 @@ class Trainer:
         """`version`: the weight version the model holds before this mini-batch's update
         (None: unknown, after an earlier mini-batch's)."""
         with self.watch("prepare"):  # advantages, layout, micro-batches
-            micro = self._micro_batches(self._rl_rows(batch, version))
+            micro = self._micro_batches(self._rl_rows(batch, version), batch.group_ids.tolist())
         with self.watch("logprobs"):  # the no-grad passes: old and reference logprobs
             if self.cfg.loss.old_logprobs == "recompute":
                 self._fill_logprobs(micro, "old_logprobs", self.model, batch.temperature)
@@ -294,25 +295,52 @@ class Trainer:
             for i, (e, m) in enumerate(zip(examples, masks, strict=True))
         ]
 
-    def _micro_batches(self, rows: list[Row]) -> list[MicroBatch]:
-        """This rank's rows in micro-batches; every rank gets the same count (FSDP needs it)."""
+    def _micro_batches(
+        self, rows: list[Row], group_ids: list[int] | None = None
+    ) -> list[MicroBatch]:
+        """This rank's rows in micro-batches; every rank gets the same count (FSDP needs it).
+
+        With `group_ids` (RL) and packed rows, each group's common prefix is computed once
+        (`share_prefix`: core/prefix.py); otherwise one row per sample.
+        """
+        budget = self.cfg.model.micro_batch_tokens
+        trees = group_ids is not None and self.packing and self.cfg.model.share_prefix
+        micro = (
+            self._tree_micro_batches(rows, group_ids, budget)
+            if trees and group_ids is not None
+            else self._row_micro_batches(rows, budget)
+        )
+        count = int(all_reduce(torch.tensor([len(micro)]), self.info, "max").item())
+        while len(micro) < count:  # a zero-weight row keeps the collectives in step
+            micro.append(self._dummy_micro_batch(rows[0], trees))
+        return micro
+
+    def _row_micro_batches(self, rows: list[Row], budget: int) -> list[MicroBatch]:
         lengths = [r["input_ids"].numel() for r in rows]
         mine = shard_for_ranks(lengths, self.info.world_size)[self.info.rank]
-        budget = self.cfg.model.micro_batch_tokens
         packed = self.packing
         plan = (plan_packed if packed else plan_micro_batches)([lengths[i] for i in mine], budget)
         join = collate_packed if packed else collate
-        micro = [join([rows[mine[j]] for j in group], self.pad_id) for group in plan]
-        count = int(all_reduce(torch.tensor([len(micro)]), self.info, "max").item())
-        while len(micro) < count:  # a zero-weight row keeps the collectives in step
-            micro.append(self._dummy_micro_batch(rows[0]))
-        return micro
+        return [join([rows[mine[j]] for j in group], self.pad_id) for group in plan]
 
-    def _dummy_micro_batch(self, template: Row) -> MicroBatch:
+    def _tree_micro_batches(
+        self, rows: list[Row], group_ids: list[int], budget: int
+    ) -> list[MicroBatch]:
+        """Groups as trees, balanced over ranks and packed by the tokens they compute."""
+        lengths = [r["input_ids"].numel() for r in rows]
+        trees = plan_trees(rows, group_ids, budget)
+        costs = [t.cost(lengths) for t in trees]
+        mine = shard_for_ranks(costs, self.info.world_size)[self.info.rank]
+        plan = plan_packed([costs[i] for i in mine], budget)
+        return [collate_trees(rows, [trees[mine[j]] for j in group]) for group in plan]
+
+    def _dummy_micro_batch(self, template: Row, trees: bool = False) -> MicroBatch:
         row = {"input_ids": torch.full((2,), self.pad_id, dtype=torch.long)}
         row.update(
             {k: torch.zeros(1, dtype=v.dtype) for k, v in template.items() if k != "input_ids"}
         )
+        if trees:
+            return collate_trees([row], [Tree((0,), 2)])
         return (collate_packed if self.packing else collate)([row], self.pad_id)
 
     # ---- forward / loss ----------------------------------------------------------
