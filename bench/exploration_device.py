@@ -60,7 +60,8 @@ def small_example(cfg: LossConfig, dev: str) -> tuple[float, list, dict[str, flo
     logp = LOGP.clone().to(dev).requires_grad_(True)
     m, a = MASK.to(dev), ADV.to(dev)
     w = token_weights(m, sample_weights(m.sum(-1), "token-mean"))
-    out = policy_loss(logp, (LOGP - DELTA).to(dev), a, m, w, cfg)
+    g = torch.Generator().manual_seed(0)  # Clip-Cov's draws (one candidate here: any seed)
+    out = policy_loss(logp, (LOGP - DELTA).to(dev), a, m, w, cfg, generator=g)
     out.loss.backward()
     assert logp.grad is not None
     shares = {k: float(v) for k, v in out.sums.items() if "cov" in k}

@@ -44,6 +44,13 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("rescore", parents=[common], help="score the recorded samples again")
     r.add_argument("--reward", help="TOML value of [task] reward (default: the run file's)")
     r.add_argument("--out", type=Path, help="per-sample JSONL (default: <out_dir>/rescore.jsonl)")
+    r.add_argument(
+        "--judge-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a judge engine for judge reward parts (repeatable; default: [judge] urls)",
+    )
     e = sub.add_parser("export", parents=[common], help="samples to Parquet / datasets")
     e.add_argument("--parquet", type=Path, help="write a Parquet file here")
     e.add_argument("--dataset", type=Path, help="write a `datasets` directory here")
@@ -74,30 +81,37 @@ def _run(args: argparse.Namespace, hooks: Hooks) -> int:
     if args.what == "export" and args.parquet is None and args.dataset is None:
         print("flywheel replay export: give --parquet FILE and/or --dataset DIR", file=sys.stderr)
         return 2
+    judges: tuple[str, ...] = ()
+    if args.what == "rescore":  # refused before the recording is opened
+        from services.replay.rescore import judge_urls
+
+        judges = judge_urls(rec, args.judge_url)
     with nats_url(rec, args.nats, hooks) as url:
         if args.what == "train":
             from services.replay.retrain import train_main
 
             return train_main(rec, url, hooks, out=args.out, steps=args.steps, sets=args.set)
         if args.what == "rescore":
-            return _rescore(rec, url, hooks, args.out)
+            return _rescore(rec, url, hooks, args.out, judges)
         return _export(rec, url, args.parquet, args.dataset)
 
 
-def _rescore(rec: RecordedRun, url: str, hooks: Hooks, out: Path | None) -> int:
+def _rescore(
+    rec: RecordedRun, url: str, hooks: Hooks, out: Path | None, judges: tuple[str, ...]
+) -> int:
     from services.replay.rescore import rescore
     from services.runtime.errors import ConfigError
 
     if hooks.task_finder is None:
         raise ConfigError("replay rescore needs the buffer's task finder (run `flywheel replay`)")
-    report = asyncio.run(
-        rescore(rec, url, hooks.task_finder(rec.config), out or rec.out_dir / "rescore.jsonl")
-    )
+    out = out or rec.out_dir / "rescore.jsonl"
+    report = asyncio.run(rescore(rec, url, hooks.task_finder(rec.config), out, judges))
     print(json.dumps(report))
     print(
         f"flywheel replay: {report['rescored']} of {report['samples']} samples rescored: "
         f"mean reward {report['mean_old']:.3f} -> {report['mean_new']:.3f}, "
         f"{report['changed']} changed ({report['report']})"
+        + (f"; judge parts by {', '.join(judges)}" if judges else "")
     )
     return 0
 

@@ -23,6 +23,10 @@ class VersionDiff:
     bytes_equal: bool = False
     tensors_equal: bool = False
     missing: str | None = None  # why there is nothing to compare
+    # whose side has no weights: "run" (sync pruned it, or the run never wrote it: not
+    # compared) or "replay" (the run has it and the replay did not write it: a failure)
+    missing_in: str | None = None
+    written: bool = False  # the replay wrote this version (whether or not the run kept it)
     differing: list[str] = field(default_factory=list)  # tensor names
     max_abs_diff: float = 0.0
 
@@ -46,6 +50,8 @@ class VersionDiff:
             "bytes_equal": self.bytes_equal,
             "tensors_equal": self.tensors_equal,
             "missing": self.missing,
+            "missing_in": self.missing_in,
+            "written": self.written,
             "differing": self.differing,
             "max_abs_diff": self.max_abs_diff,
         }
@@ -57,11 +63,15 @@ def files(d: Path) -> list[str]:
 
 def compare_version(version: int, original: Path, replayed: Path) -> VersionDiff:
     """`original` vs `replayed` (two version directories) as a VersionDiff."""
-    diff = VersionDiff(version, original, replayed)
-    for d, who in ((original, "the run's"), (replayed, "the replay's")):
-        if not files(d):
-            diff.missing = f"{who} {d} has no safetensors (not kept, or never written)"
-            return diff
+    diff = VersionDiff(version, original, replayed, written=bool(files(replayed)))
+    if not files(original):
+        diff.missing = f"the run's {original} has no safetensors (not kept, or never written)"
+        diff.missing_in = "run"
+        return diff
+    if not files(replayed):
+        diff.missing = f"the replay wrote no weights ({replayed} has no safetensors)"
+        diff.missing_in = "replay"
+        return diff
     if files(original) != files(replayed):
         diff.missing = f"different files: {files(original)} vs {files(replayed)}"
         return diff

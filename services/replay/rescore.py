@@ -10,6 +10,13 @@ buffer's epoch and position). Nothing is re-generated and nothing is
 written to the run: the old and new reward of every sample go to a JSONL
 report, and a summary to the console.
 
+Judge parts (`type = "judge"`) are asked of a judge, as the run's rollout
+workers asked theirs (services/tasks/judge_pool.py, the same request with the
+same prompt text): the engines of `--judge-url`, else the run file's `[judge]
+urls`. A run whose judge engines `flywheel up` started has none left once it
+stopped; with no judge to ask, rescoring refuses (`judge_urls`, exit 2) rather
+than score every judge part 0, which would pass for a verdict.
+
 An episode's sample (tool or environment tokens in its completion) is not
 rescored (`skipped`): its reward was computed on the episode, which the
 recorded tokens alone do not give back.
@@ -18,9 +25,10 @@ recorded tokens alone do not give back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,7 @@ from services.replay import records
 from services.replay.samples import parse_task_id, rows_of, tokenizer_decode
 from services.replay.source import RecordedRun, connected
 from services.runtime.errors import ConfigError
+from services.tasks.prompts import readable
 
 TaskAt = Callable[[int, int], PromptTask]
 
@@ -54,6 +63,32 @@ def reward_overrides(rec: RecordedRun, reward: str | None) -> dict[str, Any]:
     if isinstance(tasks, dict):
         return {"tasks": {n: {**t, "reward": value} for n, t in tasks.items()}}
     raise ConfigError("--reward: the run file has no [task] or [tasks.<name>] table")
+
+
+def judge_urls(rec: RecordedRun, given: Sequence[str]) -> tuple[str, ...]:
+    """The judge engines a rescore asks: `given` (--judge-url), else the run file's `[judge]
+    urls`; () when no task has a judge part. ConfigError naming the parts when one has and
+    no engine is given, or when engines are given and no part needs one."""
+    tasks = rec.settings.task_set()
+    judged = [
+        f"{tasks.keys[name]} reward {p.part_name!r}"
+        for name, spec in tasks.specs.items()
+        for p in spec.reward
+        if p.external
+    ]
+    if not judged:
+        if given:
+            raise ConfigError("--judge-url: no reward part of the run file is a judge's")
+        return ()
+    urls = tuple(given) or rec.settings.judge.urls
+    if not urls:
+        raise ConfigError(
+            f"{', '.join(judged)}: scored by an LLM judge, and no judge "
+            "engine is given: pass --judge-url URL (an engine serving /v1/chat/completions), "
+            "or set [judge] urls in the run file (a judge `flywheel up` started stopped with "
+            "the run)"
+        )
+    return urls
 
 
 @dataclass
@@ -88,8 +123,12 @@ class Summary:
         }
 
 
-async def rescore(rec: RecordedRun, url: str, task_at: TaskAt, out: Path) -> dict[str, Any]:
-    """Score every recorded sample again; per-sample lines in `out`, the summary returned."""
+async def rescore(
+    rec: RecordedRun, url: str, task_at: TaskAt, out: Path, judges: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Score every recorded sample again, judge parts by the engines at `judges` (from
+    `judge_urls`); per-sample lines in `out`, the summary returned."""
+    from services.tasks.judge_pool import judge_over
     from services.tasks.scoring import Scorer, verifier_pool
 
     async with connected(rec, url) as js:
@@ -101,13 +140,15 @@ async def rescore(rec: RecordedRun, url: str, task_at: TaskAt, out: Path) -> dic
     pool = verifier_pool(
         tasks, size=rec.settings.verifier_workers, timeout_s=rec.settings.verifier_timeout_s
     )
-    async with pool:
-        scorer = Scorer(tasks, pool)
+    judging = judge_over(rec.settings.judge, judges) if judges else contextlib.nullcontext(None)
+    async with pool, judging as judge:
+        scorer = Scorer(tasks, pool, judge=judge)
         with out.open("w") as f:
             for seq, g in groups.messages:
                 for line in await _group(scorer, task_at, rows_of(seq, g, decode, None), s):
                     f.write(json.dumps(line) + "\n")
-    return {**s.as_dict(), "undecodable_seqs": groups.undecodable, "report": str(out)}
+    report = {**s.as_dict(), "undecodable_seqs": groups.undecodable, "report": str(out)}
+    return {**report, "judge": list(judges)}
 
 
 async def _group(
@@ -131,6 +172,7 @@ async def _group(
         task.index,
         task.answer,
         [(r["completion"], len(r["response_ids"])) for r in todo],
+        prompt=readable(task.prompt, task.messages),  # the judge's {prompt}, as the worker's
     )
     new = {r["sample_id"]: x for r, x in zip(todo, got, strict=True)}
     lines = []

@@ -192,20 +192,46 @@ def train_main(
     for diff in diffs:
         print(f"  {diff.line()}")
     print(timing_line(report))
-    compared = [x for x in diffs if x.missing is None]
+    code, line = verdict(diffs, sets)
+    print(line, file=sys.stderr if code else sys.stdout)
+    return code
+
+
+def verdict(diffs: list[VersionDiff], sets: list[str]) -> tuple[int, str]:
+    """A replay's exit status and its one-line conclusion.
+
+    A replay passes only on what it compared: every version the run still has must have
+    been written by the replay (one it did not write is a failure, never "not compared"),
+    and, without `--set`, at least one version must have been compared, and every one
+    compared equal byte for byte. An ablation (`--set`) is not held to the run's weights,
+    only to having written its own.
+    """
+    if not any(d.written for d in diffs):
+        return 1, (
+            f"flywheel replay: the replay wrote no version (v1..v{len(diffs)}): nothing was "
+            "compared (see its trainer.log)"
+        )
+    unwritten = [d.version for d in diffs if d.missing_in == "replay"]
+    if unwritten:
+        return 1, (
+            f"flywheel replay: the replay wrote no weights for versions {unwritten}, which the "
+            "run has: they were not compared (see its trainer.log)"
+        )
     if sets:
-        print(f"flywheel replay: ablation ({' '.join(sets)}) written to {d}")
-        return 0
+        return 0, f"flywheel replay: ablation ({' '.join(sets)}) written"
+    bad = [d.version for d in diffs if d.missing_in is None and not d.bytes_equal]
+    if bad:  # different bytes, or different files
+        return 1, (
+            f"flywheel replay: versions {bad} differ from the run's (docs/replay.md: what "
+            "bit-exactness needs)"
+        )
+    compared = [d for d in diffs if d.missing is None]
     if not compared:
-        print("flywheel replay: no version of the run left to compare (see above)")
-        return 0
-    bad = [x.version for x in compared if not x.bytes_equal]
-    if bad:
-        print(f"flywheel replay: versions {bad} differ from the run's (docs/replay.md: "
-              "what bit-exactness needs)", file=sys.stderr)  # fmt: skip
-        return 1
-    print(f"flywheel replay: {len(compared)} versions equal to the run's, bit for bit")
-    return 0
+        return 1, (
+            "flywheel replay: no version of the run left to compare: nothing was compared "
+            "(the run keeps its versions only as long as [sync] keep_last says)"
+        )
+    return 0, f"flywheel replay: {len(compared)} versions equal to the run's, bit for bit"
 
 
 def summary(

@@ -11,7 +11,6 @@ from typing import Any
 
 from proto.messages import PromptTask
 from proto.streams import consumers_for
-from services.engine_api.chat_pool import ChatFailed, ChatPool
 from services.engine_api.engine_client import EngineClient
 from services.engine_api.teacher import TeacherPool
 from services.rollout.settings import RolloutSettings
@@ -21,6 +20,7 @@ from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
 from services.tasks import judge as judging
 from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.judge_pool import judge_over
 from services.tasks.prompts import readable
 from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
@@ -74,27 +74,6 @@ class PromptTaskScorer:
         )
 
 
-# The pool's failure reasons as the judge's dead-letter reasons.
-_REASONS = {
-    "timeout": judging.TIMEOUT,
-    "unavailable": judging.UNAVAILABLE,
-    "refused": judging.REFUSED,
-    "malformed": judging.UNPARSABLE,
-}
-
-
-def judge_chat(pool: ChatPool) -> judging.Chat:
-    """The judge's chat function over `pool`: its failures as JudgeCallFailed."""
-
-    async def chat(body: dict[str, Any]) -> str:
-        try:
-            return await pool.chat(body)
-        except ChatFailed as e:
-            raise judging.JudgeCallFailed(_REASONS[e.reason], str(e)) from e
-
-    return chat
-
-
 @contextlib.asynccontextmanager
 async def judge_for(s: RolloutSettings, ctx: ServiceContext) -> AsyncIterator[judging.Judge | None]:
     """The LLM judge over the [judge] engines, if a task has a judge part; its metrics
@@ -102,20 +81,9 @@ async def judge_for(s: RolloutSettings, ctx: ServiceContext) -> AsyncIterator[ju
     if not s.judged():
         yield None
         return
-    j = s.judge
     metrics = judging.JudgeMetrics(ctx.registry)
-    async with ChatPool(
-        s.judge_urls(),
-        concurrency=j.concurrency,
-        timeout_s=j.timeout_s,
-        retries=j.retries,
-        backoff_s=j.backoff_s,
-        api_key=j.api_key.get_secret_value() if j.api_key else None,
-        observe=metrics.request_done,
-    ) as pool:
-        metrics.in_flight.set_function(lambda: pool.in_flight)
-        metrics.waiting.set_function(lambda: pool.waiting)
-        yield judging.Judge(judge_chat(pool), j.cache_size, metrics)
+    async with judge_over(s.judge, s.judge_urls(), metrics) as judge:
+        yield judge
 
 
 @contextlib.asynccontextmanager

@@ -12,10 +12,11 @@ named by `eval.part` (default: the first) reaches `eval.threshold`.
 Generation is batched Hugging Face `generate` with left padding, so each
 row's last prompt token sits at the same position; greedy decoding makes
 pass@1 deterministic for a given model. pass@k samples k completions per
-prompt (temperature `eval.temperature`, no top-k/top-p truncation) and
-counts a prompt solved when any of them is correct (the unbiased estimator
-with n = k). Stop strings are not applied: generation ends at EOS or
-`eval.max_new_tokens`.
+prompt (temperature `eval.temperature`, no top-k/top-p truncation) through
+a generator of its own, never torch's default one (the trainer's
+evaluations run on a thread beside its steps), and counts a prompt solved
+when any of them is correct (the unbiased estimator with n = k). Stop
+strings are not applied: generation ends at EOS or `eval.max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -99,15 +100,24 @@ def generate(
     batch_size: int = 64,
     seed: int = 0,
 ) -> list[list[tuple[str, int]]]:
-    """k completions per prompt as (text, generated tokens up to and with EOS); k = 1: greedy."""
+    """k completions per prompt as (text, generated tokens up to and with EOS); k = 1: greedy.
+
+    k > 1 samples through a generator of its own, seeded with `seed`, and leaves torch's
+    default generator alone (`SampleWith`): this runs on a thread beside the trainer's
+    steps, whose randomness must not move with it (services/trainer/randomness.py).
+    """
     import torch
+    from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
     was_training = model.training
     model.eval()
-    torch.manual_seed(seed)
+    sampler = None
+    if k > 1:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        sampler = LogitsProcessorList([SampleWith(temperature, generator)])
     out: list[list[tuple[str, int]]] = []
     try:
         for i in range(0, len(prompts), batch_size):
@@ -117,7 +127,8 @@ def generate(
             mask = torch.tensor(
                 [[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device
             )
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            # k rows per prompt, next to each other: row j * k + s is prompt j's s-th sample
+            ids, mask = ids.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
             with torch.no_grad():
                 gen = model.generate(
                     input_ids=ids,
@@ -125,8 +136,8 @@ def generate(
                     max_new_tokens=max_new_tokens,
                     pad_token_id=pad,
                     eos_token_id=eos,
-                    num_return_sequences=k,
-                    **(sampling if k > 1 else {"do_sample": False}),
+                    do_sample=False,  # k > 1: the sampler leaves one token for greedy to pick
+                    logits_processor=sampler,
                 )
             new = gen[:, width:].tolist()  # [B·k, new]
             for j in range(len(chunk)):
@@ -134,6 +145,27 @@ def generate(
     finally:
         model.train(was_training)
     return out
+
+
+class SampleWith:
+    """A logits processor that samples the next token from softmax(scores / temperature)
+    through `generator` and leaves it the only finite score, so that greedy decoding picks
+    it: sampling (no top-k / top-p truncation) without Hugging Face's own sampler, which
+    draws from torch's default generator and takes none of its own.
+
+    Placed last, after the processors `generate` adds from the model's generation config,
+    as Hugging Face applies temperature after them.
+    """
+
+    def __init__(self, temperature: float, generator: Any) -> None:
+        self.temperature, self.generator = temperature, generator
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+        pick = torch.multinomial(probs, 1, generator=self.generator)  # [B, 1]
+        return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
 
 
 def _cut(tokenizer: Any, ids: list[int], eos: int | None) -> tuple[str, int]:

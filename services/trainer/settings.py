@@ -297,7 +297,12 @@ class ModelConfig(BaseModel):
         "With loss.entropy_coef > 0 or entropy_control = 'adaptive' it is computed on every "
         "step regardless.",
     )
-    seed: int = Field(0, description="Seed of torch's RNG at start-up.")
+    seed: int = Field(
+        0,
+        description="Seed of torch's RNG at start-up and of the trainer's own generator, "
+        "which every random draw of a step takes (Clip-Cov; dropout is reseeded from it "
+        "each step); checkpoints keep its state (services/trainer/randomness.py).",
+    )
     cpu_threads: int | None = Field(
         None,
         ge=1,

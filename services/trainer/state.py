@@ -5,6 +5,8 @@ Layout of one checkpoint (`<root>/step-00000042/`):
 
     state.pt            one process: model + optimizer + RNG, one file
     state/, rng-rank<r>.pt   under FSDP2: DCP shards, each rank's RNG
+                        (RNG: torch's and Python's generators, and the trainer's own,
+                        randomness.py, which the steps draw from)
     trainer-state.json  step, weight_version, scheduler state, the entropy bonus
                         weight (the adaptive controller's state), input_position
     <root>/latest       the name of the newest complete checkpoint
@@ -124,7 +126,7 @@ def snapshot(trainer: Trainer) -> Snapshot:
         state=_copy_to_cpu(model_optim_state(trainer), memo),
         weights=_copy_to_cpu(weights, memo),
         scheduler=copy.deepcopy(trainer.scheduler.state_dict()),
-        rng=rng_state(),
+        rng=rng_state(trainer.generator),
         entropy_coef=trainer.entropy_coef,
     )
 
@@ -160,7 +162,7 @@ def stage_checkpoint(
         tmp.mkdir(parents=True)
     barrier(info)
     state = snap.state if snap else model_optim_state(trainer)
-    write_state(tmp, state, snap.rng if snap else rng_state(), info)
+    write_state(tmp, state, snap.rng if snap else rng_state(trainer.generator), info)
     if info.is_main:
         doc = {
             "step": step,

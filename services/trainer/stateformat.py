@@ -103,22 +103,30 @@ def model_optim_state(trainer: Trainer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(generator: torch.Generator | None = None) -> dict[str, Any]:
+    """The process's generators (torch's default ones, Python's) and, under "trainer",
+    the trainer's own `generator` (randomness.py), whose stream the steps draw from."""
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": json.dumps(random.getstate()),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    if generator is not None:
+        state["trainer"] = generator.get_state()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], trainer: Trainer) -> None:
     torch.set_rng_state(state["torch"])
     v, internal, gauss = json.loads(state["python"])
     random.setstate((v, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    # A checkpoint from before the trainer had a generator of its own has none: the
+    # trainer's stays as seeded from the run's seed (that run drew from the default one).
+    if "trainer" in state:
+        trainer.generator.set_state(state["trainer"])
 
 
 def _save_fsynced(obj: Any, path: Path) -> None:
@@ -172,7 +180,7 @@ def read_state(trainer: Trainer, path: Path, saved_world_size: int) -> None:
             strict=trainer.adapter is None,
         ),
     )
-    _set_rng_state(rng)
+    _set_rng_state(rng, trainer)
 
 
 def _check_adapter_keys(trainer: Trainer, model_state: dict[str, Any], path: Path) -> None:

@@ -54,6 +54,7 @@ from services.trainer.model import (
     load_tokenizer,
     prepare_model,
 )
+from services.trainer.randomness import seed_default, trainer_generator
 from services.trainer.settings import TrainConfig
 from services.trainer.stopwatch import Stopwatch
 from services.weights import Manifest, write_weights_dir
@@ -120,6 +121,9 @@ class Trainer:
         # The entropy bonus weight of the next step: fixed, or moved after each step by the
         # adaptive controller (core/loss.next_entropy_coef); checkpoints keep it (state.py).
         self.entropy_coef = cfg.loss.entropy_coef
+        # Every random draw of a step comes from here, never torch's default generator,
+        # which an evaluation thread may touch (randomness.py); checkpoints keep it.
+        self.generator = trainer_generator(cfg.model.seed)
         self.watch = Stopwatch()  # an RL step's time by stage (its metrics' time_*_s)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.forward_spec = forward_spec(cfg, info)
@@ -179,6 +183,7 @@ class Trainer:
         then moves it for the next step (metrics are the same on every rank, so is it).
         """
         batch.validate()
+        seed_default(self.generator)  # dropout's masks, from the trainer's own state
         coef = self.entropy_coef
         parts = split_groups(batch, self.cfg.optim.minibatches)
         # Only the first mini-batch sees the weights of version `self.step` (the mismatch).
@@ -383,6 +388,7 @@ class Trainer:
             segment_ids=on.get("seq_ids"),
             same_version=on.get("same_version"),
             entropy_coef=self.entropy_coef,
+            generator=self.generator,
         )
 
     def _sft_loss(self, mb: MicroBatch) -> LossOutput:

@@ -29,9 +29,10 @@ the ones whose update drains the policy's entropy fastest:
 
     cov_t   = (A_t - mean A)(logp_t - mean logp)          (means over the micro-batch's
                                                             loss tokens; no gradient)
-    Clip-Cov: pg_t *= 0 on n = max(1, floor(r·N)) tokens drawn at random (torch's RNG,
-              which checkpoints keep) among the loss tokens with lo < cov_t < hi whose
-              PPO clip is not already active
+    Clip-Cov: pg_t *= 0 on n = max(1, floor(r·N)) tokens drawn at random (from the
+              trainer's own generator, passed in: never torch's default one, which
+              another thread may reseed; checkpoints keep it) among the loss tokens
+              with lo < cov_t < hi whose PPO clip is not already active
     KL-Cov:   pg_t += beta · |logp_t - old_t| on the n = max(1, floor(k·N)) loss tokens
               of largest cov_t
 
@@ -241,13 +242,18 @@ def covariance_count(fraction: float, tokens: int) -> int:
 
 
 def clip_cov_drop(
-    cov: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor, cfg: LossConfig
+    cov: torch.Tensor,
+    mask: torch.Tensor,
+    clipped: torch.Tensor,
+    cfg: LossConfig,
+    generator: torch.Generator,
 ) -> torch.Tensor:
     """Clip-Cov's drop mask [B, T] (1: the token's policy-gradient term is dropped).
 
     Candidates: loss tokens with low < cov < high whose PPO clip is not active;
     `covariance_count(clip_cov_fraction, N)` of them drawn uniformly at random
-    (all of them when fewer qualify).
+    (all of them when fewer qualify) from `generator`, a CPU generator: the
+    draw is the same on any device, and only its owner's state moves.
     """
     lo, hi = cfg.clip_cov_band
     on = mask > 0
@@ -255,7 +261,8 @@ def clip_cov_drop(
     n = min(covariance_count(cfg.clip_cov_fraction, int(on.sum())), candidates.numel())
     drop = torch.zeros(cov.numel(), dtype=cov.dtype, device=cov.device)
     if n > 0:
-        chosen = candidates[torch.randperm(candidates.numel())[:n].to(candidates.device)]
+        order = torch.randperm(candidates.numel(), generator=generator)
+        chosen = candidates[order[:n].to(candidates.device)]
         drop[chosen] = 1.0
     return drop.view_as(cov)
 
@@ -283,15 +290,18 @@ def covariance_control(
     m: torch.Tensor,
     cfg: LossConfig,
     sums: dict[str, torch.Tensor],
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """`pg` [B, T] after Clip-Cov or KL-Cov (module docstring); the share acted on into
-    `sums` (`clip_cov_frac` / `kl_cov_frac`)."""
+    `sums` (`clip_cov_frac` / `kl_cov_frac`). Clip-Cov draws from `generator`."""
     if cfg.covariance == "off":
         return pg
     cov = token_covariance(logprobs, advantages, m)
     if cfg.covariance == "clip_cov":
+        if generator is None:  # torch's default generator is nobody's own: no fallback
+            raise ValueError("covariance = 'clip_cov' draws at random: pass its `generator`")
         active = clip_active(ratio.detach(), advantages, cfg.eps_low, cfg.eps_high)
-        drop = clip_cov_drop(cov, m, active, cfg)
+        drop = clip_cov_drop(cov, m, active, cfg, generator)
         sums["clip_cov_frac"] = drop.sum()
         return pg * (1 - drop)
     pick = kl_cov_select(cov, m, cfg)
@@ -469,6 +479,7 @@ def policy_loss(
     segment_ids: torch.Tensor | None = None,
     same_version: torch.Tensor | None = None,
     entropy_coef: float | None = None,
+    generator: torch.Generator | None = None,
 ) -> LossOutput:
     """The RL loss of one micro-batch. All tensors are [B, T] over target positions.
 
@@ -483,7 +494,9 @@ def policy_loss(
     sequence ratio; None: one sequence per row); same_version: 1 on tokens the
     engine generated with the weights of the trainer's pre-update logprobs
     (the train–inference mismatch metrics; None: not measured); entropy_coef:
-    this step's bonus weight (the adaptive controller's; None: cfg.entropy_coef).
+    this step's bonus weight (the adaptive controller's; None: cfg.entropy_coef);
+    generator: where the step's random draws come from (Clip-Cov's; the trainer's own,
+    never torch's default generator; required with covariance = 'clip_cov').
     """
     m = mask.float()
     old = old_logprobs.detach()
@@ -497,7 +510,7 @@ def policy_loss(
     sums["approx_kl"] = (kl_penalty(logprobs.detach(), old, "k3") * m).sum()
     if cfg.dual_clip_c is not None:
         sums["dual_clip_frac"] = ((r > cfg.dual_clip_c) & (advantages < 0) & on).float().sum()
-    pg = covariance_control(pg, logprobs, old, ratio, advantages, m, cfg, sums)
+    pg = covariance_control(pg, logprobs, old, ratio, advantages, m, cfg, sums, generator)
     if cfg.old_logprobs == "recompute" and cfg.tis_cap is not None:
         pg = pg * truncated_is(old, rollout_logprobs, m, cfg.tis_cap, sums)
     masked_ratio = torch.where(on, r, torch.zeros_like(r))

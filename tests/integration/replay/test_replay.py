@@ -7,6 +7,12 @@ whose store is the run's `<run_dir>/nats`, as `flywheel up` keeps it. The
 run then stops, NATS included: every replay below opens the stopped run's
 store itself (no --nats), as a user replays a finished run.
 
+The run is one a replay could most easily get wrong: its trainer drops
+tokens at random (`covariance = "clip_cov"`) while held-out evaluations
+sample (pass@2) on a thread beside its steps, and its only reward is an LLM
+judge's (a real HTTP judge, tests/harness/judge.py, answering by a rule: a
+digit anywhere scores 10 of 10), which a rescore must ask again.
+
 The bit-exact check reads both weight directories here, byte for byte,
 not only the command's own verdict.
 """
@@ -31,6 +37,7 @@ from proto.streams import stream_name
 from proto.subjects import Subjects
 from services.stack.localdev.nats_server import NatsServer
 from services.weights import published_dir
+from tests.harness.judge import RUBRIC, JudgeServer, in_thread
 from tests.harness.poll import wait_for
 from tests.harness.runfile import run_file
 from tests.harness.stack import Stack, printing_logs_on_failure, stack_table
@@ -40,27 +47,50 @@ from tests.harness.up import QUIET_ENV, flywheel
 RUN = "replayed"
 STEPS = 3
 S = Subjects(RUN)
-REWARD = {"fn": "format", "pattern": "[0-9]"}  # a digit anywhere
 OTHER = '{fn = "format", pattern = "[a-z]"}'  # rescore: a letter anywhere
 AUTO_LR = 4e-5  # services/trainer/core/lr.py: any model up to 135M parameters
 pytestmark = pytest.mark.slow
 
 
-def config_text(root: Path, model: Path) -> str:
+def digit_anywhere(completion: str) -> str:
+    """The judge's rule: a reward that varies within a group even for an untrained model
+    (the steps move), all or nothing (some sample scores 1.0)."""
+    return "Score: 10" if re.search("[0-9]", completion) else "Score: 0"
+
+
+# the judge's part alone; the evaluation samples 2 completions of 4 held-out prompts
+TASK = f"""
+[task]
+source = {{ type = "arithmetic", digits = 1 }}
+eval = {{ source = {{ type = "arithmetic", digits = 1, seed = 1000003 }}, size = 4, k = 2, \
+max_new_tokens = 6 }}
+[[task.reward]]
+type = "judge"
+name = "digit"
+rubric = {json.dumps(RUBRIC)}
+"""
+
+
+def config_text(root: Path, model: Path, judge_url: str | None) -> str:
+    """The run file; `judge_url` None: without [judge] urls (the engines are gone)."""
+    judge = {"urls": [judge_url]} if judge_url else {}
     return run_file(
         RUN,
         stack=stack_table(root, model, engines=1, embedded_nats=True),
-        # a reward that varies within a group even for an untrained model: the steps move
-        task={"source": {"type": "arithmetic", "digits": 1}, "reward": REWARD},
         buffer={"samples_per_prompt": 8, "groups_per_step": 2, "max_new_tokens": 6,
                 "max_staleness": 1, "oversample": 0.0, "filter_zero_variance": False},
         rollout={"concurrency": 4, "heartbeat_s": 0.3, "weights_poll_s": 0.5},
         engine={"num_threads": 1},
-        # the default lr, "auto": the run and its replay each resolve it from the model
+        judge={**judge, "engines": 0, "timeout_s": 10.0},
+        # the default lr, "auto": the run and its replay each resolve it from the model;
+        # Clip-Cov drops 30% of the loss tokens, drawn at random, while evaluations sample
         trainer={"publish_every": 1, "keep_checkpoints": 2, "max_steps": STEPS,
+                 "eval_every": 1, "eval_max_share": 1.0,
+                 "loss": {"covariance": "clip_cov", "clip_cov_fraction": 0.3,
+                          "clip_cov_band": [-1e9, 1e9]},
                  "runtime": {"cpu_threads": 1}},
         sync={"liveness_s": 3.0, "tick_s": 0.1, "keep_last": 10},
-    )  # fmt: skip
+    ) + TASK  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,6 +100,9 @@ class Recorded:
     groups: list[SampleGroup]
     batches: list[TrainBatch]
     published: int  # WeightsPublished messages the run stored
+    judge: JudgeServer  # still answering, at judge_url, for the rescores
+    judge_url: str
+    model: Path
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +110,15 @@ def recorded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A finished run: 3 steps trained, every process stopped, NATS too (its store kept)."""
     root = tmp_path_factory.mktemp("replay")
     config = root / "run.toml"
-    config.write_text(config_text(root, tiny_model))
+    judge = JudgeServer(rule=digit_anywhere)
+    with in_thread(judge) as judge_url:
+        config.write_text(config_text(root, tiny_model, judge_url))
+        yield from _record(root, config, judge, judge_url, tiny_model)
+
+
+def _record(
+    root: Path, config: Path, judge: JudgeServer, judge_url: str, model: Path
+) -> Iterator[Recorded]:
     with NatsServer(store_dir=root / "nats") as nats:
         with Stack(config, nats.url) as st, printing_logs_on_failure(st):
             st.start("engine-0", "rollout-0")  # the worker waits for its engine
@@ -98,7 +139,10 @@ def recorded(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # "auto" on the tiny model: the top clamp, said once at start-up, trained at
     assert {r["lr"] for r in rows if "batch_id" in r} == {AUTO_LR}, rows
     assert "trainer: lr auto -> 4.0e-05" in (root / "logs" / "trainer.log").read_text()
-    yield Recorded(root, config, groups, batches, len(published))
+    # every step drew (Clip-Cov dropped some of its tokens) and evaluations ran beside them
+    assert all(0 < r["clip_cov_frac"] < 1 for r in rows if "batch_id" in r), rows
+    assert any("eval_pass_at_k" in r and r["step"] > 0 for r in rows), rows
+    yield Recorded(root, config, groups, batches, len(published), judge, judge_url, model)
 
 
 def replay(*args: str, timeout: float = 300) -> tuple[int, str]:
@@ -111,6 +155,8 @@ def weights(root: Path, v: int) -> bytes:
 
 
 def test_replay_with_the_run_settings_gives_its_weights_bit_for_bit(recorded: Recorded) -> None:
+    """Clip-Cov's random drops included, with evaluations sampling beside the steps in the
+    run and in the replay, each at its own moments."""
     out = recorded.root / "replay-same"
     code, text = replay("train", "-c", str(recorded.config), "--out", str(out))
     assert code == 0, text
@@ -136,14 +182,16 @@ def test_replay_with_the_run_settings_gives_its_weights_bit_for_bit(recorded: Re
 def test_a_replay_with_another_setting_is_an_ablation_on_the_same_batches(
     recorded: Recorded,
 ) -> None:
-    out = recorded.root / "replay-lr"
+    """Another seed of the trainer's generator: Clip-Cov drops other tokens, so the weights
+    differ (the run's randomness decides them: the bit-for-bit replay above says something)."""
+    out = recorded.root / "replay-seed"
     code, text = replay(
-        "train", "-c", str(recorded.config), "--out", str(out), "--set", "optim.lr=0.02"
+        "train", "-c", str(recorded.config), "--out", str(out), "--set", "runtime.seed=7"
     )
     assert code == 0, text
-    assert "ablation (optim.lr=0.02)" in text, text
+    assert "ablation (runtime.seed=7)" in text, text
     # from the first step with a gradient on, every version differs; the last one surely
-    assert weights(out, STEPS) != weights(recorded.root, STEPS), "another lr, the same weights"
+    assert weights(out, STEPS) != weights(recorded.root, STEPS), "another seed, the same weights"
     assert f"v{STEPS}: differs" in text, text
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["batch_id"] for r in rows if "batch_id" in r] == [
@@ -152,6 +200,20 @@ def test_a_replay_with_another_setting_is_an_ablation_on_the_same_batches(
     # refuses to write over a replay (its checkpoints would be resumed, not replayed)
     code, text = replay("train", "-c", str(recorded.config), "--out", str(out))
     assert code == 2 and "already holds a replay" in text, text
+
+
+def test_a_replay_that_compared_nothing_fails(recorded: Recorded) -> None:
+    """A version the replay did not write, or none written at all, is a failure with one
+    line saying so, never "not compared" and a pass."""
+    quick = ["--set", "publish_every=2", "--set", "eval_every=0"]
+    code, text = replay("train", "-c", str(recorded.config), "--out",
+                        str(recorded.root / "replay-none"), "--steps", "1", *quick)  # fmt: skip
+    assert code == 1, text
+    assert "the replay wrote no version (v1..v1): nothing was compared" in text, text
+    code, text = replay("train", "-c", str(recorded.config), "--out",
+                        str(recorded.root / "replay-half"), "--steps", "2", *quick)  # fmt: skip
+    assert code == 1, text
+    assert "the replay wrote no weights for versions [1], which the run has" in text, text
 
 
 def test_export_writes_every_recorded_sample_to_parquet_and_datasets(recorded: Recorded) -> None:
@@ -184,6 +246,7 @@ def test_export_writes_every_recorded_sample_to_parquet_and_datasets(recorded: R
 def test_rescore_with_the_run_reward_reproduces_it_and_another_reward_replaces_it(
     recorded: Recorded,
 ) -> None:
+    judge, asked_in_the_run = recorded.judge, len(recorded.judge.bodies)
     same = recorded.root / "rescore-same.jsonl"
     code, text = replay("rescore", "-c", str(recorded.config), "--out", str(same))
     assert code == 0, text
@@ -192,11 +255,17 @@ def test_rescore_with_the_run_reward_reproduces_it_and_another_reward_replaces_i
     assert len(lines) == n
     assert all(ln["new_reward"] == ln["old_reward"] for ln in lines), text
     assert any(ln["old_reward"] == 1.0 for ln in lines)  # the run's reward varied
-    # another reward: 1 for a completion with a letter in it
+    assert any(ln["old_reward"] == 0.0 for ln in lines)
+    # the run's judge (its [judge] urls) was asked what the run's workers asked it
+    rescored = judge.bodies[asked_in_the_run:]
+    assert rescored and all(b in judge.bodies[:asked_in_the_run] for b in rescored)
+    # another reward: 1 for a completion with a letter in it (no judge part: none asked)
     other = recorded.root / "rescore-letter.jsonl"
+    asked = len(judge.bodies)
     code, text = replay("rescore", "-c", str(recorded.config), "--out", str(other),
                         "--reward", OTHER)  # fmt: skip
     assert code == 0, text
+    assert len(judge.bodies) == asked
     pq_rows = {r["sample_id"]: r for r in _export_rows(recorded)}
     lines = [json.loads(ln) for ln in other.read_text().splitlines()]
     assert len(lines) == n
@@ -208,6 +277,28 @@ def test_rescore_with_the_run_reward_reproduces_it_and_another_reward_replaces_i
         summary["rescored"] == n
         and summary["mean_new"] == sum(ln["new_reward"] for ln in lines) / n
     )
+
+
+def test_rescore_of_a_judged_run_without_its_judge_refuses_or_takes_one_given(
+    recorded: Recorded,
+) -> None:
+    """The run's judge engines are gone (no [judge] urls): exit 2 naming what is missing,
+    never every judge part scored 0; --judge-url names one, and the rewards come back."""
+    config = recorded.root / "run-judge-gone.toml"
+    config.write_text(config_text(recorded.root, recorded.model, None))
+    out = recorded.root / "rescore-given.jsonl"
+    code, text = replay("rescore", "-c", str(config), "--out", str(out))
+    assert code == 2, text
+    assert "[task] reward 'digit': scored by an LLM judge, and no judge engine is given" in text
+    assert "--judge-url" in text and not out.exists()
+    code, text = replay("rescore", "-c", str(config), "--out", str(out),
+                        "--judge-url", recorded.judge_url)  # fmt: skip
+    assert code == 0, text
+    lines = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert len(lines) == sum(len(g.samples) for g in recorded.groups)
+    assert all(ln["new_reward"] == ln["old_reward"] for ln in lines)
+    assert {ln["old_reward"] for ln in lines} == {0.0, 1.0}
+    assert f"judge parts by {recorded.judge_url}" in text, text
 
 
 def _export_rows(recorded: Recorded) -> list[dict[str, object]]:

@@ -79,7 +79,7 @@ def test_clip_cov_drops_a_candidate_whose_clip_is_not_already_active():
     delta = [[0.1, -0.2, 0.0], [-0.5, 0.0, 0.0]]
     logp, old, w = _batch(delta)
     cfg = LossConfig(covariance="clip_cov", clip_cov_band=(0.5, 3.0), clip_cov_fraction=0.5)
-    out = policy_loss(logp, old, ADV, MASK, w, cfg)
+    out = policy_loss(logp, old, ADV, MASK, w, cfg, generator=torch.Generator().manual_seed(0))
     e = math.exp
     # (0, 0) dropped; (0, 1): -r; (0, 2): -1; (1, 0): clipped at -A · 0.8 = 0.8
     assert float(out.loss.detach()) == pytest.approx((-e(-0.2) - 1 + 0.8) / 4, abs=1e-6)
@@ -88,25 +88,50 @@ def test_clip_cov_drops_a_candidate_whose_clip_is_not_already_active():
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -e(-0.2), -1.0], [0.0] * 3]) / 4)
 
 
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def test_clip_cov_draws_n_of_the_candidates_at_random():
     cfg = LossConfig(covariance="clip_cov", clip_cov_band=(0.5, 3.0), clip_cov_fraction=0.25)
     none_clipped = torch.zeros_like(MASK, dtype=torch.bool)
     seen = set()
     for seed in range(20):
-        torch.manual_seed(seed)
-        drop = clip_cov_drop(COV, MASK, none_clipped, cfg)
+        drop = clip_cov_drop(COV, MASK, none_clipped, cfg, _gen(seed))
         assert float(drop.sum()) == 1  # n = max(1, floor(0.25 · 4)) of 2 candidates
         seen.add(tuple(drop.nonzero()[0].tolist()))
     assert seen == {(0, 0), (1, 0)}  # cov 0.75 and 2.25: both drawn, nothing else
-    torch.manual_seed(3)
-    again = clip_cov_drop(COV, MASK, none_clipped, cfg)
-    torch.manual_seed(3)
-    assert torch.equal(again, clip_cov_drop(COV, MASK, none_clipped, cfg))  # torch's RNG
+    again = clip_cov_drop(COV, MASK, none_clipped, cfg, _gen(3))
+    assert torch.equal(again, clip_cov_drop(COV, MASK, none_clipped, cfg, _gen(3)))
     many = cfg.model_copy(update={"clip_cov_fraction": 1.0})  # n = 4 > 2 candidates: both
     torch.testing.assert_close(
-        clip_cov_drop(COV, MASK, none_clipped, many),
+        clip_cov_drop(COV, MASK, none_clipped, many, _gen(0)),
         torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]),
     )
+
+
+def test_clip_cov_draws_from_its_generator_alone():
+    """Only the generator handed in decides the draw, and only its state moves: torch's
+    default generator, reseeded or drawn from meanwhile (another thread's evaluation), is
+    neither read nor changed; without a generator Clip-Cov refuses rather than fall back."""
+    cfg = LossConfig(covariance="clip_cov", clip_cov_band=(0.5, 3.0), clip_cov_fraction=0.25)
+    none_clipped = torch.zeros_like(MASK, dtype=torch.bool)
+    mine = _gen(7)
+    want = [clip_cov_drop(COV, MASK, none_clipped, cfg, mine) for _ in range(12)]
+    assert len({tuple(d.nonzero()[0].tolist()) for d in want}) == 2  # the stream varies
+    mine = _gen(7)
+    for i, w in enumerate(want):
+        torch.manual_seed(i)  # what evaluate.py used to do on its thread, at any moment
+        assert torch.equal(clip_cov_drop(COV, MASK, none_clipped, cfg, mine), w), i
+        torch.manual_seed(i)
+        torch.rand(3)
+    torch.manual_seed(0)
+    default_before = torch.get_rng_state()
+    clip_cov_drop(COV, MASK, none_clipped, cfg, _gen(1))
+    assert torch.equal(torch.get_rng_state(), default_before)  # the default one untouched
+    logp, old, w = _batch([[0.1, -0.2, 0.0], [-0.1, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="generator"):
+        policy_loss(logp, old, ADV, MASK, w, cfg)
 
 
 def test_covariance_off_changes_nothing():
