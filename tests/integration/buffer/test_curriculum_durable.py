@@ -292,3 +292,62 @@ async def _collapse(tmp_path: Path, url: str) -> None:
     assert svc.metrics.distinct._value.get() == 1.0
     assert svc.metrics.untrainable._value.get() == SIZE
     await nc.close()
+
+
+def test_solved_prompts_are_said_solved_and_a_solved_set_stops_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every reply right, one token sequence per group (as a collapse looks): the stall
+    line says solved, not collapse; once the curriculum has retired all 6 prompts the
+    buffer ends the run (`on_solved = "stop"`, the default): RunDone, the stop event set,
+    nothing more dispatched."""
+    with NatsServer() as server, caplog.at_level(logging.WARNING, "services.buffer.app"):
+        svc = asyncio.run(asyncio.wait_for(_solve_all(tmp_path, server.url, {}), 120))
+    assert svc.done is not None and svc.ctx.stop.is_set()
+    assert svc.metrics.dispatched._value.get() == SIZE  # nothing drawn after it
+    assert str(svc.done).startswith(
+        "the whole training set is solved: every one of its 6 prompts is retired (pass rate "
+        ">= 0.9 over at least 1 groups); stopping the run"
+    )
+    said = [r.getMessage() for r in caplog.records if "no trainable group" in r.getMessage()]
+    assert len(said) == 1 and "these prompts are solved, not stuck" in said[0], said
+    assert "collapse)" not in said[0] and "(6 of 6 retired so far)" in said[0]
+
+
+def test_a_solved_set_goes_on_when_the_run_file_says_continue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with NatsServer() as server, caplog.at_level(logging.WARNING, "services.buffer.app"):
+        svc = asyncio.run(
+            asyncio.wait_for(_solve_all(tmp_path, server.url, {"on_solved": "continue"}), 120)
+        )
+    assert svc.done is None and not svc.ctx.stop.is_set()
+    said = [r.getMessage() for r in caplog.records if "whole training set" in r.getMessage()]
+    assert len(said) == 1 and "drawing them anyway" in said[0]
+    assert svc.metrics.dispatched._value.get() > SIZE  # the solved prompts drawn again
+    assert not any("retired or resting" in r.getMessage() for r in caplog.records)
+
+
+async def _solve_all(tmp_path: Path, url: str, extra: dict[str, Any]) -> BufferService:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure_streams(js, streams_for(RUN))
+    s = settings(tmp_path, url, curriculum_retire_after=1, flat_rest_steps=0,
+                 stall_warn_steps=3.0, **extra)  # fmt: skip
+    svc = await service(js, nc.max_payload, s)
+    loop = Loop(js)
+    await loop.open()
+    tasks = await epoch(svc, loop, 0)
+    assert len(tasks) == SIZE
+    for t in tasks:  # the right answer, said alike by every sample
+        g = answer(t, [1.0] * 4, 0, same_reply=True)
+        ack = await js.publish(Subjects(RUN).samples, encode(g))
+        with contextlib.suppress(PermanentError):
+            await svc.on_group(g, At(ack.seq))  # type: ignore[arg-type]
+    assert svc.census["retired"] == SIZE and svc.metrics.stalls._value.get() == 1
+    await svc.dispatch_once()
+    if svc.done is None:  # continue: what was drawn comes back solved again
+        more = await epoch(svc, loop, 0)
+        assert more
+    await nc.close()
+    return svc
