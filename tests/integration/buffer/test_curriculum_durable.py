@@ -13,6 +13,11 @@ stand-in answers each with a group whose rewards are chosen by prompt.
   the next epoch, across a restart too), and a flat group's slot in the
   batch being filled is refilled with a recent group, which is published
   again in the next TrainBatch.
+- Solved is not stuck: groups whose every reply is right (one token sequence,
+  as a collapse looks) are said solved, not collapsed; once every prompt is
+  retired the buffer ends the run (`on_solved = "stop"`; in this process, and
+  as a real `python -m services.buffer` under the stack's Supervisor) or goes
+  on (`"continue"`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -351,3 +357,49 @@ async def _solve_all(tmp_path: Path, url: str, extra: dict[str, Any]) -> BufferS
         assert more
     await nc.close()
     return svc
+
+
+def test_the_buffer_process_ends_a_solved_run_and_the_supervisor_stops_it(
+    tmp_path: Path,
+) -> None:
+    """The stop made real: `python -m services.buffer` under the stack's own Supervisor,
+    on a real nats-server; a rollout stand-in answers every task right. The buffer says
+    why and exits EXIT_DONE; the supervisor ends the run, neither failed nor restarted."""
+    from services.runtime.errors import EXIT_DONE
+    from services.stack.plan import ProcSpec
+    from services.stack.supervisor import Supervisor
+    from tests.harness.ports import free_port
+
+    with NatsServer() as server:
+        port = free_port()
+        s = settings(tmp_path, server.url, curriculum_retire_after=1, flat_rest_steps=0)
+        assert s.on_solved == "stop"  # the default
+        argv = (sys.executable, "-m", "services.buffer", "-c", str(tmp_path / "run.toml"))
+        url = f"http://127.0.0.1:{port}"
+        spec = ProcSpec("buffer", "buffer", argv, {"FLYWHEEL_BUFFER_METRICS_PORT": str(port)},
+                        f"{url}/readyz", f"{url}/metrics")  # fmt: skip
+        sup = Supervisor([spec], tmp_path / "logs", max_restarts=3, console=None)
+
+        async def scenario() -> None:
+            await sup.start_all()
+            watch = asyncio.create_task(sup.watch(asyncio.Event()))
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            loop = Loop(js)
+            await loop.open()
+            answered = 0
+            while not watch.done() and answered < 4 * SIZE:
+                for t in await loop.take():  # every reply right, every time
+                    await js.publish(Subjects(RUN).samples, encode(answer(t, [1.0] * 4, 0)))
+                    answered += 1
+            await asyncio.wait_for(watch, 60)
+            await nc.close()
+            await sup.stop_all()
+
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    buffer = sup.get("buffer")
+    assert sup.finished == "buffer ended the run" and sup.failed is None
+    assert buffer.restarts == 0 and buffer.proc is not None
+    assert buffer.proc.returncode == EXIT_DONE
+    log = buffer.log_path.read_text()
+    assert "flywheel buffer: the whole training set is solved: every one of its 6 prompts" in log
