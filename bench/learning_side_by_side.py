@@ -64,6 +64,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -139,6 +140,13 @@ def model_of(config: Path, model: str | None) -> Path:
     if model:
         return resolve_model(model, key="--model")
     return resolve_model(load_settings(StackSettings, config).model, key="[stack] model")
+
+
+def task_set(config: Path) -> Any:
+    from services.runtime.settings import load_settings
+    from services.stack.settings import StackSettings
+
+    return load_settings(StackSettings, config).task_set()
 
 
 def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int) -> Side:
@@ -319,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the run file read as every command reads it; a bad key: one line, no traceback
         model = model_of(args.config, args.model)
         threads = args.trl_threads or run_threads(args.config)
+        task_set(args.config).check(data=True)  # its data found from here, as up would
     except ConfigError as e:
         print(f"side_by_side: {e}", file=sys.stderr)
         return 2

@@ -10,9 +10,9 @@ and hyper-parameters): `~` is the home directory, the data is found, the model
 directory is the same one. Before, `flywheel replay export` took
 `~/.cache/...` for a hub id and ended in a huggingface_hub traceback.
 
-And a bad model path is one line naming the key from every command, run as a
-user runs it (`python -m services ...` in the project directory), never a
-traceback.
+And a bad model path, or data not where the run file says (run from another
+directory), is one line naming the key from every command, run as a user
+runs it (`python -m services ...`), never a traceback.
 """
 
 from __future__ import annotations
@@ -155,6 +155,36 @@ def test_a_bad_model_path_is_one_line_naming_the_key(tmp_path: Path, command: li
     where = tmp_path / "home" / ".cache/flywheel/models/Not-Imported"  # ~ read as home
     assert f"[stack] model = '{where}'" in lines[0]
     assert "no such model directory" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "services", "up", "-c", "run.toml"],
+        ["-m", "services", "eval", "-c", "run.toml"],
+        ["-m", "services", "demo", "-c", "run.toml"],
+        [str(REPO / "bench" / "learning_side_by_side.py"), "-c", "run.toml"],
+    ],
+    ids=["up", "eval", "demo", "side-by-side"],
+)
+def test_data_not_where_the_run_file_says_is_one_line_naming_the_key(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Run from another directory than the data's: the same one line from each command."""
+    project = write_project(tmp_path)
+    model = tmp_path / "home" / ".cache/flywheel/models/Tiny-Instruct"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    command = [str(project / "run.toml") if c == "run.toml" else c for c in command]
+    r = flywheel(elsewhere, tmp_path / "home", *command)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "source.path: not found: data/train.jsonl" in lines[0], lines[0]
+    assert f"(from {elsewhere})" in lines[0], lines[0]  # where relative paths are from
 
 
 def test_side_by_side_says_how_to_install_trl(project: Path) -> None:
