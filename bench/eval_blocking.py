@@ -177,10 +177,14 @@ def real_share(args: argparse.Namespace) -> None:
     """The A/B on a real run file: no evaluation, then evaluations every --eval-every."""
     import tomllib
 
+    from services.models.resolve import resolve_model
+    from services.runtime.settings import load_settings
     from services.stack.demo import dump_toml, run_file
+    from services.stack.settings import StackSettings
 
     doc = tomllib.loads(args.run_file.read_text())
-    model = Path(doc["stack"]["model"]).expanduser()
+    # [stack] model as `flywheel up` reads it (services/runtime/settings.py, "Paths")
+    model = resolve_model(load_settings(StackSettings, args.run_file).model)
     arms: dict[str, dict[str, Any]] = {}
     for name, every in (("none", 0), ("eval", args.eval_every)):
         run_dir = (args.run_dir / name).resolve()

@@ -5,6 +5,14 @@
     .venv/bin/python bench/learning_side_by_side.py -c configs/examples/ticket-routing.toml \
         --seconds 1200 --target 0.5 --first trl
     .venv/bin/python bench/learning_side_by_side.py --seconds 60 --out-dir runs/sbs-smoke  # smoke
+    cd ~/my-task && python ~/flywheel/bench/learning_side_by_side.py -c my-task.toml  # a user's
+
+The TRL side needs TRL: `pip install -e '.[bench]'` in the Flywheel checkout
+(this script says so in one line, before anything runs, when it is missing).
+Both runs start in the working directory this script is run from, so a run
+file's relative paths mean what they mean to `flywheel up` run there
+(services/runtime/settings.py, "Paths"): a user's run file works from its
+own directory, with its data beside it.
 
 Same model (the run file's `[stack] model`), task (its `[task]`: prompts as
 the buffer formats them, the reward called as the workers call it), the
@@ -56,6 +64,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -90,12 +99,26 @@ class Side:
         return next((tt if trained else t for t, acc, _, tt in self.curve if acc >= target), None)
 
 
+TRL_MISSING = (
+    "side_by_side: TRL is not installed (the TRL side needs it): pip install -e '.[bench]' "
+    f"in {ROOT}"
+)
+
+
+def trl_missing() -> str | None:
+    """The one line to print when TRL cannot be imported (None: it can)."""
+    import importlib.util
+
+    return TRL_MISSING if importlib.util.find_spec("trl") is None else None
+
+
 def env() -> dict[str, str]:
-    """The subprocesses' environment: the repo root importable (a reward by import path
-    such as configs.examples.ticket_routing resolves from there, as in a user's shell
-    with PYTHONPATH=.)."""
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+    """The subprocesses' environment: the working directory and the repo root importable (a
+    reward by import path, `my_rewards:fn` beside a user's run file or
+    configs.examples.ticket_routing from the repo root, resolves as `flywheel up` resolves
+    it: services/cli.py puts the working directory on sys.path)."""
+    parts = [str(Path.cwd()), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in parts if p)}
 
 
 def run_threads(config: Path) -> int:
@@ -114,7 +137,16 @@ def model_of(config: Path, model: str | None) -> Path:
     from services.runtime.settings import load_settings
     from services.stack.settings import StackSettings
 
-    return resolve_model(model or load_settings(StackSettings, config).model, key="--model")
+    if model:
+        return resolve_model(model, key="--model")
+    return resolve_model(load_settings(StackSettings, config).model, key="[stack] model")
+
+
+def task_set(config: Path) -> Any:
+    from services.runtime.settings import load_settings
+    from services.stack.settings import StackSettings
+
+    return load_settings(StackSettings, config).task_set()
 
 
 def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int) -> Side:
@@ -129,7 +161,7 @@ def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int
     print(f"side_by_side: flywheel: {' '.join(cmd[2:])}", flush=True)
     load0, t_wall = os.getloadavg()[0], time.monotonic()
     log = (out / "flywheel.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=Path.cwd(), env=env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     seen, t0, rows = 0, None, []
     while proc.poll() is None:
@@ -188,7 +220,8 @@ def run_trl(config: Path, model: Path, out: Path, seconds: float, threads: int, 
            "--seed", str(seed)]  # fmt: skip
     print(f"side_by_side: trl: {' '.join(cmd[1:])}", flush=True)
     load0, t_wall = os.getloadavg()[0], time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, check=False)
+    p = subprocess.run(cmd, cwd=Path.cwd(), env=env(), capture_output=True, text=True,
+                       check=False)  # fmt: skip
     side.wall_s, side.load = time.monotonic() - t_wall, (load0, os.getloadavg()[0])
     (out / "trl.log").write_text(p.stdout + p.stderr)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"steps"')]
@@ -289,9 +322,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="both runs' seed")
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "side-by-side")
     args = p.parse_args(argv)
+    from services.runtime.errors import ConfigError
+
+    try:  # the run file read as every command reads it; a bad key: one line, no traceback
+        model = model_of(args.config, args.model)
+        threads = args.trl_threads or run_threads(args.config)
+        task_set(args.config).check(data=True)  # its data found from here, as up would
+    except ConfigError as e:
+        print(f"side_by_side: {e}", file=sys.stderr)
+        return 2
+    if missing := trl_missing():  # before a 15-minute Flywheel side, not after it
+        print(missing, file=sys.stderr)
+        return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    model = model_of(args.config, args.model)
-    threads = args.trl_threads or run_threads(args.config)
     runs = {
         "flywheel": lambda: run_flywheel(args.config, model, args.out_dir, args.seconds, args.seed),
         "trl": lambda: run_trl(args.config, model, args.out_dir, args.seconds, threads, args.seed),

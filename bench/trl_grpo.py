@@ -279,10 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, sampling)")
     args = p.parse_args(argv)
 
+    try:
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:  # one line, not a traceback
+        print(f"trl_grpo: TRL is not installed ({e}): pip install -e '.[bench]'", file=sys.stderr)
+        return 2
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
     hp = demo_hparams(Path(args.config))

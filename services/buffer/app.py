@@ -46,7 +46,13 @@ from proto.messages import (
 from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
 from services.buffer.admission import Policy, admission
-from services.buffer.collapse import StallWatch, StepWindow, is_flat
+from services.buffer.collapse import (
+    StallWatch,
+    StepWindow,
+    all_solved_line,
+    is_flat,
+    retirement_note,
+)
 from services.buffer.core import (
     Assembler,
     BufferState,
@@ -76,7 +82,7 @@ from services.buffer.metrics import BufferMetrics
 from services.buffer.settings import BufferSettings
 from services.buffer.state import dump_accepted, dump_head, dump_settled
 from services.buffer.store import StateStore, open_store
-from services.runtime.errors import ConfigError, PermanentError, RunHalted
+from services.runtime.errors import ConfigError, PermanentError, RunDone, RunHalted
 from services.runtime.lifecycle import ServiceContext
 from services.runtime.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
 from services.runtime.nats_conn import ensure_consumer
@@ -131,9 +137,16 @@ class BufferService:
         self.prompts: dict[PromptKey, PromptStats] = {}
         self.census: Counter[str] = Counter()
         self.window = StepWindow(per_step=g)
-        self.stall = StallWatch(limit=math.ceil(settings.stall_warn_steps * g))
+        self.stall = StallWatch(
+            limit=math.ceil(settings.stall_warn_steps * g),
+            pass_reward=settings.curriculum_pass_reward,
+        )
         self.batched_seqs: dict[str, int] = {}  # recent batched group id -> SAMPLES seq
         self._said_exhausted = False  # "every prompt is retired or resting", said once
+        # the training set's distinct prompts: every row of every task's train split
+        self.prompt_total = sum(len(t.train) for t in self.task_maker.order.tasks)
+        self._said_solved = False  # "the whole training set is solved", said once
+        self.done: RunDone | None = None  # set when it is and on_solved = "stop"
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
         self.metrics = BufferMetrics(ctx.registry)
         self.lock = asyncio.Lock()  # one state change (and its persist) at a time
@@ -269,10 +282,30 @@ class BufferService:
             self._observe_prompt(group)
             self.window.add(scored_part(group))
         self.stall.observe(group, trainable=verdict == Verdict.ACCEPTED)
-        line = self.stall.stalled(self.s.groups_per_step)
+        line = self.stall.stalled(self.s.groups_per_step, self._retiring())
         if line is not None:
             self.metrics.stalls.inc()
             log.warning("buffer: %s", line)
+
+    def _retires(self) -> bool:
+        return self.curriculum.enabled and self.curriculum.retire_after > 0
+
+    def _retiring(self) -> str:
+        """What becomes of solved prompts, for a stall line (collapse.retirement_note)."""
+        retired = self.census[str(Difficulty.RETIRED)]
+        return retirement_note(retired, self.prompt_total, self._retires(), self.s.on_solved)
+
+    def _all_solved(self) -> str | None:
+        """The console line once every training prompt is retired (once a run), else None."""
+        if self._said_solved or not self._retires() or not self.prompt_total:
+            return None
+        if self.census[str(Difficulty.RETIRED)] < self.prompt_total:
+            return None
+        self._said_solved = True
+        c = self.curriculum
+        return all_solved_line(
+            self.prompt_total, c.retire_pass_rate, c.retire_after, self.s.on_solved
+        )
 
     def _observe_prompt(self, group: SampleGroup) -> None:
         """The group's prompt's pass rate (and rest), stored with the group's decision."""
@@ -415,6 +448,15 @@ class BufferService:
         async with self.lock:
             if self.unpublished:  # left by a failed write; with admission full, no group comes
                 await self._publish_ready_batches()
+            solved = self._all_solved()
+            if solved is not None and self.s.on_solved == "stop":
+                # the run's end (RunDone: `flywheel up` stops the whole run, no restart),
+                # said by the service's exit line; every group from here on would be flat
+                self.done = RunDone(solved)
+                self.ctx.stop.set()
+                return 0
+            if solved is not None:
+                log.warning("buffer: %s", solved)
             st = self.asm.state
             a = self.asm
             n = admission(st.ready_version, a.filled, st.in_flight, self.policy, a.rate, a.evidence)
@@ -427,7 +469,7 @@ class BufferService:
             st.cursor = Cursor(*got.cursor)
             for reason, k in got.skipped.items():
                 self.metrics.skipped.labels(reason=reason).inc(k)
-            if got.forced and not self._said_exhausted:
+            if got.forced and not self._said_exhausted and not self._said_solved:
                 self._said_exhausted = True
                 log.warning("buffer: every prompt is retired or resting; drawing them anyway "
                             "([buffer] curriculum_retire_*, flat_rest_steps)")  # fmt: skip
@@ -455,7 +497,7 @@ class BufferService:
 
     async def dispatch_loop(self, stop: asyncio.Event) -> None:
         transient = transient_errors()
-        while not stop.is_set() and self.halted is None:
+        while not stop.is_set() and self.halted is None and self.done is None:
             self.wake.clear()
             try:
                 await self.dispatch_once()
@@ -485,3 +527,5 @@ async def body(ctx: ServiceContext) -> None:
     )
     if svc.halted is not None:
         raise svc.halted
+    if svc.done is not None:
+        raise svc.done

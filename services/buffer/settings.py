@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -137,6 +137,14 @@ class BufferSettings(TaskServiceSettings):
     )
     curriculum_retire_after: int = Field(
         2, ge=0, description="Groups a prompt needs before it can retire (0: never retire)."
+    )
+    on_solved: Literal["stop", "continue"] = Field(
+        "stop",
+        description="When the curriculum has retired every training prompt (each solved: "
+        "pass rate >= curriculum_retire_pass_rate over curriculum_retire_after groups), the "
+        "console says so once and the run stops ('stop': the buffer ends it, as the "
+        "trainer's max_steps would; every group would be flat from then on) or goes on "
+        "drawing the solved prompts ('continue').",
     )
     stall_warn_steps: float = Field(
         3.0,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -15,6 +14,7 @@ from services.engine_api.sglang_api import (
     fmt_release,
 )
 from services.engine_api.sglang_launcher import EngineLoraSettings
+from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -30,7 +30,7 @@ class EngineSettings(TaskServiceSettings, EngineLoraSettings):
 
     section: ClassVar[str] = "engine"
 
-    model: Path | None = Field(None, description="Hugging Face model directory to serve.")
+    model: RunPath | None = Field(None, description="Hugging Face model directory to serve.")
     host: str = Field("127.0.0.1", description="Bind address (loopback unless told otherwise).")
     port: int = Field(30000, ge=0, le=65535, description="HTTP port (SGLang's default is 30000).")
     api_key: SecretStr | None = Field(

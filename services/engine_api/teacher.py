@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from proto.weight_version import from_engine
 from services.engine_api.engine_client import EngineClient, EngineError
 from services.runtime.errors import FlywheelError
+from services.runtime.settings import RunPath
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TeacherSettings(BaseModel):
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="The teacher's name, recorded with every sample it scored.",
     )
-    model: Path | None = Field(
+    model: RunPath | None = Field(
         None,
         description="The teacher's model (an HF directory or a cached hub id): `flywheel up` "
         "starts its engines on it, and it is recorded with every sample. None: the model "

@@ -81,6 +81,8 @@ def _run(args: argparse.Namespace, hooks: Hooks) -> int:
     if args.what == "export" and args.parquet is None and args.dataset is None:
         print("flywheel replay export: give --parquet FILE and/or --dataset DIR", file=sys.stderr)
         return 2
+    if args.what in ("export", "rescore"):  # they decode with the run's tokenizer
+        rec.model_dir()  # a bad [stack] model: one line now, not after the streams are read
     judges: tuple[str, ...] = ()
     if args.what == "rescore":  # refused before the recording is opened
         from services.replay.rescore import judge_urls
@@ -129,7 +131,7 @@ def _export(rec: RecordedRun, url: str, parquet: Path | None, dataset: Path | No
             return groups, await records.read(js, rec.run, "BATCHES", TrainBatch)
 
     groups, batches = asyncio.run(read())
-    decode = tokenizer_decode(rec.model)
+    decode = tokenizer_decode(rec.model_dir())
     trained = records.trained_steps(batches)
     rows = [
         row

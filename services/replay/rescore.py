@@ -133,7 +133,7 @@ async def rescore(
 
     async with connected(rec, url) as js:
         groups = await records.sample_groups(js, rec.run)
-    decode = await asyncio.to_thread(tokenizer_decode, rec.model)
+    decode = await asyncio.to_thread(tokenizer_decode, rec.model_dir())
     tasks = rec.settings.task_set()
     s = Summary()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,11 @@ same run file: `run`, `[nats]`, `[task]`/`[tasks.*]` (rescoring's rewards),
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field
 
+from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -21,7 +21,7 @@ class ReplaySettings(TaskServiceSettings):
     section: ClassVar[str] = "replay"
     needs_task: ClassVar[bool] = True
 
-    out_dir: Path | None = Field(
+    out_dir: RunPath | None = Field(
         None,
         description="Where `replay train` writes its weights, checkpoints and metrics "
         "(<out_dir>/weights/<run>/v000001/, …); None: <[stack] run_dir>/replay.",

@@ -23,7 +23,7 @@ from proto.messages import PromptTask
 from services.replay.settings import ReplaySettings
 from services.runtime import local_run
 from services.runtime.errors import ConfigError
-from services.runtime.settings import load_settings, read_run_file
+from services.runtime.settings import load_settings, read_run_file, run_path
 
 TrainerProcess = Callable[[Path, str], "tuple[tuple[str, ...], dict[str, str], tuple[int, ...]]"]
 """(run file, NATS URL) -> the trainer `flywheel up` would start: argv, environment, cores."""
@@ -58,13 +58,21 @@ class RecordedRun:
     def out_dir(self) -> Path:
         return self.settings.out_dir or self.run_dir / "replay"
 
+    def model_dir(self) -> Path:
+        """The run's model directory, resolved as `flywheel up` resolves it (a hub id: its
+        cached snapshot); a ModelNotFoundError naming `[stack] model` in one line if none."""
+        from services.models.resolve import resolve_model
+
+        return resolve_model(self.model, key="[stack] model")
+
 
 def recorded_run(config: Path, **overrides: Any) -> RecordedRun:
     """The run of `config` (ConfigError naming a bad key); `overrides` to ReplaySettings."""
     doc = read_run_file(config)
     stack = doc.get("stack", {}) if isinstance(doc.get("stack"), dict) else {}
-    run_dir = Path(stack.get("run_dir", local_run.DEFAULT_RUN_DIR)).resolve()
-    model = Path(stack.get("model", f"{local_run.DEFAULT_RUN_DIR}/model"))
+    # read as every command reads a run file's paths (services/runtime/settings.py, RunPath)
+    run_dir = run_path(stack.get("run_dir", local_run.DEFAULT_RUN_DIR)).resolve()
+    model = run_path(stack.get("model", f"{local_run.DEFAULT_RUN_DIR}/model"))
     settings = load_settings(ReplaySettings, config, **overrides)
     return RecordedRun(config.resolve(), settings, doc, run_dir, model)
 

@@ -9,6 +9,7 @@ from typing import ClassVar
 from pydantic import Field, SecretStr
 
 from services.engine_api.teacher import TeacherSettings
+from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -31,7 +32,7 @@ class RolloutSettings(TaskServiceSettings):
     engine_api_key: SecretStr | None = Field(
         None, description="Bearer key of the engine's admin API."
     )
-    model: Path | None = Field(
+    model: RunPath | None = Field(
         None, description="Model directory for the tokenizer (the engine's model)."
     )
     concurrency: int = Field(
@@ -49,7 +50,7 @@ class RolloutSettings(TaskServiceSettings):
     verifier_timeout_s: float = Field(
         5.0, gt=0, description="Limit of one verifier call; a hang scores 0 and is counted."
     )
-    sandbox_socket: Path | None = Field(
+    sandbox_socket: RunPath | None = Field(
         None,
         description="Unix socket of a `flywheel sandbox` server: rewards and tools run in "
         "its children (a sidecar without this service's credentials or volumes) instead of "
@@ -58,7 +59,7 @@ class RolloutSettings(TaskServiceSettings):
     max_abort_retries: int = Field(
         20, ge=0, description="Re-generations of a sample aborted by a weight update."
     )
-    weights_dir: Path = Field(
+    weights_dir: RunPath = Field(
         Path("runs/engine-weights"),
         description="Engine-local directory for weights received over NATS "
         "(<dir>/<run>/<engine_id>/v000012/); the engine must be able to read it.",

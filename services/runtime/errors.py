@@ -215,6 +215,16 @@ class RunHalted(FlywheelError, RuntimeError):
     """
 
 
+class RunDone(FlywheelError, RuntimeError):
+    """The run has nothing left to do before its end was reached: the buffer's whole
+    training set is solved (`[buffer] on_solved = "stop"`).
+
+    The service exits with `EXIT_DONE`, which `flywheel up` takes as the run's
+    end, as it takes the trainer's exit after `max_steps`: not a failure, never
+    a restart. The message says why, in one line.
+    """
+
+
 class JetStreamMissing(FlywheelError, RuntimeError):
     """A stream, KV bucket or durable consumer the service works on is not on the server.
 
@@ -240,3 +250,4 @@ class JetStreamMissing(FlywheelError, RuntimeError):
 EXIT_CONFIG = 2  # a setting is invalid: restarting cannot help
 EXIT_HALTED = 3  # RunHalted: restarting cannot help either
 EXIT_MISSING = 4  # JetStreamMissing: a restart would recreate it empty
+EXIT_DONE = 5  # RunDone: the run's work is done; its end, not a failure

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.runtime.errors import ConfigError
-from services.runtime.settings import read_run_file
+from services.runtime.settings import read_run_file, run_path
 
 RECORD = "run.json"
 DEFAULT_RUN_DIR = "runs/demo"  # StackSettings.run_dir's default
@@ -89,7 +89,7 @@ def attach(config: str | Path, section: str) -> dict[str, Any]:
     if not leaves_nats_to_up(doc, section):
         return {}
     stack = doc.get("stack", {}) if isinstance(doc.get("stack"), dict) else {}
-    run_dir = Path(stack.get("run_dir", DEFAULT_RUN_DIR))
+    run_dir = run_path(stack.get("run_dir", DEFAULT_RUN_DIR))
     run = find(run_dir)
     if run is None:
         raise ConfigError(

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 from services.runtime.errors import (
     EXIT_CONFIG,
+    EXIT_DONE,
     EXIT_HALTED,
     EXIT_MISSING,
     ConfigError,
     JetStreamMissing,
+    RunDone,
     RunHalted,
 )
 from services.runtime.settings import ServiceSettings, load_settings, render
@@ -87,8 +89,9 @@ FINAL_ERRORS: tuple[tuple[type[Exception], int], ...] = (
     (ConfigError, EXIT_CONFIG),
     (RunHalted, EXIT_HALTED),
     (JetStreamMissing, EXIT_MISSING),
+    (RunDone, EXIT_DONE),
 )
-"""Errors a restart cannot fix, and the exit status each stops a service with."""
+"""Errors a restart cannot fix (and the run's work done), and the exit status of each."""
 
 
 def run_or_exit(service: str, run: Callable[[], object]) -> int:

@@ -9,6 +9,20 @@ for nested fields (`FLYWHEEL_TRAINER_NATS__URL=…`). Unknown keys are errors
 that name the key, so a typo cannot silently fall back to a default.
 
 Priority, highest first: keyword overrides, environment, run file, defaults.
+
+Paths. Every path a run file (or its environment override) gives is read
+the same way by every command (`up`, `eval`, `replay`, `demo`, the
+services, the benches): as a `RunPath`, `~` is the user's home (the
+shipped SmolLM2 run files say `model = "~/.cache/flywheel/models/..."`),
+and a relative path is from the working directory the command runs in,
+not from the run file's directory. That is what `flywheel up` has always
+meant: it starts every service in its own working directory, each reading
+the same run file, and the README and the examples give their data paths
+from the directory they are run in (`configs/examples/data/...` from the
+repository root; a user's `train.jsonl` beside the run file when run from
+there). A model reference is resolved to its directory by one function,
+services/models/resolve.py `resolve_model` (a directory, or a hub id in the
+local cache), whose error is one line naming the key.
 """
 
 from __future__ import annotations
@@ -16,9 +30,9 @@ from __future__ import annotations
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.runtime.errors import ConfigError
@@ -26,6 +40,16 @@ from services.runtime.errors import ConfigError
 # The run file's values for the settings class being built right now. A
 # context variable (not a class attribute) so concurrent loads cannot mix.
 _FILE_VALUES: ContextVar[dict[str, Any]] = ContextVar("flywheel_file_values", default={})  # noqa: B039
+
+
+def run_path(value: str | Path) -> Path:
+    """A path as a run file gives it: `~` expanded, a relative path left relative to the
+    working directory (module docstring: why not the run file's directory)."""
+    return Path(value).expanduser()
+
+
+RunPath = Annotated[Path, AfterValidator(run_path)]
+"""The type of every path field of a run file's settings (module docstring)."""
 
 
 class _RunFileSource(PydanticBaseSettingsSource):
@@ -86,11 +110,11 @@ class NatsSettings(BaseModel):
     user: str | None = Field(None, description="User name for user/password auth.")
     password: SecretStr | None = Field(None, description="Password for user/password auth.")
     token: SecretStr | None = Field(None, description="Token auth.")
-    creds_file: Path | None = Field(None, description="NATS .creds file (JWT + nkey seed).")
-    nkeys_seed: Path | None = Field(None, description="File holding an nkey seed.")
-    tls_ca: Path | None = Field(None, description="CA bundle to verify the server; enables TLS.")
-    tls_cert: Path | None = Field(None, description="Client certificate for mutual TLS.")
-    tls_key: Path | None = Field(None, description="Client key for mutual TLS.")
+    creds_file: RunPath | None = Field(None, description="NATS .creds file (JWT + nkey seed).")
+    nkeys_seed: RunPath | None = Field(None, description="File holding an nkey seed.")
+    tls_ca: RunPath | None = Field(None, description="CA bundle to verify the server; enables TLS.")
+    tls_cert: RunPath | None = Field(None, description="Client certificate for mutual TLS.")
+    tls_key: RunPath | None = Field(None, description="Client key for mutual TLS.")
 
 
 class ServiceSettings(BaseSettings):

@@ -112,7 +112,8 @@ async def up(
         await show_status(s, sup, run_dir / "status.log", stop, goal)
         await watcher
         if sup.finished is not None:
-            print(f"flywheel up: {sup.finished} ({steps} steps); stopping", flush=True)
+            after = f" ({steps} steps)" if sup.finished.endswith("finished") else ""
+            print(f"flywheel up: {sup.finished}{after}; stopping", flush=True)
     except StackError as e:
         print(f"flywheel up: {e}", file=sys.stderr)
         sup.failed = str(e)

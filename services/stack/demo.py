@@ -358,14 +358,20 @@ def demo_main(argv: list[str] | None = None, *, sft: Command) -> int:
     """`flywheel demo`; `sft` is the trainer's `flywheel sft` (services/cli.py passes it)."""
     args = parse_args(argv)
     tools, real = args.task == "tools", args.task == "real"
+    from services.runtime.errors import ConfigError
     from services.runtime.settings import load_settings
     from services.stack.cli import up
     from services.stack.settings import StackSettings
 
     config = Path(args.config)
-    base = load_settings(StackSettings, config)
+    try:  # the run file read as every command reads it, its data found, before minutes of SFT
+        base = load_settings(StackSettings, config)
+        tasks = base.task_set()
+        tasks.check(data=True)
+    except ConfigError as e:  # one line naming the key, never a traceback
+        print(f"flywheel demo: {e}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir or base.run_dir).resolve()
-    tasks = base.task_set()
     start = real_start(args, run_dir) if real else sft_stage(args, run_dir, sft)
     t0 = time.time()
     before, split = held_out_accuracy(tasks, start, args.eval_size)

@@ -38,6 +38,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     try:
         tasks, model_dir = eval_target(args.config, args.weights or args.model)
+        tasks.check(data=True)  # the held-out data found, before the model loads
         report = evaluate_dir(model_dir, tasks, size=args.n)
     except ConfigError as e:
         print(f"flywheel eval: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr, model_validator
 
 from services.engine_api.teacher import TeacherSettings
+from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
 
@@ -16,8 +17,8 @@ class StackSettings(TaskServiceSettings):
     shared_tables: ClassVar[frozenset[str]] = TaskServiceSettings.shared_tables | {"teacher"}
     own_tables: ClassVar[dict[str, bool]] = {**TaskServiceSettings.own_tables, "teacher": False}
 
-    run_dir: Path = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
-    model: Path = Field(
+    run_dir: RunPath = Field(Path("runs/demo"), description="Logs, NATS store, weights, metrics.")
+    model: RunPath = Field(
         Path("runs/demo/model"),
         description="The model to start from: a Hugging Face directory, or a hub id "
         "('org/name') found in the local Hugging Face cache (never downloaded). "

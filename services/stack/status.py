@@ -2,10 +2,19 @@
 
 Pure parts (`parse`, `summarise`, `render_line`) are tested without a
 stack; `scrape` is one HTTP GET per service.
+
+No figure is shown before it is measured: the held-out accuracy reads
+"none yet" until an evaluation has ended (the trainer's eval gauges are NaN
+and `eval_version` -1 until then), and a figure shown says which version it
+measured and how long ago ("acc 0.620 (v10, 40 s ago)"), so a step-0 figure
+an hour into a run reads as old. Evaluations that were due and not run
+(skipped for a newer version, deferred for their cost) are counted beside
+it; the trainer's console warning says why, once.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -40,7 +49,10 @@ def value(samples: Samples, name: str, default: float | None = None, **labels: s
 class Status:
     step: int | None = None
     reward: float | None = None
-    accuracy: float | None = None
+    accuracy: float | None = None  # None: no held-out evaluation has ended yet
+    eval_version: int | None = None  # the version `accuracy` measured
+    eval_at: float | None = None  # when that evaluation ended (unix seconds)
+    evals_not_run: tuple[int, int] = (0, 0)  # due evaluations skipped, deferred
     staleness: float | None = None
     idle: float | None = None
     # train–inference mismatch of the trainer's last measured step: mean and max
@@ -70,9 +82,10 @@ def summarise(by_service: dict[str, Samples]) -> Status:
         if name.startswith("trainer"):
             step = value(s, "flywheel_trainer_step")
             st.step = int(step) if step is not None else None
-            st.reward = value(s, "flywheel_trainer_reward_mean")
-            st.accuracy = value(s, "flywheel_trainer_eval_accuracy")
-            st.staleness = value(s, "flywheel_trainer_staleness_max")
+            # a batch's figures: none before the first step (the gauges read 0 until then)
+            st.reward = value(s, "flywheel_trainer_reward_mean") if st.step else None
+            held_out(st, s)
+            st.staleness = value(s, "flywheel_trainer_staleness_max") if st.step else None
             st.idle = value(s, "flywheel_trainer_idle_fraction")
             st.mismatch = mismatch(s)
             # the trainer's per-step entropy gauge (0 until a step measured it)
@@ -103,6 +116,46 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             else:
                 st.dead_letters += v
     return st
+
+
+def held_out(st: Status, s: Samples) -> None:
+    """The trainer's last held-out figure, its version and time, or none when none ended."""
+    version = value(s, "flywheel_trainer_eval_version")
+    acc = value(s, "flywheel_trainer_eval_accuracy")
+    skipped = value(s, "flywheel_trainer_evals_skipped_total", 0.0) or 0.0
+    deferred = value(s, "flywheel_trainer_evals_deferred_total", 0.0) or 0.0
+    st.evals_not_run = (int(skipped), int(deferred))
+    if version is None or version < 0 or acc is None or math.isnan(acc):
+        return  # not measured yet (a trainer without eval_version: none can be told apart)
+    st.accuracy, st.eval_version = acc, int(version)
+    at = value(s, "flywheel_trainer_eval_timestamp_seconds")
+    st.eval_at = at if at else None
+
+
+def accuracy_text(now: Status) -> str:
+    """`acc 0.620 (v10, 40 s ago)`, `acc none yet`, or `acc -` (no trainer seen); with the
+    due evaluations that did not run: `acc none yet (not run: 2 deferred)`."""
+    if now.step is None and now.accuracy is None:
+        return "acc -"
+    skipped, deferred = now.evals_not_run
+    counts = [f"{n} {what}" for n, what in ((skipped, "skipped"), (deferred, "deferred")) if n]
+    not_run = [f"not run: {', '.join(counts)}"] if counts else []
+    if now.accuracy is None or now.eval_version is None:
+        return "acc none yet" + (f" ({not_run[0]})" if not_run else "")
+    where = f"v{now.eval_version}"
+    if now.eval_at is not None:
+        where += f", {ago(now.at - now.eval_at)} ago"
+    return f"acc {now.accuracy:.3f} ({'; '.join([where, *not_run])})"
+
+
+def ago(seconds: float) -> str:
+    """`40 s`, `7 min`, `2.1 h`: how old a figure is, at a glance."""
+    s = max(0.0, seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
 
 
 def mismatch(s: Samples) -> tuple[float, float, float] | None:
@@ -172,7 +225,7 @@ def render_line(now: Status, before: Status | None) -> str:
     if now.distinct is not None and now.group_samples:
         distinct = f"{now.distinct:.1f}/{now.group_samples:.0f}"
     return (
-        f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | acc {f(now.accuracy, '.3f')} "
+        f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | {accuracy_text(now)} "
         f"| staleness {f(now.staleness, '.0f')} | mismatch {gap} | samples/s {f(rate, '.1f')} "
         f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
         f"| flat {f(now.flat_share, '.0%')} | distinct {distinct} "

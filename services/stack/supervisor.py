@@ -11,7 +11,9 @@ a second or more on SGLang and on the CPU engine alike). A process that
 exits on its own is reported by name with the tail of its log, then
 restarted (up to `max_restarts`) or the whole stack stops, as configured;
 one whose spec `finishes` (the trainer given max_steps) and exits 0 has
-done its work, and the stack stops without a failure.
+done its work, and the stack stops without a failure; so does any process
+that exits with `EXIT_DONE` (`RunDone`: the buffer's whole training set
+solved, `[buffer] on_solved = "stop"`), after saying why.
 Stopping sends SIGTERM in reverse start order, then SIGKILL after a grace
 period.
 
@@ -38,7 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from services.runtime.errors import EXIT_CONFIG, EXIT_HALTED, EXIT_MISSING, FlywheelError
+from services.runtime.errors import (
+    EXIT_CONFIG,
+    EXIT_DONE,
+    EXIT_HALTED,
+    EXIT_MISSING,
+    FlywheelError,
+)
 from services.runtime.msgloop import pause
 from services.stack.plan import ProcSpec
 
@@ -263,6 +271,10 @@ class Supervisor:
                 code = p.proc.returncode
                 if code == 0 and p.spec.finishes:
                     self.finished = f"{p.name} finished"
+                    stop.set()
+                    return
+                if code == EXIT_DONE:  # RunDone: its work is done (it said why): the run's end
+                    self.finished = f"{p.name} ended the run"
                     stop.set()
                     return
                 if code in FINAL:

@@ -7,13 +7,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
+from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
 
 class SyncSettings(TaskServiceSettings):
     section: ClassVar[str] = "sync"
 
-    weights_root: Path = Field(
+    weights_root: RunPath = Field(
         Path("runs/weights"), description="Shared weights directory (<root>/<run>/v000012/)."
     )
     update_mode: Literal["abort", "retract", "in_place", "wait"] = Field(

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from services.runtime.errors import ConfigError
+from services.runtime.settings import RunPath
 from services.tasks.episode_spec import FunctionTool
 from services.tasks.registry import FN_PATH, SOURCES, Row, Rows, SourceSpec
 
@@ -163,7 +164,9 @@ class JsonlSource(Fields):
     """A local JSONL file, one record per line."""
 
     type: Literal["jsonl"]
-    path: Path = Field(description="The JSONL file (relative paths: from the working directory).")
+    path: RunPath = Field(
+        description="The JSONL file (`~`: your home; relative paths: from the working directory)."
+    )
 
     def rows(self, key: str) -> Rows:
         return rows_from_records(_jsonl_records(self.path, key), self, key, str(self.path))
@@ -181,7 +184,7 @@ class HfSource(Fields):
     """
 
     type: Literal["hf"]
-    path: Path = Field(
+    path: RunPath = Field(
         description="A directory written by Dataset.save_to_disk, or a .parquet/.arrow/"
         ".json/.jsonl/.csv file. Nothing is downloaded."
     )

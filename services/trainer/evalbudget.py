@@ -124,3 +124,25 @@ class EvalBudget:
             f"evaluations cost {self.cost_s:.0f} s of {self.rl_s:.0f} s of RL "
             f"({self.share:.1%}), over eval_max_share {limit}"
         )
+
+    def explain(self) -> str:
+        """Why a deferred evaluation did not run, in a user's words, with what to change:
+        the console's one line about deferrals (evaluating.py says it once a run)."""
+        limit = f"{self.max_share * 100:g}%" if self.max_share is not None else "none"
+        if self.typical_s is None:
+            why = (
+                f"an evaluation was running beside every step so far ({len(self.beside)} "
+                f"steps, {self.rl_s:.0f} s), so what evaluations cost the training cannot be "
+                f"measured yet; they wait until a few steps train alone"
+            )
+        else:
+            why = (
+                f"the evaluations have slowed the training by {self.cost_s:.0f} s of "
+                f"{self.rl_s:.0f} s ({self.share:.1%}), more than [trainer] eval_max_share "
+                f"({limit}) allows"
+            )
+        return (
+            f"{why}. Later due versions are tried again; the status line counts those not "
+            "run. For more evaluations: raise [trainer] eval_max_share (1.0: never defer) "
+            "or make one cheaper ([task.eval] size, k, max_new_tokens)"
+        )

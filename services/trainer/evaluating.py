@@ -14,6 +14,12 @@ time, a due evaluation is deferred: not started, logged and counted (the
 step-0 evaluation and a run's last due one never are). Its rows carry the
 running estimate (`eval_cost_share`).
 
+A user watches the console, not the log: the run's first skipped and first
+deferred evaluation each say there (a warning, once per kind) why it did not
+run and which keys would change that; every one is logged and counted
+(`evals_skipped`, `evals_deferred`), and the status line shows the counts
+beside the newest figure and the version it measured.
+
 Each result is attached to the version it evaluated: a row of its own in
 the metrics file (`step` = that version, `elapsed` = when that version was
 trained, `eval_s` how long the evaluation took, `eval_lag_steps` how many
@@ -81,6 +87,7 @@ class Evaluations:
         self.failure: BaseException | None = None
         self.skipped = 0
         self.deferred = 0
+        self.told: set[str] = set()  # kinds of "not run" the console was told of (once each)
         shutil.rmtree(self.stage, ignore_errors=True)  # link copies a crash left behind
 
     @property
@@ -211,11 +218,36 @@ class Evaluations:
     def _defer(self, step: int) -> None:
         self.deferred += 1
         self.recorder.metrics.evals_deferred.inc()
+        if self._first("deferred"):
+            log.warning(
+                "trainer: held-out evaluation of v%d not run (deferred): %s",
+                step,
+                self.budget.explain(),
+            )
         log.info("trainer: held-out evaluation of v%d deferred: %s", step, self.budget.line())
 
     def _skip(self, due: Due, newer: int | None) -> None:
         self.skipped += 1
         self.recorder.metrics.evals_skipped.inc()
         why = f"v{newer} is newer" if newer is not None else "the run is stopping"
+        if newer is not None and self._first("skipped"):
+            log.warning("trainer: %s", skipped_line(due.step, newer))
         log.info("trainer: held-out evaluation of v%d skipped: %s", due.step, why)
         self._discard(due)
+
+    def _first(self, kind: str) -> bool:
+        """Whether this is the run's first evaluation not run for `kind`: the console (a
+        WARNING) is told why once; every one is in the log and counted on the status line."""
+        first = kind not in self.told
+        self.told.add(kind)
+        return first
+
+
+def skipped_line(step: int, newer: int) -> str:
+    """Why a due evaluation was skipped, in a user's words (the console's one line)."""
+    return (
+        f"held-out evaluation of v{step} not run (skipped): v{newer} fell due while an "
+        f"evaluation was still running, and only the newest due version waits for it. "
+        "An evaluation takes longer than [trainer] eval_every steps: raise eval_every or make "
+        "one cheaper ([task.eval] size, k, max_new_tokens); the status line counts those not run"
+    )

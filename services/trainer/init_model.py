@@ -63,7 +63,7 @@ def init_for_task(
     """Build the task's tiny model at `out` (default: the run file's [stack] model)."""
     from services.models.tiny_model import build_bpe_tokenizer, write_tiny_model
     from services.runtime.errors import ConfigError
-    from services.runtime.settings import load_settings, read_run_file
+    from services.runtime.settings import load_settings, read_run_file, run_path
     from services.tasks.settings import TaskServiceSettings
     from services.trainer.settings import ModelConfig, OptimConfig, SftSettings
     from services.trainer.sft.loop import run_sft
@@ -74,7 +74,7 @@ def init_for_task(
     if out is None:
         if not model:
             raise ConfigError(f"{config} has no [stack] model: give --out DIR")
-        out = Path(model)
+        out = run_path(model)
     if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{out} is not empty (use --force to replace it)")
     loaded = s.task_set().load()

@@ -63,6 +63,9 @@ GAUGES = {
     "eval_pass_at_k": "Held-out sampled pass@k (eval.k > 1; last evaluation).",
 }
 
+EVAL_GAUGES = ("eval_accuracy", "eval_pass_at_k")
+"""The held-out figures: NaN until an evaluation measured them (eval_version says which)."""
+
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 
@@ -70,6 +73,17 @@ class TrainerMetrics:
     def __init__(self, r: CollectorRegistry) -> None:
         m = MetricSet(r, "flywheel_trainer_")
         self.gauges = {k: m.gauge(k, doc) for k, doc in GAUGES.items()}
+        for k in EVAL_GAUGES:  # not measured yet reads as such (NaN), never as a 0.000
+            self.gauges[k].set(float("nan"))
+        self.eval_version = m.gauge(
+            "eval_version",
+            "Weight version the last held-out evaluation measured (-1 until one has ended).",
+        )
+        self.eval_version.set(-1)
+        self.eval_at = m.gauge(
+            "eval_timestamp_seconds",
+            "Unix time the last held-out evaluation ended (0 until one has).",
+        )
         self.step = m.gauge("step", "Optimizer steps done.")
         self.version = m.gauge("weight_version", "Newest version.")
         self.phase = m.counter(
@@ -210,9 +224,12 @@ class Recorder:
     def evaluated(self, report: EvalReport, row: dict[str, Any]) -> None:
         """A held-out evaluation's figures, into the row and the gauges."""
         row.update(report.metrics())
-        self.metrics.gauges["eval_accuracy"].set(report.pass_at_1)
+        m = self.metrics
+        m.gauges["eval_accuracy"].set(report.pass_at_1)
         if report.pass_at_k is not None:
-            self.metrics.gauges["eval_pass_at_k"].set(report.pass_at_k)
+            m.gauges["eval_pass_at_k"].set(report.pass_at_k)
+        m.eval_version.set(int(row["step"]))
+        m.eval_at.set(time.time())
 
     def write(self, row: dict[str, Any]) -> None:
         """To every configured logger (the metrics file, TensorBoard, W&B)."""

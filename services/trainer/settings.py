@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 from services.trainer.loggers import LoggerName, WandbMode
 from services.weights import TransportKind
@@ -362,8 +363,8 @@ class TrainerSettings(TaskServiceSettings):
     section: ClassVar[str] = "trainer"
     needs_task: ClassVar[bool] = True
 
-    model: Path = Field(Path("runs/demo/model"), description="Initial policy (HF directory).")
-    weights_root: Path = Field(
+    model: RunPath = Field(Path("runs/demo/model"), description="Initial policy (HF directory).")
+    weights_root: RunPath = Field(
         Path("runs/weights"), description="Published weights go to <root>/<run>/v000012/."
     )
     weights_transport: TransportKind = Field(
@@ -387,7 +388,7 @@ class TrainerSettings(TaskServiceSettings):
     weights_upload_window: int = Field(
         16, ge=1, le=1024, description="NATS transport: chunk publishes in flight at once."
     )
-    checkpoint_dir: Path = Field(Path("runs/checkpoints"), description="Trainer checkpoints.")
+    checkpoint_dir: RunPath = Field(Path("runs/checkpoints"), description="Trainer checkpoints.")
     publish_every: int = Field(1, ge=1, description="Publish weights every this many steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     max_steps: int | None = Field(
@@ -441,20 +442,20 @@ class TrainerSettings(TaskServiceSettings):
         "CPU they take longer instead of slowing the steps and engines beside them; 0: the "
         "same priority as training (evaluations finish sooner, the steps beside slow down).",
     )
-    sandbox_socket: Path | None = Field(
+    sandbox_socket: RunPath | None = Field(
         None,
         description="Unix socket of a `flywheel sandbox` server: rewards and tools run in "
         "its children (a sidecar without this service's credentials or volumes) instead of "
         "this service's. None: this service starts the sandboxed children itself.",
     )
-    metrics_file: Path | None = Field(None, description="Append one JSON line per step here.")
+    metrics_file: RunPath | None = Field(None, description="Append one JSON line per step here.")
     loggers: list[LoggerName] = Field(
         ["jsonl"],
         description="Where each step's metrics row goes: 'jsonl' (metrics_file), "
         "'tensorboard' (event files), 'wandb' (a W&B run). The last two are extras: "
         "pip install 'flywheel[tensorboard]' / 'flywheel[wandb]'.",
     )
-    log_dir: Path | None = Field(
+    log_dir: RunPath | None = Field(
         None,
         description="TensorBoard event files (<dir>/tensorboard/<run>/) and W&B runs "
         "(<dir>/wandb/) go here; None: beside metrics_file, else runs/logs.",
@@ -487,10 +488,10 @@ class SftSettings(TaskServiceSettings):
 
     section: ClassVar[str] = "sft"
 
-    model_dir: Path = Field(Path("model"), description="Local HF model directory to start from.")
-    train_file: Path = Field(Path("train.jsonl"), description="Training JSONL (chat or p/c).")
-    eval_file: Path | None = Field(None, description="Held-out JSONL for the eval loss.")
-    output_dir: Path = Field(Path("sft-out"), description="Where the trained HF dir is written.")
+    model_dir: RunPath = Field(Path("model"), description="Local HF model directory to start from.")
+    train_file: RunPath = Field(Path("train.jsonl"), description="Training JSONL (chat or p/c).")
+    eval_file: RunPath | None = Field(None, description="Held-out JSONL for the eval loss.")
+    output_dir: RunPath = Field(Path("sft-out"), description="Where the trained HF dir is written.")
     overwrite: bool = Field(False, description="Replace output_dir if it exists.")
     epochs: float = Field(1.0, gt=0, description="Passes over the data (ignored if steps set).")
     steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides epochs.")

@@ -13,6 +13,11 @@ stand-in answers each with a group whose rewards are chosen by prompt.
   the next epoch, across a restart too), and a flat group's slot in the
   batch being filled is refilled with a recent group, which is published
   again in the next TrainBatch.
+- Solved is not stuck: groups whose every reply is right (one token sequence,
+  as a collapse looks) are said solved, not collapsed; once every prompt is
+  retired the buffer ends the run (`on_solved = "stop"`; in this process, and
+  as a real `python -m services.buffer` under the stack's Supervisor) or goes
+  on (`"continue"`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -292,3 +298,108 @@ async def _collapse(tmp_path: Path, url: str) -> None:
     assert svc.metrics.distinct._value.get() == 1.0
     assert svc.metrics.untrainable._value.get() == SIZE
     await nc.close()
+
+
+def test_solved_prompts_are_said_solved_and_a_solved_set_stops_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every reply right, one token sequence per group (as a collapse looks): the stall
+    line says solved, not collapse; once the curriculum has retired all 6 prompts the
+    buffer ends the run (`on_solved = "stop"`, the default): RunDone, the stop event set,
+    nothing more dispatched."""
+    with NatsServer() as server, caplog.at_level(logging.WARNING, "services.buffer.app"):
+        svc = asyncio.run(asyncio.wait_for(_solve_all(tmp_path, server.url, {}), 120))
+    assert svc.done is not None and svc.ctx.stop.is_set()
+    assert svc.metrics.dispatched._value.get() == SIZE  # nothing drawn after it
+    assert str(svc.done).startswith(
+        "the whole training set is solved: every one of its 6 prompts is retired (pass rate "
+        ">= 0.9 over at least 1 groups); stopping the run"
+    )
+    said = [r.getMessage() for r in caplog.records if "no trainable group" in r.getMessage()]
+    assert len(said) == 1 and "these prompts are solved, not stuck" in said[0], said
+    assert "collapse)" not in said[0] and "(6 of 6 retired so far)" in said[0]
+
+
+def test_a_solved_set_goes_on_when_the_run_file_says_continue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with NatsServer() as server, caplog.at_level(logging.WARNING, "services.buffer.app"):
+        svc = asyncio.run(
+            asyncio.wait_for(_solve_all(tmp_path, server.url, {"on_solved": "continue"}), 120)
+        )
+    assert svc.done is None and not svc.ctx.stop.is_set()
+    said = [r.getMessage() for r in caplog.records if "whole training set" in r.getMessage()]
+    assert len(said) == 1 and "drawing them anyway" in said[0]
+    assert svc.metrics.dispatched._value.get() > SIZE  # the solved prompts drawn again
+    assert not any("retired or resting" in r.getMessage() for r in caplog.records)
+
+
+async def _solve_all(tmp_path: Path, url: str, extra: dict[str, Any]) -> BufferService:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure_streams(js, streams_for(RUN))
+    s = settings(tmp_path, url, curriculum_retire_after=1, flat_rest_steps=0,
+                 stall_warn_steps=3.0, **extra)  # fmt: skip
+    svc = await service(js, nc.max_payload, s)
+    loop = Loop(js)
+    await loop.open()
+    tasks = await epoch(svc, loop, 0)
+    assert len(tasks) == SIZE
+    for t in tasks:  # the right answer, said alike by every sample
+        g = answer(t, [1.0] * 4, 0, same_reply=True)
+        ack = await js.publish(Subjects(RUN).samples, encode(g))
+        with contextlib.suppress(PermanentError):
+            await svc.on_group(g, At(ack.seq))  # type: ignore[arg-type]
+    assert svc.census["retired"] == SIZE and svc.metrics.stalls._value.get() == 1
+    await svc.dispatch_once()
+    if svc.done is None:  # continue: what was drawn comes back solved again
+        more = await epoch(svc, loop, 0)
+        assert more
+    await nc.close()
+    return svc
+
+
+def test_the_buffer_process_ends_a_solved_run_and_the_supervisor_stops_it(
+    tmp_path: Path,
+) -> None:
+    """The stop made real: `python -m services.buffer` under the stack's own Supervisor,
+    on a real nats-server; a rollout stand-in answers every task right. The buffer says
+    why and exits EXIT_DONE; the supervisor ends the run, neither failed nor restarted."""
+    from services.runtime.errors import EXIT_DONE
+    from services.stack.plan import ProcSpec
+    from services.stack.supervisor import Supervisor
+    from tests.harness.ports import free_port
+
+    with NatsServer() as server:
+        port = free_port()
+        s = settings(tmp_path, server.url, curriculum_retire_after=1, flat_rest_steps=0)
+        assert s.on_solved == "stop"  # the default
+        argv = (sys.executable, "-m", "services.buffer", "-c", str(tmp_path / "run.toml"))
+        url = f"http://127.0.0.1:{port}"
+        spec = ProcSpec("buffer", "buffer", argv, {"FLYWHEEL_BUFFER_METRICS_PORT": str(port)},
+                        f"{url}/readyz", f"{url}/metrics")  # fmt: skip
+        sup = Supervisor([spec], tmp_path / "logs", max_restarts=3, console=None)
+
+        async def scenario() -> None:
+            await sup.start_all()
+            watch = asyncio.create_task(sup.watch(asyncio.Event()))
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            loop = Loop(js)
+            await loop.open()
+            answered = 0
+            while not watch.done() and answered < 4 * SIZE:
+                for t in await loop.take():  # every reply right, every time
+                    await js.publish(Subjects(RUN).samples, encode(answer(t, [1.0] * 4, 0)))
+                    answered += 1
+            await asyncio.wait_for(watch, 60)
+            await nc.close()
+            await sup.stop_all()
+
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    buffer = sup.get("buffer")
+    assert sup.finished == "buffer ended the run" and sup.failed is None
+    assert buffer.restarts == 0 and buffer.proc is not None
+    assert buffer.proc.returncode == EXIT_DONE
+    log = buffer.log_path.read_text()
+    assert "flywheel buffer: the whole training set is solved: every one of its 6 prompts" in log

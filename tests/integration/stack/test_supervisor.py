@@ -121,6 +121,37 @@ def test_a_service_that_finishes_ends_the_run_and_is_not_restarted(tmp_path: Pat
     asyncio.run(scenario())
 
 
+def test_a_service_whose_work_is_done_ends_the_run_without_a_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """RunDone (the buffer's whole training set solved, `[buffer] on_solved = "stop"`): the
+    service says why and exits EXIT_DONE; the run ends, neither failed nor restarted."""
+    from services.runtime.errors import EXIT_DONE, RunDone
+    from services.runtime.service_main import run_or_exit
+
+    def solved() -> None:
+        raise RunDone("the whole training set is solved: ...")
+
+    assert run_or_exit("buffer", solved) == EXIT_DONE
+    assert capsys.readouterr().err == "flywheel buffer: the whole training set is solved: ...\n"
+
+    async def scenario() -> None:
+        done = (
+            sys.executable,
+            "-c",
+            f"print('flywheel buffer: solved', flush=True); raise SystemExit({EXIT_DONE})",
+        )
+        specs = [ProcSpec("buffer", "buffer", done), ProcSpec("s", "x", SLEEPER)]
+        sup = Supervisor(specs, tmp_path / "logs", max_restarts=5, console=None)
+        await sup.start_all()
+        await asyncio.wait_for(sup.watch(asyncio.Event()), 30)
+        assert sup.finished == "buffer ended the run" and sup.failed is None
+        assert sup.get("buffer").restarts == 0
+        await sup.stop_all()
+
+    asyncio.run(scenario())
+
+
 def test_a_pinned_service_runs_on_its_cores_only(tmp_path: Path) -> None:
     """`[stack] cpus`: the affinity is set in the child before exec, so the service and
     every thread it starts stay on its cores; an unpinned one keeps the whole machine."""

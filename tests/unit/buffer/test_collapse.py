@@ -9,8 +9,11 @@ from services.buffer.collapse import (
     StallWatch,
     StepWindow,
     Tally,
+    all_solved_line,
     distinct_completions,
     is_flat,
+    is_solved,
+    retirement_note,
     stall_line,
 )
 from services.buffer.core import Assembler, BufferState, Verdict, position_of, task_id
@@ -103,6 +106,62 @@ def test_the_stall_line_tells_flat_from_other_causes() -> None:
     assert "3.0 distinct completions of 8" in stall_line(alike, 4)
     stale = Tally(groups=8, flat=1, distinct=40, samples=64)
     assert "stale" in stall_line(stale, 4)
+
+
+def stalled_on(groups: list[SampleGroup], pass_reward: float = 1.0) -> str:
+    watch = StallWatch(limit=len(groups), pass_reward=pass_reward)
+    for g in groups:
+        watch.observe(g, trainable=False)
+    line = watch.stalled(per_step=4, retiring=retirement_note(3, 6, True, "stop"))
+    assert line is not None
+    return line
+
+
+def test_flat_because_every_reply_is_right_is_solved_not_a_collapse() -> None:
+    """The demo at 0.89 validation: one right answer, said alike by every sample of every
+    group, is flat and of 1 distinct completion, as a collapse is; it is solved."""
+    right = [replies(f"r{i}", [SENTENCE] * 8, [1.0] * 8) for i in range(8)]
+    assert all(is_flat(g) and is_solved(g, 1.0) for g in right)
+    line = stalled_on(right)
+    assert line == (
+        "no trainable group in the last 8 (2.0 steps' worth): every reply of every group "
+        "earned the top reward: these prompts are solved, not stuck (no collapse; nothing "
+        "is left to learn from them). The curriculum retires solved prompts (3 of 6 retired "
+        'so far); when all are, the run stops ([buffer] on_solved = "stop")'
+    )
+    assert "collapse)" not in line and "Keys that help" not in line
+    # right by the run's own bar: a shaped reward whose right answer earns 0.8
+    shaped = [replies(f"s{i}", [SENTENCE] * 4, [0.8] * 4) for i in range(4)]
+    assert "solved, not stuck" in stalled_on(shaped, pass_reward=0.8)
+    assert "collapse" in stalled_on(shaped, pass_reward=1.0)  # below the bar: alike
+
+
+def test_flat_groups_of_wrong_or_alike_replies_are_still_a_collapse_with_the_keys() -> None:
+    wrong = [replies(f"w{i}", [SENTENCE] * 8, [0.0] * 8) for i in range(8)]
+    assert not is_solved(wrong[0], 1.0)
+    line = stalled_on(wrong)
+    assert "the policy answers every prompt alike (collapse)" in line
+    assert "Keys that help: [buffer] temperature" in line and "solved" not in line
+    # some solved, some wrong: flat groups, told apart, with the keys
+    mixed = [replies(f"m{i}", [[i], [i + 1]], [1.0, 1.0]) for i in range(3)]
+    mixed += [replies(f"n{i}", [[i], [i + 1]], [0.0, 0.0]) for i in range(5)]
+    line = stalled_on(mixed)
+    assert "100% of groups flat" in line
+    assert "(3 of them solved, every reply right; the other 5, every reply wrong or alike)" in line
+    assert "Keys that help" in line
+
+
+def test_what_becomes_of_solved_prompts_and_of_a_solved_training_set() -> None:
+    assert "do not retire" not in retirement_note(0, 6, True, "continue")
+    assert "when all are, the run goes on drawing them" in retirement_note(0, 6, True, "continue")
+    assert "does not retire solved prompts" in retirement_note(0, 6, False, "stop")
+    assert all_solved_line(6, 0.9, 2, "stop") == (
+        "the whole training set is solved: every one of its 6 prompts is retired (pass rate "
+        '>= 0.9 over at least 2 groups); stopping the run ([buffer] on_solved = "stop"; '
+        '"continue" goes on drawing them). A harder or larger training set is what would '
+        "teach it more"
+    )
+    assert "drawing them anyway" in all_solved_line(6, 0.9, 2, "continue")
 
 
 # ── refill ──

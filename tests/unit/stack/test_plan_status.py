@@ -100,7 +100,7 @@ def test_summary_and_status_line() -> None:
     line = render_line(now, before)
     assert "step 12" in line and "samples/s 5.0" in line and "trainer idle 25%" in line
     assert "engine-0=v12 engine-1=v11" in line
-    assert "acc -" in line  # never evaluated
+    assert "acc none yet" in line  # never evaluated (and never "acc 0.000")
     assert "mismatch - |" in line  # never measured
 
 

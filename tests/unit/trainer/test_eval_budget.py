@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.trainer.evalbudget import MIN_ALONE, WINDOW, EvalBudget
-from services.trainer.evaluating import Evaluations
+from services.trainer.evaluating import Due, Evaluations
 from services.trainer.heldout import HeldOut
 from services.trainer.metrics import Recorder
 from services.trainer.settings import TrainerSettings
@@ -194,3 +194,53 @@ def test_an_evaluation_beside_every_step_defers_until_the_loop_is_seen_alone() -
     run(b, t, [40] * (MIN_ALONE + 1))
     assert b.typical_s == 40 and b.cost_s == pytest.approx(60.0) and b.defers(10)
     assert b.rl_s == pytest.approx(460.0)
+
+
+def test_the_console_is_told_once_per_kind_why_an_evaluation_did_not_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first deferral and the first skip each warn (what the console shows) in a user's
+    words with the keys that help; later ones are logged at INFO and counted only."""
+    s = TrainerSettings(
+        run="told", task={"source": {"type": "arithmetic"}}, metrics_file=tmp_path / "m.jsonl"
+    )
+    registry = CollectorRegistry()
+    recorder = Recorder(registry, s)
+    evals = Evaluations(HeldOut(s), recorder, tmp_path / "ckpt", lambda: 20, one_evaluation())
+    caplog.set_level(logging.INFO, logger="services.trainer.evaluating")
+
+    async def due() -> None:
+        for step in (10, 15):
+            await evals.submit(step, tmp_path / f"v{step:06d}", 89.0)
+
+    asyncio.run(due())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "trainer: held-out evaluation of v10 not run (deferred): the evaluations have slowed "
+        "the training by 9 s of 89 s (10.1%), more than [trainer] eval_max_share (5%) allows. "
+        "Later due versions are tried again; the status line counts those not run. For more "
+        "evaluations: raise [trainer] eval_max_share (1.0: never defer) or make one cheaper "
+        "([task.eval] size, k, max_new_tokens)"
+    ]
+    assert "held-out evaluation of v15 deferred" in caplog.text  # logged, not warned again
+    assert registry.get_sample_value("flywheel_trainer_evals_deferred_total") == 2
+    # a skip: one warning of its own kind, then INFO only
+    for step, newer in ((20, 25), (25, 30)):
+        evals._skip(Due(step, tmp_path / "gone", 0.0, owned=False), newer=newer)
+    recorder.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and warned[1].startswith(
+        "trainer: held-out evaluation of v20 not run (skipped): v25 fell due while an "
+        "evaluation was still running"
+    )
+    assert "raise eval_every" in warned[1]
+
+
+def test_an_unknown_cost_is_explained_as_such() -> None:
+    b = EvalBudget(0.05)
+    b.started(5)
+    run(b, 0.0, [0.0] + [60] * MIN_ALONE)
+    assert b.explain().startswith(
+        f"an evaluation was running beside every step so far ({MIN_ALONE} steps, 180 s), so "
+        "what evaluations cost the training cannot be measured yet"
+    )
