@@ -461,6 +461,16 @@ def mounts(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
     return args, list(dict.fromkeys(entries))
 
 
+def python() -> str:
+    """The interpreter as the sandbox can reach it: its directory resolved (a virtualenv
+    reached through a symlink, `.venv -> /elsewhere/.venv`, is bound at its real path
+    only), its own name kept (a virtualenv's python is a symlink whose name says where
+    its prefix is)."""
+    return os.path.join(
+        os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable)
+    )
+
+
 def boot(entries: list[str]) -> list[str]:
     """The Python command line of a child: isolated mode (no environment variables, no
     working directory on sys.path), then the entries its modules were found under."""
@@ -468,7 +478,7 @@ def boot(entries: list[str]) -> list[str]:
         f"import sys; sys.path[1:1] = {entries!r}; "
         "from services.tasks.sandbox import _child_main; _child_main(sys.argv[1:])"
     )
-    return [sys.executable, "-I", "-c", code]
+    return [python(), "-I", "-c", code]
 
 
 def _seccomp_fd() -> int:
@@ -520,7 +530,7 @@ def probe() -> str | None:
     if shutil.which("bwrap") is None:
         return "bwrap is not installed"
     try:
-        argv, fd = bwrap_argv([], (), Limits(), [sys.executable, "-I", "-c", "pass"])
+        argv, fd = bwrap_argv([], (), Limits(), [python(), "-I", "-c", "pass"])
     except (seccomp.UnsupportedArch, OSError) as e:
         return f"{type(e).__name__}: {e}"
     try:
