@@ -16,8 +16,8 @@ open. What a child gets:
   top-level packages of the code it runs (Flywheel's, the user's reward and
   tool modules): no /proc, no /data, no working directory, no repository;
 - one writable place, a private /tmp (a size-limited tmpfs), wiped after
-  every call, and dropped whole with the child when it cannot be
-  (sandbox.py);
+  every call, its own metadata (mode, extended attributes, times) put back,
+  and dropped whole with the child when it cannot be (sandbox.py);
 - an empty environment, plus fixed harmless values and what a tool declares;
 - a uid of its own with no capabilities and no_new_privs, and RLIMIT_AS /
   NPROC / FSIZE / NOFILE (and RLIMIT_CPU per call, set by the child);

@@ -37,10 +37,15 @@ never runs, nor even reads, a call. A call sees nothing of any other:
 - after each call the zygote, the subreaper of everything the call started
   (orphans and CLONE_PARENT children come to it), kills and reaps every
   process of it, removes the SysV IPC objects of its IPC namespace, and
-  empties /tmp (a flattening wipe that no depth or lock defeats); a slot
-  whose state is in doubt — a call that crashed, left processes behind or
-  left /tmp too full or locked to empty — is replaced, and with it goes its
-  whole /tmp (a tmpfs of its mount namespace);
+  empties /tmp (a flattening wipe that no depth or lock defeats), then puts
+  back /tmp's own metadata (its mode first, so a `chmod 0` cannot make it
+  unwipable; its extended attributes and ACLs; its owner is checked), and
+  sets its times to now just before the next call: under a non-root service
+  the calls share the uid that owns /tmp, and could otherwise leave a mark
+  on /tmp itself for the next one to read. A slot whose state is in doubt — a
+  call that crashed, left processes behind, left /tmp too full or locked to
+  empty, or changed /tmp in a way that could not be put back — is replaced,
+  and with it goes its whole /tmp (a tmpfs of its mount namespace);
 - every request carries a fresh random id that its answers echo; a frame
   that does not (a desynchronised stream) kills and replaces the child, and
   so does a call its caller cancelled (its answer would be the next call's).
@@ -69,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import importlib
 import logging
@@ -76,6 +82,7 @@ import math
 import os
 import secrets
 import signal
+import stat
 import struct
 import sys
 import time
@@ -456,6 +463,90 @@ def _keep(root: str) -> set[str]:
     return keep
 
 
+@dataclass(frozen=True)
+class _Meta:
+    """What a call could change of a directory it may write to but not remove (the temp
+    dir itself, and the kept directories on its filesystem that lead to binds below
+    it): its mode, owner and extended attributes, as they were before any call."""
+
+    mode: int
+    uid: int
+    gid: int
+    xattrs: tuple[tuple[str, bytes], ...]
+
+
+def _xattrs(path: str) -> tuple[tuple[str, bytes], ...]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return ()  # a filesystem without them: nothing to plant
+        raise
+    return tuple(sorted((n, os.getxattr(path, n, follow_symlinks=False)) for n in names))
+
+
+def _meta(path: str) -> _Meta:
+    st = os.lstat(path)
+    return _Meta(stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, _xattrs(path))
+
+
+def _own_dirs(root: str, keep: set[str]) -> dict[str, _Meta]:
+    """The temp dir and its kept directories on the same filesystem, parents first, with
+    their metadata before any call (`_restore` puts it back after each)."""
+    dev = os.stat(root).st_dev
+    own = (p for p in keep if stat.S_ISDIR((st := os.lstat(p)).st_mode) and st.st_dev == dev)
+    dirs = [root, *sorted(own)]
+    return {p: _meta(p) for p in dirs}
+
+
+def _chmod(path: str, mode: int) -> None:
+    """`path`'s mode set to `mode` if it is a directory with another (Linux has no chmod of
+    a symlink itself: one a call put in a directory's place is left to the wipe)."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+def _reopen(dirs: dict[str, _Meta]) -> None:
+    """Before the wipe: each directory's mode as it was, so that a call that made /tmp
+    unreadable (chmod 0) cannot make it unwipable. A directory whose mode this process
+    cannot set (not its owner) is one the call could not change either."""
+    for path, meta in dirs.items():
+        with contextlib.suppress(OSError):
+            _chmod(path, meta.mode)
+
+
+def _restore(dirs: dict[str, _Meta]) -> str | None:
+    """After the wipe: each directory's extended attributes and mode as they were, checked
+    (owner included: no call can change it, and if one did the slot goes). None, or
+    what could not be put back: the slot is then replaced and its /tmp with it."""
+    for path, meta in dirs.items():
+        try:
+            before = dict(meta.xattrs)
+            now = dict(_xattrs(path))
+            for name in now.keys() - before.keys():
+                os.removexattr(path, name, follow_symlinks=False)
+            for name, value in before.items():
+                if now.get(name) != value:
+                    os.setxattr(path, name, value, follow_symlinks=False)
+            _chmod(path, meta.mode)
+            if _meta(path) != meta:
+                return f"{path} is not as it was: {_meta(path)} (was {meta})"
+        except OSError as e:
+            return f"cannot restore {path}: {e}"
+    return None
+
+
+def _touch(dirs: dict[str, _Meta]) -> None:
+    """Just before a call: each directory's times set to now. What an earlier call did to
+    them (an mtime it chose, the moment it wrote a file, the wipe after it) is then gone:
+    a call reads only the time it started, which it knows anyway. A directory this
+    process may not touch (not writable by it) is one no call could change."""
+    for path in dirs:
+        with contextlib.suppress(PermissionError):
+            os.utime(path, follow_symlinks=False)
+
+
 WIPE_BUDGET = 20_000  # entries a call may leave in /tmp before its slot is replaced instead
 
 
@@ -465,12 +556,10 @@ def _wipe(root: str, keep: set[str]) -> bool:
     up to `root` before it is emptied, so nothing is ever more than one level deep. False
     when it could not (or there was more than WIPE_BUDGET): the slot is then replaced and
     its /tmp goes with its mount namespace."""
-    import stat
-
-    todo = [p for p in _unkept(root, keep)]
     seen = 0
     token = f"{os.getpid()}-{time.monotonic_ns()}"
     try:
+        todo = _unkept(root, keep)
         while todo:
             seen += 1
             if seen > WIPE_BUDGET:
@@ -497,9 +586,9 @@ def _wipe(root: str, keep: set[str]) -> bool:
                     todo.append(flat)
                 else:
                     os.unlink(path)
+        return not _unkept(root, keep)
     except OSError:
         return False
-    return not _unkept(root, keep)
 
 
 def _unkept(path: str, keep: set[str]) -> list[str]:
@@ -515,12 +604,16 @@ def _unkept(path: str, keep: set[str]) -> list[str]:
     return out
 
 
-def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str | None:
+def _call(
+    rid: int, first: int, k: int, opts: _Options, keep: set[str], dirs: dict[str, _Meta]
+) -> str | None:
     """Run requests first..first+k-1 of call `rid` in a new process, relay its answer, then
-    kill and reap all it started, clear IPC and /tmp. Why this slot is in doubt, or None."""
+    kill and reap all it started, clear IPC and /tmp (its entries and its own metadata).
+    Why this slot is in doubt, or None."""
     # The zygote's objects out of the collector's reach: a call's collections then never
     # write to (and copy) the pages of the warm imports it inherits.
     gc.freeze()
+    _touch(dirs)
     r, w = os.pipe()
     try:
         pid = _fork()
@@ -553,8 +646,11 @@ def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str |
         _clear_ipc()
     if not opts.pidns and opts.uid >= 0 and os.geteuid() != 0:
         _clear_dev_shm()  # plain processes share the host's /dev/shm: the uid's own files
+    _reopen(dirs)
     if not _wipe(os.getcwd(), keep):
         doubt = "a call left /tmp too full or locked to empty"
+    elif why := _restore(dirs):
+        doubt = f"a call changed /tmp's own metadata: {why}"
     return doubt
 
 
@@ -625,6 +721,7 @@ def _child_main(argv: Sequence[str]) -> None:
     for module in ZYGOTE_MODULES:
         importlib.import_module(module)
     keep = _keep(os.getcwd())  # the temp dir as it is before any call
+    dirs = _own_dirs(os.getcwd(), keep)  # and the metadata of its directories
     dropped = opts.uid < 0
     while True:
         try:
@@ -648,7 +745,7 @@ def _child_main(argv: Sequence[str]) -> None:
         doubts = []
         # Text readers (`_pure`) share one process: they never run a completion as code.
         for first, k in [(0, n)] if pure else [(i, 1) for i in range(n)]:
-            doubt = _call(rid, first, k, opts, keep)
+            doubt = _call(rid, first, k, opts, keep, dirs)
             if doubt:
                 doubts.append(doubt)
         _write_all(1, _frame(["done", rid, "; ".join(doubts) or None]))

@@ -865,6 +865,104 @@ def asyncio_still_runs(run: Run, h: Host, p: Pools, kind: str) -> None:
     assert out.number("ran") == 7, out
 
 
+# Run in a call: the metadata of every place a call might write (the sandbox's /tmp, the
+# directories kept in it, and places that must be read-only), and which are writable
+# (probed after the metadata is read: the probe's own file changes the times).
+PLACES = ["/", "/tmp", "/dev", "/dev/shm", "/usr", "/etc", "/var", "/var/tmp", "/run",
+          "/home", "/root", "/opt", str(REPO), str(REPO / "tests")]  # fmt: skip
+PLACES += [f"/tmp/{k}" for k in KEPT]
+METADATA = f"""
+import os, zlib
+PLACES = {PLACES!r}
+for i, path in enumerate(PLACES):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        print(f"exists_{{i}}=0")
+        continue
+    try:
+        xattrs = sorted((n, os.getxattr(path, n)) for n in os.listxattr(path))
+    except OSError as e:
+        xattrs = [("error", str(e.errno).encode())]
+    meta = (st.st_mode, st.st_uid, st.st_gid, xattrs)
+    print(f"exists_{{i}}=1 meta_{{i}}={{zlib.crc32(repr(meta).encode())}}")
+    for t in ("mtime", "ctime", "atime"):
+        print(f"{{t}}_{{i}}={{getattr(st, f'st_{{t}}_ns') // 1_000_000}}")
+    entries = len(os.listdir(path)) if os.access(path, os.R_OK | os.X_OK) else -1
+    print(f"entries_{{i}}={{entries}}")
+for i, path in enumerate(PLACES):
+    try:
+        with open(os.path.join(path, ".probe"), "w") as f:
+            f.write("x")
+        print(f"writable_{{i}}=1")
+    except OSError:
+        print(f"writable_{{i}}=0")
+"""
+
+
+def plant(chmod: bool) -> str:
+    """Run in a call: change what it can of each place's own metadata (an extended
+    attribute, its times, a file in it, and last, with `chmod`, its mode to 0)."""
+    return f"""
+import os, struct
+PLACES = {PLACES!r}
+NONE = 0xFFFFFFFF  # an ACL entry without an id
+ACL = struct.pack("<I", 2) + b"".join(  # user:<this uid>:rwx, an ACL the owner may set
+    struct.pack("<HHI", *e)
+    for e in [(1, 7, NONE), (2, 7, os.getuid()), (4, 5, NONE), (0x10, 7, NONE), (0x20, 5, NONE)]
+)
+for i, path in enumerate(PLACES):
+    done = 0
+    for step in (
+        lambda: os.setxattr(path, "user.fw", b"planted"),
+        lambda: os.setxattr(path, "system.posix_acl_access", ACL),
+        lambda: os.utime(path, (1234567, 1234567)),
+        lambda: open(os.path.join(path, "plant"), "w").write("left"),
+        lambda: os.chown(path, -1, os.getgid()),
+    ):
+        try:
+            step()
+            done += 1
+        except OSError:
+            pass
+    print(f"done_{{i}}={{done}}")
+if {chmod!r}:
+    for i, path in enumerate(PLACES):
+        try:
+            os.chmod(path, 0)
+            print(f"chmod_{{i}}=1")
+        except OSError:
+            print(f"chmod_{{i}}=0")
+print("planted=1")
+"""
+
+
+def tmp_metadata(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """What a call can change of /tmp itself (and of any other place it can write), not
+    only of what is in it: an extended attribute, an ACL, its times, the moment it
+    wrote a file there, its mode (0: unreadable, which must not make it unwipable),
+    its owner. The next call finds each place as the one before found it, with times
+    no older than its own start, and every call is answered."""
+    before = run(METADATA)
+    for chmod in (False, True):
+        planted = run(plant(chmod))
+        assert planted.error is None and planted.number("planted") == 1, planted
+        assert planted.number(f"done_{PLACES.index('/tmp')}") >= 1, planted  # a file at least
+        time.sleep(0.2)  # the host's clock moves on: times older than `started` are carried
+        started = time.time()
+        after = run(METADATA)
+        assert after.error is None, after
+        for i, place in enumerate(PLACES):
+            if not before.number(f"exists_{i}"):
+                continue
+            assert after.number(f"meta_{i}") == before.number(f"meta_{i}"), (place, after)
+            assert after.number(f"entries_{i}") == before.number(f"entries_{i}"), (place, after)
+            if after.number(f"writable_{i}"):
+                assert place == "/tmp" or place.startswith("/tmp/"), (place, after)
+                for t in ("mtime", "ctime", "atime"):
+                    assert after.number(f"{t}_{i}") >= (started - 0.01) * 1000, (place, t, after)
+
+
 CASES = [
     unprivileged,
     fork_exec_shell,
@@ -894,6 +992,7 @@ CASES = [
     zombies,
     sockets_in_bound_folders,
     asyncio_still_runs,
+    tmp_metadata,
 ]
 
 
