@@ -417,37 +417,78 @@ _IPC = (  # (ctl, *_INFO, *_STAT_ANY) of SysV shared memory, message queues, sem
 )
 
 
-def _clear_ipc() -> int:
-    """Remove every SysV IPC object of this slot's IPC namespace (what a call made would
-    outlive it: the next call could read it). How many there were."""
+def _ipc_table() -> list[tuple[Callable[[int, int, Any], int], int, int]]:
+    """(ctl(ident, cmd, arg), *_INFO, *_STAT_ANY) of each kind of SysV IPC object."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(1024)
-    removed = 0
+    out = []
     for name, info, stat_any in _IPC:
         ctl = getattr(libc, name)
 
         def call(ident: int, cmd: int, arg: Any, ctl: Any = ctl, name: str = name) -> int:
             return int(ctl(ident, 0, cmd, arg) if name == "semctl" else ctl(ident, cmd, arg))
 
-        top = call(0, info, buf)
-        for index in range(top + 1):
-            ident = call(index, stat_any, buf)
-            if ident >= 0 and call(ident, 0, None) == 0:  # IPC_RMID
-                removed += 1
-    return removed
+        out.append((call, info, stat_any))
+    return out
 
 
-def _clear_dev_shm() -> None:
-    """Plain processes with a uid of their own: remove the POSIX shared memory (and named
-    semaphores) that uid made in the host's /dev/shm."""
+def _ipc_objects() -> set[tuple[int, int]]:
+    """(kind, id) of every SysV IPC object this uid made that this IPC namespace holds."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(1024)
     uid = os.geteuid()
+    out: set[tuple[int, int]] = set()
+    for kind, (call, info, stat_any) in enumerate(_ipc_table()):
+        for index in range(call(0, info, buf) + 1):
+            ident = call(index, stat_any, buf)
+            # struct ipc_perm opens every *id_ds: key, uid, gid, cuid (its creator), cgid
+            if ident >= 0 and struct.unpack_from("=iIII", buf.raw)[3] == uid:
+                out.add((kind, ident))
+    return out
+
+
+def _clear_ipc(before: set[tuple[int, int]] | None = None) -> int:
+    """Remove the SysV IPC objects a call made (they would outlive it: the next call could
+    read them): every one of this slot's IPC namespace (`before` None), or, where the
+    namespace is the host's, those this uid made that were not there `before` the call.
+    How many there were."""
+    table = _ipc_table()
+    if before is None:
+        import ctypes
+
+        buf = ctypes.create_string_buffer(1024)
+        found = {
+            (kind, ident)
+            for kind, (call, info, stat_any) in enumerate(table)
+            for index in range(call(0, info, buf) + 1)
+            if (ident := call(index, stat_any, buf)) >= 0
+        }
+    else:
+        found = _ipc_objects() - before
+    return sum(table[kind][0](ident, 0, None) == 0 for kind, ident in found)  # IPC_RMID
+
+
+def _dev_shm() -> set[str]:
+    """The entries of the host's /dev/shm this uid owns."""
+    uid = os.geteuid()
+    out: set[str] = set()
     with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
         for e in entries:
             with contextlib.suppress(OSError):
                 if e.stat(follow_symlinks=False).st_uid == uid:
-                    os.unlink(e.path)
+                    out.add(e.path)
+    return out
+
+
+def _clear_dev_shm(before: set[str] | None = None) -> None:
+    """Plain processes share the host's /dev/shm: remove the POSIX shared memory (and named
+    semaphores) this uid made there: all of them where the uid is the slot's own
+    (`before` None), else those that appeared during the call."""
+    for path in _dev_shm() - (before or set()):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _keep(root: str) -> set[str]:
@@ -613,6 +654,9 @@ def _call(
     # The zygote's objects out of the collector's reach: a call's collections then never
     # write to (and copy) the pages of the warm imports it inherits.
     gc.freeze()
+    shared_ipc = not opts.pidns and not (opts.uid >= 0 and os.geteuid() != 0)
+    before = _ipc_objects() if shared_ipc else set()
+    shm_before = _dev_shm() if shared_ipc else set()
     _touch(dirs)
     r, w = os.pipe()
     try:
@@ -642,10 +686,12 @@ def _call(
         doubt = "a call crashed"
     if left:
         doubt = f"a call left {left} processes"
-    if opts.pidns or (opts.uid >= 0 and os.geteuid() != 0):  # IPC namespace, or uid, its own
+    if not shared_ipc:  # an IPC namespace, or a uid, of the slot's own: all of it goes
         _clear_ipc()
-    if not opts.pidns and opts.uid >= 0 and os.geteuid() != 0:
-        _clear_dev_shm()  # plain processes share the host's /dev/shm: the uid's own files
+    else:  # the service's uid in the host's namespace: what appeared during the call
+        _clear_ipc(before)
+    if not opts.pidns:  # plain processes share the host's /dev/shm: the call's own files
+        _clear_dev_shm(shm_before if shared_ipc else None)
     _reopen(dirs)
     if not _wipe(os.getcwd(), keep):
         doubt = "a call left /tmp too full or locked to empty"
