@@ -274,8 +274,9 @@ def memory_mode() -> str:
         return cg.describe()
     return (
         "per process (no cgroup is delegated to this process): RLIMIT_AS (memory_mb) per "
-        "process, RLIMIT_NPROC (processes) per child, /tmp of tmp_mb, SysV IPC removed "
-        "after each call; a call's processes together may use up to processes x memory_mb"
+        "process, RLIMIT_NPROC (processes) per child, /tmp of tmp_mb, memfds and SysV IPC "
+        "refused in bubblewrap; a call's processes together may use up to processes x "
+        "memory_mb + tmp_mb"
     )
 
 
