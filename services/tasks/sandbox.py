@@ -422,7 +422,7 @@ def _ipc_table() -> list[tuple[Callable[[int, int, Any], int], int, int]]:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    out = []
+    out: list[tuple[Callable[[int, int, Any], int], int, int]] = []
     for name, info, stat_any in _IPC:
         ctl = getattr(libc, name)
 
