@@ -42,14 +42,25 @@ POD_UID = 10001  # runAsUser of deploy/k8s/base/rollout.yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def require_sandbox() -> None:
-    reason = probe()
+def require_sandbox(reason: str | None = None, where: str = "this host") -> None:
+    """Skip (fail in CI) unless `where` can give a sandbox: `reason` is why it cannot
+    (default: this process's own `jail.probe`)."""
+    reason = reason if where != "this host" else probe()
     if reason is None:
         return
     strict = os.environ.get("FLYWHEEL_SANDBOX_TESTS") == "required"
     if strict or os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        pytest.fail(f"the sandbox is unavailable on this CI host: {reason}")
-    pytest.skip(f"no sandbox on this host ({reason}); apt-get install bubblewrap")
+        pytest.fail(f"the sandbox is unavailable on this CI host ({where}): {reason}")
+    pytest.skip(f"no sandbox for {where} ({reason}); apt-get install bubblewrap")
+
+
+def require_pod_sandbox() -> None:
+    """`require_sandbox` for the pod's uid: its bubblewrap needs unprivileged user
+    namespaces, which some hosts refuse (deploy/k8s/README.md says what nodes must
+    allow)."""
+    require_root()
+    walls = PodServer.check().partition("walls:")[2].splitlines()[0].strip()
+    require_sandbox(None if walls == "bubblewrap" else walls, f"uid {POD_UID}")
 
 
 def _closed(path: Path) -> Path | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.sandbox import require_root
+from tests.harness.sandbox import require_pod_sandbox
 from tests.integration.sandbox.test_escapes import (  # noqa: F401 -- collected here too
     host,
     pools,
@@ -25,5 +25,5 @@ from tests.integration.sandbox.test_escapes import (  # noqa: F401 -- collected 
 
 @pytest.fixture(scope="module")
 def mode() -> str:
-    require_root()
+    require_pod_sandbox()
     return "pod"
