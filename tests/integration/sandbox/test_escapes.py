@@ -957,9 +957,10 @@ def tmp_metadata(run: Run, h: Host, p: Pools, kind: str) -> None:
             if not before.number(f"exists_{i}"):
                 continue
             assert after.number(f"meta_{i}") == before.number(f"meta_{i}"), (place, after)
-            assert after.number(f"entries_{i}") == before.number(f"entries_{i}"), (place, after)
             if after.number(f"writable_{i}"):
                 assert place == "/tmp" or place.startswith("/tmp/"), (place, after)
+                # (only here: the host's own places, the repository, change under other tests)
+                assert after.number(f"entries_{i}") == before.number(f"entries_{i}"), after
                 for t in ("mtime", "ctime", "atime"):
                     assert after.number(f"{t}_{i}") >= (started - 0.01) * 1000, (place, t, after)
 
