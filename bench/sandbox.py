@@ -63,7 +63,7 @@ def zygote_pid(pool: VerifierPool) -> int:
         kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
         todo += [int(k) for k in kids]
         found += [int(k) for k in kids]
-    exe = sys.executable.encode()
+    exe = jail.python().encode()  # as the child was started: the venv's directory resolved
     return next(
         p for p in [root, *found] if Path(f"/proc/{p}/cmdline").read_bytes().startswith(exe)
     )

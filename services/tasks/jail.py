@@ -16,8 +16,8 @@ open. What a child gets:
   top-level packages of the code it runs (Flywheel's, the user's reward and
   tool modules): no /proc, no /data, no working directory, no repository;
 - one writable place, a private /tmp (a size-limited tmpfs), wiped after
-  every call, and dropped whole with the child when it cannot be
-  (sandbox.py);
+  every call, its own metadata (mode, extended attributes, times) put back,
+  and dropped whole with the child when it cannot be (sandbox.py);
 - an empty environment, plus fixed harmless values and what a tool declares;
 - a uid of its own with no capabilities and no_new_privs, and RLIMIT_AS /
   NPROC / FSIZE / NOFILE (and RLIMIT_CPU per call, set by the child);
@@ -274,8 +274,9 @@ def memory_mode() -> str:
         return cg.describe()
     return (
         "per process (no cgroup is delegated to this process): RLIMIT_AS (memory_mb) per "
-        "process, RLIMIT_NPROC (processes) per child, /tmp of tmp_mb, SysV IPC removed "
-        "after each call; a call's processes together may use up to processes x memory_mb"
+        "process, RLIMIT_NPROC (processes) per child, /tmp of tmp_mb, memfds and SysV IPC "
+        "refused in bubblewrap; a call's processes together may use up to processes x "
+        "memory_mb + tmp_mb"
     )
 
 
@@ -461,6 +462,16 @@ def mounts(modules: tuple[str, ...]) -> tuple[list[str], list[str]]:
     return args, list(dict.fromkeys(entries))
 
 
+def python() -> str:
+    """The interpreter as the sandbox can reach it: its directory resolved (a virtualenv
+    reached through a symlink, `.venv -> /elsewhere/.venv`, is bound at its real path
+    only), its own name kept (a virtualenv's python is a symlink whose name says where
+    its prefix is)."""
+    return os.path.join(
+        os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable)
+    )
+
+
 def boot(entries: list[str]) -> list[str]:
     """The Python command line of a child: isolated mode (no environment variables, no
     working directory on sys.path), then the entries its modules were found under."""
@@ -468,7 +479,7 @@ def boot(entries: list[str]) -> list[str]:
         f"import sys; sys.path[1:1] = {entries!r}; "
         "from services.tasks.sandbox import _child_main; _child_main(sys.argv[1:])"
     )
-    return [sys.executable, "-I", "-c", code]
+    return [python(), "-I", "-c", code]
 
 
 def _seccomp_fd() -> int:
@@ -520,7 +531,7 @@ def probe() -> str | None:
     if shutil.which("bwrap") is None:
         return "bwrap is not installed"
     try:
-        argv, fd = bwrap_argv([], (), Limits(), [sys.executable, "-I", "-c", "pass"])
+        argv, fd = bwrap_argv([], (), Limits(), [python(), "-I", "-c", "pass"])
     except (seccomp.UnsupportedArch, OSError) as e:
         return f"{type(e).__name__}: {e}"
     try:

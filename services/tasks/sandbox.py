@@ -37,10 +37,15 @@ never runs, nor even reads, a call. A call sees nothing of any other:
 - after each call the zygote, the subreaper of everything the call started
   (orphans and CLONE_PARENT children come to it), kills and reaps every
   process of it, removes the SysV IPC objects of its IPC namespace, and
-  empties /tmp (a flattening wipe that no depth or lock defeats); a slot
-  whose state is in doubt — a call that crashed, left processes behind or
-  left /tmp too full or locked to empty — is replaced, and with it goes its
-  whole /tmp (a tmpfs of its mount namespace);
+  empties /tmp (a flattening wipe that no depth or lock defeats), then puts
+  back /tmp's own metadata (its mode first, so a `chmod 0` cannot make it
+  unwipable; its extended attributes and ACLs; its owner is checked), and
+  sets its times to now just before the next call: under a non-root service
+  the calls share the uid that owns /tmp, and could otherwise leave a mark
+  on /tmp itself for the next one to read. A slot whose state is in doubt — a
+  call that crashed, left processes behind, left /tmp too full or locked to
+  empty, or changed /tmp in a way that could not be put back — is replaced,
+  and with it goes its whole /tmp (a tmpfs of its mount namespace);
 - every request carries a fresh random id that its answers echo; a frame
   that does not (a desynchronised stream) kills and replaces the child, and
   so does a call its caller cancelled (its answer would be the next call's).
@@ -69,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import importlib
 import logging
@@ -76,6 +82,7 @@ import math
 import os
 import secrets
 import signal
+import stat
 import struct
 import sys
 import time
@@ -410,37 +417,78 @@ _IPC = (  # (ctl, *_INFO, *_STAT_ANY) of SysV shared memory, message queues, sem
 )
 
 
-def _clear_ipc() -> int:
-    """Remove every SysV IPC object of this slot's IPC namespace (what a call made would
-    outlive it: the next call could read it). How many there were."""
+def _ipc_table() -> list[tuple[Callable[[int, int, Any], int], int, int]]:
+    """(ctl(ident, cmd, arg), *_INFO, *_STAT_ANY) of each kind of SysV IPC object."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(1024)
-    removed = 0
+    out: list[tuple[Callable[[int, int, Any], int], int, int]] = []
     for name, info, stat_any in _IPC:
         ctl = getattr(libc, name)
 
         def call(ident: int, cmd: int, arg: Any, ctl: Any = ctl, name: str = name) -> int:
             return int(ctl(ident, 0, cmd, arg) if name == "semctl" else ctl(ident, cmd, arg))
 
-        top = call(0, info, buf)
-        for index in range(top + 1):
-            ident = call(index, stat_any, buf)
-            if ident >= 0 and call(ident, 0, None) == 0:  # IPC_RMID
-                removed += 1
-    return removed
+        out.append((call, info, stat_any))
+    return out
 
 
-def _clear_dev_shm() -> None:
-    """Plain processes with a uid of their own: remove the POSIX shared memory (and named
-    semaphores) that uid made in the host's /dev/shm."""
+def _ipc_objects() -> set[tuple[int, int]]:
+    """(kind, id) of every SysV IPC object this uid made that this IPC namespace holds."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(1024)
     uid = os.geteuid()
+    out: set[tuple[int, int]] = set()
+    for kind, (call, info, stat_any) in enumerate(_ipc_table()):
+        for index in range(call(0, info, buf) + 1):
+            ident = call(index, stat_any, buf)
+            # struct ipc_perm opens every *id_ds: key, uid, gid, cuid (its creator), cgid
+            if ident >= 0 and struct.unpack_from("=iIII", buf.raw)[3] == uid:
+                out.add((kind, ident))
+    return out
+
+
+def _clear_ipc(before: set[tuple[int, int]] | None = None) -> int:
+    """Remove the SysV IPC objects a call made (they would outlive it: the next call could
+    read them): every one of this slot's IPC namespace (`before` None), or, where the
+    namespace is the host's, those this uid made that were not there `before` the call.
+    How many there were."""
+    table = _ipc_table()
+    if before is None:
+        import ctypes
+
+        buf = ctypes.create_string_buffer(1024)
+        found = {
+            (kind, ident)
+            for kind, (call, info, stat_any) in enumerate(table)
+            for index in range(call(0, info, buf) + 1)
+            if (ident := call(index, stat_any, buf)) >= 0
+        }
+    else:
+        found = _ipc_objects() - before
+    return sum(table[kind][0](ident, 0, None) == 0 for kind, ident in found)  # IPC_RMID
+
+
+def _dev_shm() -> set[str]:
+    """The entries of the host's /dev/shm this uid owns."""
+    uid = os.geteuid()
+    out: set[str] = set()
     with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
         for e in entries:
             with contextlib.suppress(OSError):
                 if e.stat(follow_symlinks=False).st_uid == uid:
-                    os.unlink(e.path)
+                    out.add(e.path)
+    return out
+
+
+def _clear_dev_shm(before: set[str] | None = None) -> None:
+    """Plain processes share the host's /dev/shm: remove the POSIX shared memory (and named
+    semaphores) this uid made there: all of them where the uid is the slot's own
+    (`before` None), else those that appeared during the call."""
+    for path in _dev_shm() - (before or set()):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _keep(root: str) -> set[str]:
@@ -456,6 +504,90 @@ def _keep(root: str) -> set[str]:
     return keep
 
 
+@dataclass(frozen=True)
+class _Meta:
+    """What a call could change of a directory it may write to but not remove (the temp
+    dir itself, and the kept directories on its filesystem that lead to binds below
+    it): its mode, owner and extended attributes, as they were before any call."""
+
+    mode: int
+    uid: int
+    gid: int
+    xattrs: tuple[tuple[str, bytes], ...]
+
+
+def _xattrs(path: str) -> tuple[tuple[str, bytes], ...]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return ()  # a filesystem without them: nothing to plant
+        raise
+    return tuple(sorted((n, os.getxattr(path, n, follow_symlinks=False)) for n in names))
+
+
+def _meta(path: str) -> _Meta:
+    st = os.lstat(path)
+    return _Meta(stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, _xattrs(path))
+
+
+def _own_dirs(root: str, keep: set[str]) -> dict[str, _Meta]:
+    """The temp dir and its kept directories on the same filesystem, parents first, with
+    their metadata before any call (`_restore` puts it back after each)."""
+    dev = os.stat(root).st_dev
+    own = (p for p in keep if stat.S_ISDIR((st := os.lstat(p)).st_mode) and st.st_dev == dev)
+    dirs = [root, *sorted(own)]
+    return {p: _meta(p) for p in dirs}
+
+
+def _chmod(path: str, mode: int) -> None:
+    """`path`'s mode set to `mode` if it is a directory with another (Linux has no chmod of
+    a symlink itself: one a call put in a directory's place is left to the wipe)."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+def _reopen(dirs: dict[str, _Meta]) -> None:
+    """Before the wipe: each directory's mode as it was, so that a call that made /tmp
+    unreadable (chmod 0) cannot make it unwipable. A directory whose mode this process
+    cannot set (not its owner) is one the call could not change either."""
+    for path, meta in dirs.items():
+        with contextlib.suppress(OSError):
+            _chmod(path, meta.mode)
+
+
+def _restore(dirs: dict[str, _Meta]) -> str | None:
+    """After the wipe: each directory's extended attributes and mode as they were, checked
+    (owner included: no call can change it, and if one did the slot goes). None, or
+    what could not be put back: the slot is then replaced and its /tmp with it."""
+    for path, meta in dirs.items():
+        try:
+            before = dict(meta.xattrs)
+            now = dict(_xattrs(path))
+            for name in now.keys() - before.keys():
+                os.removexattr(path, name, follow_symlinks=False)
+            for name, value in before.items():
+                if now.get(name) != value:
+                    os.setxattr(path, name, value, follow_symlinks=False)
+            _chmod(path, meta.mode)
+            if _meta(path) != meta:
+                return f"{path} is not as it was: {_meta(path)} (was {meta})"
+        except OSError as e:
+            return f"cannot restore {path}: {e}"
+    return None
+
+
+def _touch(dirs: dict[str, _Meta]) -> None:
+    """Just before a call: each directory's times set to now. What an earlier call did to
+    them (an mtime it chose, the moment it wrote a file, the wipe after it) is then gone:
+    a call reads only the time it started, which it knows anyway. A directory this
+    process may not touch (not writable by it) is one no call could change."""
+    for path in dirs:
+        with contextlib.suppress(PermissionError):
+            os.utime(path, follow_symlinks=False)
+
+
 WIPE_BUDGET = 20_000  # entries a call may leave in /tmp before its slot is replaced instead
 
 
@@ -465,12 +597,10 @@ def _wipe(root: str, keep: set[str]) -> bool:
     up to `root` before it is emptied, so nothing is ever more than one level deep. False
     when it could not (or there was more than WIPE_BUDGET): the slot is then replaced and
     its /tmp goes with its mount namespace."""
-    import stat
-
-    todo = [p for p in _unkept(root, keep)]
     seen = 0
     token = f"{os.getpid()}-{time.monotonic_ns()}"
     try:
+        todo = _unkept(root, keep)
         while todo:
             seen += 1
             if seen > WIPE_BUDGET:
@@ -497,9 +627,9 @@ def _wipe(root: str, keep: set[str]) -> bool:
                     todo.append(flat)
                 else:
                     os.unlink(path)
+        return not _unkept(root, keep)
     except OSError:
         return False
-    return not _unkept(root, keep)
 
 
 def _unkept(path: str, keep: set[str]) -> list[str]:
@@ -515,12 +645,19 @@ def _unkept(path: str, keep: set[str]) -> list[str]:
     return out
 
 
-def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str | None:
+def _call(
+    rid: int, first: int, k: int, opts: _Options, keep: set[str], dirs: dict[str, _Meta]
+) -> str | None:
     """Run requests first..first+k-1 of call `rid` in a new process, relay its answer, then
-    kill and reap all it started, clear IPC and /tmp. Why this slot is in doubt, or None."""
+    kill and reap all it started, clear IPC and /tmp (its entries and its own metadata).
+    Why this slot is in doubt, or None."""
     # The zygote's objects out of the collector's reach: a call's collections then never
     # write to (and copy) the pages of the warm imports it inherits.
     gc.freeze()
+    shared_ipc = not opts.pidns and not (opts.uid >= 0 and os.geteuid() != 0)
+    before = _ipc_objects() if shared_ipc else set()
+    shm_before = _dev_shm() if shared_ipc else set()
+    _touch(dirs)
     r, w = os.pipe()
     try:
         pid = _fork()
@@ -549,12 +686,17 @@ def _call(rid: int, first: int, k: int, opts: _Options, keep: set[str]) -> str |
         doubt = "a call crashed"
     if left:
         doubt = f"a call left {left} processes"
-    if opts.pidns or (opts.uid >= 0 and os.geteuid() != 0):  # IPC namespace, or uid, its own
+    if not shared_ipc:  # an IPC namespace, or a uid, of the slot's own: all of it goes
         _clear_ipc()
-    if not opts.pidns and opts.uid >= 0 and os.geteuid() != 0:
-        _clear_dev_shm()  # plain processes share the host's /dev/shm: the uid's own files
+    else:  # the service's uid in the host's namespace: what appeared during the call
+        _clear_ipc(before)
+    if not opts.pidns:  # plain processes share the host's /dev/shm: the call's own files
+        _clear_dev_shm(shm_before if shared_ipc else None)
+    _reopen(dirs)
     if not _wipe(os.getcwd(), keep):
         doubt = "a call left /tmp too full or locked to empty"
+    elif why := _restore(dirs):
+        doubt = f"a call changed /tmp's own metadata: {why}"
     return doubt
 
 
@@ -625,6 +767,7 @@ def _child_main(argv: Sequence[str]) -> None:
     for module in ZYGOTE_MODULES:
         importlib.import_module(module)
     keep = _keep(os.getcwd())  # the temp dir as it is before any call
+    dirs = _own_dirs(os.getcwd(), keep)  # and the metadata of its directories
     dropped = opts.uid < 0
     while True:
         try:
@@ -648,7 +791,7 @@ def _child_main(argv: Sequence[str]) -> None:
         doubts = []
         # Text readers (`_pure`) share one process: they never run a completion as code.
         for first, k in [(0, n)] if pure else [(i, 1) for i in range(n)]:
-            doubt = _call(rid, first, k, opts, keep)
+            doubt = _call(rid, first, k, opts, keep, dirs)
             if doubt:
                 doubts.append(doubt)
         _write_all(1, _frame(["done", rid, "; ".join(doubts) or None]))

@@ -11,7 +11,11 @@ escalations (`bpf`, `perf_event_open`, `userfaultfd`, `io_uring`, `keyctl`,
 module and kexec loading). Docker's and containerd's default profiles refuse
 the same list; ours adds POSIX message queues (`mq_open`: they live in the
 IPC namespace, which a slot's calls share, and none can be listed to remove
-them after a call; SysV objects can, and are: sandbox.py) and new unix-domain
+them after a call), memory no rlimit counts (`memfd_create`, `memfd_secret`
+and SysV shared memory, message queues and semaphores: a memfd written with
+write(2), a detached SysV segment or a queue full of messages holds pages
+that no process's RLIMIT_AS sees, so without a cgroup a call could hold as
+much as the host has; measured: bench/results_sandbox.md) and new unix-domain
 sockets (`socket(AF_UNIX)`: a
 read-only bind does not stop `connect()` to a socket file in a bound folder;
 `socketpair`, which asyncio's self-pipe uses, connects to nothing and
@@ -64,7 +68,7 @@ DENIED = (
     "perf_event_open userfaultfd io_uring_setup io_uring_enter io_uring_register keyctl "
     "add_key request_key init_module finit_module delete_module kexec_load kexec_file_load "
     "swapon swapoff reboot acct quotactl syslog vhangup name_to_handle_at open_by_handle_at "
-    "mq_open"
+    "mq_open memfd_create memfd_secret shmget msgget semget"
 ).split()
 
 
@@ -121,6 +125,11 @@ _X86_64 = Arch(
         "name_to_handle_at": 303,
         "open_by_handle_at": 304,
         "mq_open": 240,
+        "memfd_create": 319,
+        "memfd_secret": 447,
+        "shmget": 29,
+        "msgget": 68,
+        "semget": 64,
     },
     abi_mask=0x40000000,
 )
@@ -171,6 +180,11 @@ _AARCH64 = Arch(
         "name_to_handle_at": 264,
         "open_by_handle_at": 265,
         "mq_open": 180,
+        "memfd_create": 279,
+        "memfd_secret": 447,
+        "shmget": 194,
+        "msgget": 186,
+        "semget": 190,
     },
 )
 

@@ -8,6 +8,13 @@ sized one child each and started once for the module, after a secret was put
 into this process's environment (as the NATS password is in a service's).
 Where the host has no sandbox these tests skip saying why; in CI they fail
 (tests/harness/sandbox.py).
+
+The battery runs in both modes the product ships (`mode`): here, the pools
+start their children from this test process (root in CI: bubblewrap is
+privileged and each child gets a uid of its own); test_escapes_pod.py runs
+every case again with the children started by a `flywheel sandbox` server
+running as the pod's non-root uid (bubblewrap in a user namespace, the calls
+sharing the server's uid, no cgroup), as every Kubernetes pod runs them.
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import random
 import select
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,13 +36,14 @@ from typing import Any
 
 import pytest
 
+from services.tasks import jail
 from services.tasks.jail import UID_BASE, Limits, mounts
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
 from services.tasks.sandbox import ToolPool, VerifierPool
 from services.tasks.tools import CALL
 from tests.harness.poll import wait_for
-from tests.harness.sandbox import CONFINED, require_sandbox
+from tests.harness.sandbox import CONFINED, POD_UID, PodServer, require_sandbox
 
 REPO = Path(__file__).resolve().parents[3]
 REWARD = "tests.integration.sandbox.escape_fixtures:run_code"
@@ -83,20 +90,39 @@ class Outcome:
 
 
 class Pools:
-    """A tool pool and a verifier pool on an event loop of their own, for sync tests."""
+    """A tool pool and a verifier pool on an event loop of their own, for sync tests: their
+    children started by this process (`mode` "service") or by a sandbox server running
+    as the pod's uid ("pod")."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.server = PodServer() if mode == "pod" else None
+        remote = self.server.sock if self.server is not None else None
         self.loop = asyncio.new_event_loop()
-        self.tool = ToolPool(1, TIMEOUT_S, memory_mb=512, tools=[PY], sandbox=CONFINED)
-        self.verifier = VerifierPool(1, TIMEOUT_S, sandbox=CONFINED)
+        self.tool = ToolPool(
+            1, TIMEOUT_S, memory_mb=512, tools=[PY], sandbox=CONFINED, remote=remote
+        )
+        self.verifier = VerifierPool(1, TIMEOUT_S, sandbox=CONFINED, remote=remote)
         for pool in (self.tool, self.verifier):
             self.loop.run_until_complete(pool.start())
             assert pool.confined, "the pool fell back to plain processes"
+
+    @property
+    def remote(self) -> Path | None:
+        return self.server.sock if self.server is not None else None
+
+    def memory_mode(self) -> str:
+        """How a call's memory is bounded where this mode's children start."""
+        if self.server is None:
+            return jail.memory_mode()
+        return PodServer.check().partition("memory: ")[2].strip()
 
     def close(self) -> None:
         for pool in (self.tool, self.verifier):
             self.loop.run_until_complete(pool.close())
         self.loop.close()
+        if self.server is not None:
+            self.server.close()
 
     def run(self, kind: str, code: str) -> Outcome:
         code = SEATBELT + code
@@ -109,10 +135,14 @@ class Pools:
         return Outcome(r.error or "", r.error, r.reward, numbers)
 
     def zygote(self, kind: str) -> int:
-        """The host pid of the pool's (only) child process: bubblewrap's grandchild."""
+        """The host pid of the pool's (only) child process: bubblewrap's grandchild (of this
+        process, or of the pod's server: the pool's memory limit tells its child)."""
         pool = self.tool if kind == "tool" else self.verifier
-        exe = sys.executable.encode()
-        python = [p for p in descendants(pool._all[0].pid or 0) if cmdline(p).startswith(exe)]
+        root = self.server.proc.pid if self.server is not None else pool._all[0].pid or 0
+        exe = jail.python().encode()
+        mine = f"--memory={pool.sandbox.limits.memory_mb}".encode()
+        python = [p for p in descendants(root) if cmdline(p).startswith(exe)]
+        python = [p for p in python if mine in cmdline(p).split(b"\0")]
         assert len(python) == 1, python
         return python[0]
 
@@ -149,30 +179,34 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def uid_of(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def with_uid(uid: int) -> list[int]:
-    return [p for p in live_pids() if uid_of(p) == uid]
-
-
 def with_marker(marker: str) -> list[int]:
     return [p for p in live_pids() if marker.encode() in cmdline(p)]
 
 
+def pidns_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def in_pidns(ns: str) -> list[int]:
+    """The processes of one PID namespace (a slot's: bubblewrap's init, its zygote, calls)."""
+    return [p for p in live_pids() if pidns_of(p) == ns]
+
+
 @pytest.fixture(scope="module")
-def pools() -> Iterator[Pools]:
+def mode() -> str:
+    """Who starts the sandbox's children: this process (test_escapes_pod.py: the pod's)."""
+    return "service"
+
+
+@pytest.fixture(scope="module")
+def pools(mode: str) -> Iterator[Pools]:
     require_sandbox()
     saved = os.environ.get(SECRET_VAR)
     os.environ[SECRET_VAR] = SECRET  # as the NATS password is in a service's environment
-    p = Pools()
+    p = Pools(mode)
     try:
         yield p
     finally:
@@ -481,7 +515,7 @@ for pid in ({os.getpid()}, 1, -1):
 def fork_bomb(run: Run, h: Host, p: Pools, kind: str) -> None:
     """Every process forks forever: RLIMIT_NPROC holds it, the time-out kills the whole
     PID namespace, nothing of it is left, and the pool serves the next call."""
-    uid = uid_of(p.zygote(kind))
+    ns = pidns_of(p.zygote(kind))
     out = run("""
 import os
 while True:
@@ -491,14 +525,14 @@ while True:
         pass
 """)
     assert out.error == "timeout" or "timed out" in out.text, out
-    assert uid is not None
-    wait_for(lambda: not with_uid(uid), 10, "every process of the fork bomb's uid to be gone")
+    assert ns is not None
+    wait_for(lambda: not in_pidns(ns), 10, "every process of the fork bomb's slot to be gone")
     assert run("print(f'alive={6 * 7}')").number("alive") == 42
 
 
 def process_limit(run: Run, h: Host, p: Pools, kind: str) -> None:
     """How many processes a call can make: fewer than RLIMIT_NPROC, and none survive it."""
-    uid = uid_of(p.zygote(kind))
+    ns = pidns_of(p.zygote(kind))
     out = run("""
 import os, time
 n = 0
@@ -514,9 +548,10 @@ for _ in range(1000):
 print(f"forks={n}")
 """)
     assert 0 < out.number("forks") < LIMITS.processes, out
-    assert uid is not None
-    # Processes left behind put the slot in doubt: killed, reaped, and the slot replaced.
-    wait_for(lambda: len(with_uid(uid)) <= 1, 10, "nothing of the call left of its uid")
+    assert ns is not None
+    # Processes left behind put the slot in doubt: killed, reaped, and the slot replaced
+    # (its namespace gone), or at least none left beside bubblewrap's init and the zygote.
+    wait_for(lambda: len(in_pidns(ns)) <= 2, 10, "nothing of the call left in its slot")
 
 
 def exceed_file_size(run: Run, h: Host, p: Pools, kind: str) -> None:
@@ -622,14 +657,19 @@ rewards.score = lambda *a, **k: {"reward": 1.0, "parts": {}}
 
 
 def unprivileged(run: Run, h: Host, p: Pools, kind: str) -> None:
-    """The ground the other cases stand on: a uid that is not root, no /proc, a PID
-    namespace of its own."""
+    """The ground the other cases stand on: a uid that is not root (one of the child's own
+    under a root service, the pod's under the pod's server), no /proc, a PID namespace
+    of its own."""
     out = run("""
 import os
 print(f"uid={os.getuid()} gid={os.getgid()} groups={len(os.getgroups())}")
 print(f"proc={int(os.path.exists('/proc/self'))} ppid={os.getppid()}")
 """)
-    assert out.number("uid") >= UID_BASE and out.number("gid") == out.number("uid"), out
+    if p.mode == "pod":
+        assert out.number("uid") == POD_UID, out
+    else:
+        assert out.number("uid") >= UID_BASE, out
+    assert out.number("gid") == out.number("uid"), out
     assert out.number("groups") == 0 and out.number("proc") == 0, out
     assert out.number("ppid") < 10, out  # the zygote, low in a namespace of its own
 
@@ -707,7 +747,8 @@ def cross_call_memory(run: Run, h: Host, p: Pools, kind: str) -> None:
 
 def ipc(run: Run, h: Host, p: Pools, kind: str) -> None:
     """SysV shared memory, message queues and semaphores, POSIX shared memory and message
-    queues made by one call: gone for the next (and their memory with them)."""
+    queues made by one call: refused (they hold memory no rlimit counts: seccomp.py),
+    and were one made, gone for the next (and their memory with them)."""
     key = 0x5EED0000 + random.randrange(1 << 16)
     name = f"/fw{h.token}"
     made = run(f"""
@@ -741,7 +782,7 @@ found = {{
 }}
 print(" ".join(f"{{k}}={{int(v)}}" for k, v in found.items()), f"left={{sum(found.values())}}")
 """)
-    assert made.number("made") >= 3 or kind == "reward", made  # SysV at least
+    assert made.number("made") == 0, made
     assert out.number("left") == 0, out
 
 
@@ -825,6 +866,126 @@ def asyncio_still_runs(run: Run, h: Host, p: Pools, kind: str) -> None:
     assert out.number("ran") == 7, out
 
 
+# Run in a call: the metadata of every place a call might write (the sandbox's /tmp, the
+# directories kept in it, and places that must be read-only), and which are writable
+# (probed after the metadata is read: the probe's own file changes the times).
+PLACES = ["/", "/tmp", "/dev", "/dev/shm", "/usr", "/etc", "/var", "/var/tmp", "/run",
+          "/home", "/root", "/opt", str(REPO), str(REPO / "tests")]  # fmt: skip
+PLACES += [f"/tmp/{k}" for k in KEPT]
+METADATA = f"""
+import os, zlib
+PLACES = {PLACES!r}
+for i, path in enumerate(PLACES):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        print(f"exists_{{i}}=0")
+        continue
+    try:
+        xattrs = sorted((n, os.getxattr(path, n)) for n in os.listxattr(path))
+    except OSError as e:
+        xattrs = [("error", str(e.errno).encode())]
+    meta = (st.st_mode, st.st_uid, st.st_gid, xattrs)
+    print(f"exists_{{i}}=1 meta_{{i}}={{zlib.crc32(repr(meta).encode())}}")
+    for t in ("mtime", "ctime", "atime"):
+        print(f"{{t}}_{{i}}={{getattr(st, f'st_{{t}}_ns') // 1_000_000}}")
+    entries = len(os.listdir(path)) if os.access(path, os.R_OK | os.X_OK) else -1
+    print(f"entries_{{i}}={{entries}}")
+for i, path in enumerate(PLACES):
+    try:
+        with open(os.path.join(path, ".probe"), "w") as f:
+            f.write("x")
+        print(f"writable_{{i}}=1")
+    except OSError:
+        print(f"writable_{{i}}=0")
+"""
+
+
+def plant(chmod: bool) -> str:
+    """Run in a call: change what it can of each place's own metadata (an extended
+    attribute, its times, a file in it, and last, with `chmod`, its mode to 0)."""
+    return f"""
+import os, struct
+PLACES = {PLACES!r}
+NONE = 0xFFFFFFFF  # an ACL entry without an id
+ACL = struct.pack("<I", 2) + b"".join(  # user:<this uid>:rwx, an ACL the owner may set
+    struct.pack("<HHI", *e)
+    for e in [(1, 7, NONE), (2, 7, os.getuid()), (4, 5, NONE), (0x10, 7, NONE), (0x20, 5, NONE)]
+)
+for i, path in enumerate(PLACES):
+    done = 0
+    for step in (
+        lambda: os.setxattr(path, "user.fw", b"planted"),
+        lambda: os.setxattr(path, "system.posix_acl_access", ACL),
+        lambda: os.utime(path, (1234567, 1234567)),
+        lambda: open(os.path.join(path, "plant"), "w").write("left"),
+        lambda: os.chown(path, -1, os.getgid()),
+    ):
+        try:
+            step()
+            done += 1
+        except OSError:
+            pass
+    print(f"done_{{i}}={{done}}")
+if {chmod!r}:
+    for i, path in enumerate(PLACES):
+        try:
+            os.chmod(path, 0)
+            print(f"chmod_{{i}}=1")
+        except OSError:
+            print(f"chmod_{{i}}=0")
+print("planted=1")
+"""
+
+
+def tmp_metadata(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """What a call can change of /tmp itself (and of any other place it can write), not
+    only of what is in it: an extended attribute, an ACL, its times, the moment it
+    wrote a file there, its mode (0: unreadable, which must not make it unwipable),
+    its owner. The next call finds each place as the one before found it, with times
+    no older than its own start, and every call is answered."""
+    before = run(METADATA)
+    for chmod in (False, True):
+        planted = run(plant(chmod))
+        assert planted.error is None and planted.number("planted") == 1, planted
+        assert planted.number(f"done_{PLACES.index('/tmp')}") >= 1, planted  # a file at least
+        time.sleep(0.2)  # the host's clock moves on: times older than `started` are carried
+        started = time.time()
+        after = run(METADATA)
+        assert after.error is None, after
+        for i, place in enumerate(PLACES):
+            if not before.number(f"exists_{i}"):
+                continue
+            assert after.number(f"meta_{i}") == before.number(f"meta_{i}"), (place, after)
+            if after.number(f"writable_{i}"):
+                assert place == "/tmp" or place.startswith("/tmp/"), (place, after)
+                # (only here: the host's own places, the repository, change under other tests)
+                assert after.number(f"entries_{i}") == before.number(f"entries_{i}"), after
+                for t in ("mtime", "ctime", "atime"):
+                    assert after.number(f"{t}_{i}") >= (started - 0.01) * 1000, (place, t, after)
+
+
+def memory_outside_rlimits(run: Run, h: Host, p: Pools, kind: str) -> None:
+    """Memory no process's RLIMIT_AS counts: a memfd filled with write(2) (the pages stay
+    while the fd is open, mapped by no one), a SysV segment detached after filling.
+    Refused, so without a cgroup a call holds no more than its processes' rlimits."""
+    out = run("""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+held = 0
+try:
+    fd = os.memfd_create("hold")
+    for _ in range(64):
+        held += os.write(fd, b"x" * (1 << 20))
+except OSError as e:
+    print(f"memfd_errno={e.errno}")
+print(f"memfd_held={held}")
+print(f"shm={libc.shmget(0, 64 << 20, 0o1600)}")
+""")
+    assert out.number("memfd_held") == 0 and out.number("memfd_errno") == errno.EPERM, out
+    assert out.number("shm") == -1, out
+
+
 CASES = [
     unprivileged,
     fork_exec_shell,
@@ -854,6 +1015,8 @@ CASES = [
     zombies,
     sockets_in_bound_folders,
     asyncio_still_runs,
+    tmp_metadata,
+    memory_outside_rlimits,
 ]
 
 
@@ -942,10 +1105,9 @@ print(f"score={{score}}")
     assert together[0].parts.get("s.seen") == 0.0, together[0]
 
 
-def test_a_tools_secret_reaches_only_its_own_calls() -> None:
+def test_a_tools_secret_reaches_only_its_own_calls(pools: Pools) -> None:
     """A function tool's `env` (an API key) reaches that tool's calls, and no python-tool
     call of the same pool, before or after it, by any route above."""
-    require_sandbox()
     from services.tasks.episode_spec import FunctionTool
 
     tok = token_hex(4)
@@ -964,14 +1126,16 @@ print(f"found={{found('tk{tok}' + '-K-') + ('FW_TOOL_KEY' in os.environ)}}")
     )
 
     async def body() -> list[str]:
-        async with ToolPool(1, 10.0, tools=[PY, tool], sandbox=CONFINED) as pool:
+        async with ToolPool(
+            1, 10.0, tools=[PY, tool], sandbox=CONFINED, remote=pools.remote
+        ) as pool:
             assert pool.confined
             before = await pool.run(CALL, PY, probe)
             own = await pool.run(CALL, tool, '{"name": "FW_TOOL_KEY"}')
             after = await pool.run(CALL, PY, probe)
             return [before.text, own.text, after.text]
 
-    before, own, after = asyncio.run(body())
+    before, own, after = pools.loop.run_until_complete(body())
     assert own == f"FW_TOOL_KEY={key}", own
     assert before == "found=0\n" and after == "found=0\n", (before, after)
 
@@ -983,10 +1147,9 @@ def test_a_calls_processes_share_one_memory_limit(pools: Pools) -> None:
     kernel kills one to let another fill: how many ever filled depends on which it
     picks, how many are alive does not). Elsewhere the limit is per process
     (jail.memory_mode) and this is skipped, saying so."""
-    from services.tasks import jail
-
-    if jail.cgroups() is None:
-        pytest.skip(f"no cgroup is delegated here: {jail.memory_mode()}")
+    memory_mode = pools.memory_mode()
+    if not memory_mode.startswith("cgroup"):
+        pytest.skip(f"no cgroup is delegated here: {memory_mode}")
     out = pools.run(
         "tool",
         """
