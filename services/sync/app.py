@@ -20,6 +20,10 @@ stops with the release named, before anything is paused, since no update
 of that engine could ever succeed. The `flush_cache` sent is the one that
 release survives (in_place never flushes: a flush with requests held
 answers 400 from 0.5.22 and killed the scheduler before).
+
+Sync also runs the held-out evaluations the trainer asks for on the engines
+(`EvalRequest`, evaluating.py): each reconcile first lets them hold an engine
+on the version they measure, then starts the updates that are still due.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import Any
 
 from proto.messages import EvalRequest, EvalResult
 from proto.subjects import Subjects
+from proto.weight_version import adapter_name
 from services.engine_api.engine_client import EngineClient, EngineError
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
@@ -137,10 +138,17 @@ class EngineEvaluations:
         key = self.s.engine_api_key.get_secret_value() if self.s.engine_api_key else None
         async with EngineClient(e.url, retries=2, api_key=key,
                                 timeout_s=self.s.eval_timeout_s) as c:  # fmt: skip
-            complete = engine_complete(c, p.tokenizer, version,
+            complete = engine_complete(c, p.tokenizer, version, lora_path=self._adapter(version),
                                        concurrency=self.s.eval_concurrency)  # fmt: skip
             return await evaluate(None, p.tokenizer, p.loaded, Scorer(p.tasks, p.pool),
                                   split=split, complete=complete)  # fmt: skip
+
+    def _adapter(self, version: int) -> str | None:
+        """The adapter name to sample version `version` with, where the run's versions are
+        LoRA adapters loaded by name ([sync] lora_mode 'adapter'); None: the engine's weights
+        are the version (v0, the base, is never an adapter)."""
+        latest = self.reg.latest
+        return adapter_name(version) if version > 0 and latest and latest.adapter else None
 
     def _result(
         self,

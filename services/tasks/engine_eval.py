@@ -34,10 +34,14 @@ class EvalAborted(FlywheelError, RuntimeError):
     """An evaluation on an engine could not finish on the version it measures."""
 
 
-def checked(r: GenerateResult, version: int, url: str) -> GenerateResult:
-    """`r`, if version `version` generated all of it; EvalAborted naming what did otherwise."""
+def checked(r: GenerateResult, version: int, url: str, adapter: bool = False) -> GenerateResult:
+    """`r`, if version `version` generated all of it; EvalAborted naming what did otherwise.
+    `adapter`: sampled with the version's LoRA adapter named in the request, which is what
+    pins the version (the engine's own `weight_version` is its base model's)."""
     if r.aborted:
         raise EvalAborted(f"an answer was aborted by engine {url}: {r.finish_reason}")
+    if adapter:
+        return r
     others = {s.version for s in r.weight_versions} | {r.weight_version}
     if others != {version}:
         got = ", ".join(f"v{v}" for v in sorted(others))
@@ -52,11 +56,13 @@ def engine_complete(
     *,
     concurrency: int = 32,
     timeout_s: float | None = None,
+    lora_path: str | None = None,
 ) -> Complete:
     """evaluate.py's `Complete` through `client`'s engine: one /generate per prompt (n = k),
     at most `concurrency` in flight (the engine batches them), each answer checked to be of
     `version`. Greedy is temperature 0 (SGLang: top_k 1); samples have no top-k/top-p
-    truncation, as the in-process path."""
+    truncation, as the in-process path. `lora_path`: the version is the LoRA adapter loaded
+    under that name (`proto.weight_version.adapter_name`), sampled with it."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(ids: list[int], k: int, temperature: float, max_new_tokens: int) -> Any:
@@ -67,11 +73,16 @@ def engine_complete(
             params |= {"temperature": temperature, "top_p": 1.0, "top_k": -1}
         async with gate:
             results = await client.generate(
-                ids, sampling_params=params, return_logprob=False, timeout_s=timeout_s
+                ids,
+                sampling_params=params,
+                return_logprob=False,
+                timeout_s=timeout_s,
+                lora_path=lora_path,
             )
+        adapter = lora_path is not None
         return [
             (tokenizer.decode(r.output_ids, skip_special_tokens=True), len(r.output_ids))
-            for r in (checked(r, version, client.url) for r in results)
+            for r in (checked(r, version, client.url, adapter) for r in results)
         ]
 
     async def complete(
