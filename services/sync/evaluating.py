@@ -125,6 +125,11 @@ class EngineEvaluations:
             result = self._result(version, "aborted", why, started_at=started)
         except (EvalAborted, EngineError, ConfigError) as err:
             result = self._result(version, "aborted", str(err), started_at=started)
+        except Exception as err:  # e.g. a reward that raised: reported, not lost
+            # Whatever ended it, the trainer must hear that this version has no figure (it
+            # would wait for one until its end); the traceback goes to sync's log.
+            log.exception("sync: held-out evaluation of v%d failed", version)
+            result = self._result(version, "aborted", f"failed: {err!r}", started_at=started)
         finally:
             self.reg.evaluated(version)
             self.wake.set()  # its engine may update now
