@@ -79,3 +79,29 @@ def test_an_answer_of_another_version_aborts_the_evaluation(
     """The engine serves v0; an evaluation of v1 must not count its answers."""
     with pytest.raises(EvalAborted, match="answered with v0 while v1 was evaluated"):
         asyncio.run(on_engine(engine_state, tiny_model, 1))
+
+
+def test_a_lora_version_is_evaluated_with_its_adapter(tiny_model: Path, tmp_path: Path) -> None:
+    """A LoRA run's version v is the adapter loaded as `v000001` beside the base (whose own
+    weight_version stays 0): sampled by that name, its answers count as v's."""
+    from proto.weight_version import adapter_name
+    from tests.harness.lora import write_adapter
+
+    adapter = write_adapter(tmp_path / "v000001", tiny_model, targets=("q_proj", "v_proj"))
+    states = EngineStates(tiny_model)
+    state = states.get(enable_lora=True, max_lora_rank=8,
+                       lora_target_modules=["q_proj", "v_proj"], max_loras_per_batch=4)  # fmt: skip
+    t = tasks()
+
+    async def body() -> Any:
+        _, tokenizer = load_model(tiny_model)
+        async with serving_engine(state) as url, EngineClient(url) as c, verifier_pool(t) as pool:
+            await c.load_lora_adapter(adapter_name(1), str(adapter))
+            complete = engine_complete(c, tokenizer, 1, lora_path=adapter_name(1))
+            return await evaluate(None, tokenizer, t.load(), Scorer(t, pool), complete=complete)
+
+    try:
+        report = asyncio.run(body())
+    finally:
+        states.close()
+    assert report.tasks["arithmetic"].total == ROWS
