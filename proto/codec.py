@@ -39,6 +39,8 @@ from proto.messages import (
     CrossFieldError,
     DeadLetter,
     EngineHeartbeat,
+    EvalRequest,
+    EvalResult,
     Message,
     PromptTask,
     Sample,
@@ -228,6 +230,10 @@ def message_id(msg: Message) -> str | None:
             return f"{msg.run}:weights:v{msg.version}"
         case WeightsReady():
             return f"{msg.run}:ready:v{msg.version}"
+        case EvalRequest():
+            return f"{msg.run}:evaluate:{msg.split}:v{msg.version}"
+        case EvalResult():
+            return f"{msg.run}:evaluated:{msg.split}:v{msg.version}"
         case Chunk():
             return f"{msg.of}:c{msg.index}"
         case WeightsChunk():

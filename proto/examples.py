@@ -17,11 +17,14 @@ from proto.messages import (
     Chunk,
     DeadLetter,
     EngineHeartbeat,
+    EvalRequest,
+    EvalResult,
     Message,
     PromptTask,
     Sample,
     SampleGroup,
     SamplingParams,
+    TaskEvalResult,
     TeacherId,
     TrainBatch,
     VersionSpan,
@@ -115,6 +118,21 @@ EXAMPLES: dict[str, Message] = {
     ),
     "WeightsReady": WeightsReady(
         run=RUN, version=4, engines=("engine-0", "engine-1"), ready_at=1700000005.0
+    ),
+    "EvalRequest": EvalRequest(run=RUN, version=4, requested_at=1700000004.5),
+    "EvalResult": EvalResult(
+        run=RUN,
+        version=4,
+        outcome="evaluated",
+        tasks=(
+            TaskEvalResult(
+                name="arith", total=50, pass_at_1=0.62, mean_reward=0.7, k=4, pass_at_k=0.81
+            ),
+        ),
+        engines=("engine-0",),
+        requested_at=1700000004.5,
+        started_at=1700000005.0,
+        finished_at=1700000007.25,
     ),
     "EngineHeartbeat": EngineHeartbeat(
         run=RUN,

@@ -346,6 +346,65 @@ class WeightsReady(Message):
     ready_at: float = 0.0
 
 
+Split = Literal["validation", "test"]
+
+
+class EvalRequest(Message):
+    """Evaluate weight version `version` on the held-out `split`, on the engines.
+
+    Published by the trainer when `[trainer] eval_every` makes a version due (before its
+    WeightsPublished, so sync knows before any engine loads it); sync holds an engine at
+    `version` until the evaluation is done and answers with one EvalResult.
+    """
+
+    run: Id
+    version: Version
+    split: Split = "validation"
+    requested_at: float = 0.0
+
+
+class TaskEvalResult(BaseModel):
+    """One task's figures in an EvalResult (greedy pass@1; pass@k where eval.k > 1)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: Id = Field(description="The task's name in the run file.")
+    total: int = Field(ge=0, description="Held-out rows evaluated.")
+    pass_at_1: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    mean_reward: float = Field(allow_inf_nan=False)
+    k: int = Field(1, ge=1)
+    pass_at_k: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+
+
+class EvalResult(Message):
+    """What became of an EvalRequest: the figures of `version`, every answer counted generated
+    by exactly that version (the engine's `weight_version` of each response, checked), or why
+    there are none. Published by sync."""
+
+    run: Id
+    version: Version
+    split: Split = "validation"
+    outcome: Literal["evaluated", "skipped", "aborted"] = Field(
+        description="evaluated: `tasks` hold the figures; skipped: no engine served the "
+        "version (they went past it before it could be evaluated); aborted: it started but "
+        "could not finish on that version (an engine moved on, failed or timed out)."
+    )
+    reason: str = Field("", max_length=2048, description="Why skipped or aborted, in words.")
+    tasks: tuple[TaskEvalResult, ...] = ()
+    engines: tuple[Id, ...] = Field((), description="The engines that generated the answers.")
+    requested_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _figures_iff_evaluated(self) -> EvalResult:
+        if self.outcome == "evaluated" and not self.tasks:
+            raise CrossFieldError("tasks", "an evaluated result carries at least one task")
+        if self.outcome != "evaluated" and self.tasks:
+            raise CrossFieldError("tasks", f"a result {self.outcome} carries no figures")
+        return self
+
+
 class EngineHeartbeat(Message):
     """An engine's state, sent by the rollout worker beside it."""
 
@@ -436,6 +495,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         TrainBatch,
         WeightsPublished,
         WeightsReady,
+        EvalRequest,
+        EvalResult,
         EngineHeartbeat,
         DeadLetter,
         Chunk,

@@ -191,6 +191,22 @@ def consumers_for(run: str) -> dict[str, ConsumerSpec]:
             ack_wait_s=600,
             max_deliver=100,
         ),
+        # Held-out evaluations on the engines: sync takes the requests, the trainer the
+        # results (each answered once; an evaluation holds an engine for seconds, not minutes).
+        "sync-evals": ConsumerSpec(
+            "sync-evals",
+            stream_name(run, "WEIGHTS"),
+            s.eval_requested,
+            ack_wait_s=60,
+            max_deliver=100,
+        ),
+        "trainer-evals": ConsumerSpec(
+            "trainer-evals",
+            stream_name(run, "WEIGHTS"),
+            s.eval_results,
+            ack_wait_s=60,
+            max_deliver=100,
+        ),
         # The buffer counts tasks that ended as dead letters (no group will come).
         "buffer-dlq": ConsumerSpec(
             "buffer-dlq", stream_name(run, "DLQ"), s.dlq_all, ack_wait_s=30, max_deliver=10

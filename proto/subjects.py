@@ -55,6 +55,16 @@ class Subjects:
         return f"{self.prefix}.weights.ready"
 
     @property
+    def eval_requested(self) -> str:
+        """EvalRequest, trainer -> sync (in WEIGHTS: `weights.>` takes it)."""
+        return f"{self.prefix}.weights.evaluate"
+
+    @property
+    def eval_results(self) -> str:
+        """EvalResult, sync -> trainer and whoever reads a run's evaluations."""
+        return f"{self.prefix}.weights.evaluated"
+
+    @property
     def weights_all(self) -> str:
         return f"{self.prefix}.weights.>"
 

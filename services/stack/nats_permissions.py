@@ -121,15 +121,18 @@ def grants(run: str) -> dict[str, Grants]:
     r.subscribe.append(sub.weights_published)  # woken at once when a version is announced
 
     t = out["trainer"]
-    t.publish += [sub.weights_published, f"flywheel.{run}.weightdata.>"]
+    t.publish += [sub.weights_published, sub.eval_requested, f"flywheel.{run}.weightdata.>"]
     _consumer(t, cons["trainer"])
+    _consumer(t, cons["trainer-evals"])  # the engines' evaluation results
     _ephemeral(t, stream_name(run, "BATCHES"))  # its reader starts at a sequence
     t.subscribe.append(f"flywheel.{run}.weightsnap")  # a delta's snapshot, asked for...
     t.publish.append("_INBOX.>")  # ...and answered
 
     s = out["sync"]
-    s.publish += [sub.weights_ready, f"$JS.API.STREAM.PURGE.{stream_name(run, 'WEIGHTDATA')}"]
+    s.publish += [sub.weights_ready, sub.eval_results]
+    s.publish.append(f"$JS.API.STREAM.PURGE.{stream_name(run, 'WEIGHTDATA')}")
     _consumer(s, cons["sync"])
+    _consumer(s, cons["sync-evals"])  # evaluations the trainer asks of the engines
     for what in ("WEIGHTS", "WEIGHTDATA"):
         _reads(s, stream_name(run, what))
     s.subscribe.append(f"flywheel.{run}.engines.*")

@@ -155,7 +155,8 @@ def plan(
             argv = _py("services.rollout", "-c", str(config))
             specs.append(service("rollout", f"rollout-{i}", argv, env, beside=eng.name))
     if "sync" in s.services:
-        env = {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(weights)}
+        # the model: the tokenizer of held-out evaluations on the engines
+        env = {"FLYWHEEL_SYNC_WEIGHTS_ROOT": str(weights), "FLYWHEEL_SYNC_MODEL": str(s.model)}
         specs.append(service("sync", "sync", _py("services.sync", "-c", str(config)), env))
     if "trainer" in s.services:
         specs.append(trainer_spec(s, config, run_dir, service, max_steps))

@@ -20,6 +20,10 @@ stops with the release named, before anything is paused, since no update
 of that engine could ever succeed. The `flush_cache` sent is the one that
 release survives (in_place never flushes: a flush with requests held
 answers 400 from 0.5.22 and killed the scheduler before).
+
+Sync also runs the held-out evaluations the trainer asks for on the engines
+(`EvalRequest`, evaluating.py): each reconcile first lets them hold an engine
+on the version they measure, then starts the updates that are still due.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 from proto.codec import decode
 from proto.errors import ProtocolError
-from proto.messages import EngineHeartbeat, WeightsPublished, WeightsReady
+from proto.messages import EngineHeartbeat, EvalRequest, WeightsPublished, WeightsReady
 from proto.streams import consumers_for, stream_name
 from proto.subjects import Subjects
 from services.engine_api.engine_client import EngineClient, EngineError
@@ -44,6 +48,7 @@ from services.runtime.msgloop import Delivery, pause
 from services.runtime.nats_conn import ensure_consumer
 from services.runtime.publish import publish
 from services.sync.core import Engine, Published, Registry, path_for
+from services.sync.evaluating import EngineEvaluations
 from services.sync.metrics import SyncMetrics
 from services.sync.settings import SyncSettings
 from services.weights import Transports, Wiring
@@ -82,6 +87,8 @@ class SyncService:
         self.resumed: set[str] = set()  # engine URLs this process told to continue
         self.fatal: ConfigError | None = None  # an engine no update can succeed on: stop
         self.wake = asyncio.Event()  # something happened: reconcile now, not at the next tick
+        # held-out evaluations the trainer asks of the engines (evaluating.py)
+        self.evals = EngineEvaluations(ctx, s, self.reg, self.wake)
 
     async def restore(self) -> None:
         """The newest published and announced versions, from the WEIGHTS stream."""
@@ -245,6 +252,7 @@ class SyncService:
                 self._track(self.resume(e))
         self.metrics.engines.set(len(self.reg.live(now)))
         self.metrics.awaiting.set(len(self.reg.awaiting_copy(now)))
+        await self.evals.reconcile(now)  # first: an engine that reached a wanted version stays
         if self.reg.latest is not None:
             for e in self.reg.updates_due(now):
                 self.reg.started(e)
@@ -276,6 +284,7 @@ class SyncService:
             await pause(stop, self.s.tick_s, self.wake)
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=self.s.update_timeout_s)
+        await self.evals.close()
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -294,9 +303,13 @@ async def body(ctx: ServiceContext) -> None:
 
     sub = await ctx.nc.subscribe(svc.subjects.heartbeats_all, cb=on_heartbeat_msg)
     loop = ctx.message_loop(consumer, WeightsPublished, svc.on_published)
+    evals = consumers_for(settings.run)["sync-evals"]
+    await ensure_consumer(ctx.js, evals)
+    eval_loop = ctx.message_loop(evals, EvalRequest, svc.evals.on_request)
     ctx.readiness.ok("sync")
     tasks = [
         asyncio.create_task(loop.run(ctx.stop)),
+        asyncio.create_task(eval_loop.run(ctx.stop)),
         asyncio.create_task(svc.reconcile_loop(ctx.stop)),
     ]
     try:

@@ -21,6 +21,15 @@ ready. Decisions:
   cannot stall the run; the rollout worker beside it refuses tasks newer
   than its engine (`PromptTask.min_weight_version`), so it cannot serve
   beyond the staleness bound either.
+- Held-out evaluations on the engines (`EvalRequest`s the trainer sends,
+  services/sync/evaluating.py): an engine that serves a version wanted for
+  evaluation is *held* there (no update is due for it) until that
+  evaluation ran; once it runs on one engine, the others go on. `evals_due`
+  starts the oldest wanted version that some engine serves, one at a time,
+  and gives up (skips) a wanted version no engine serves while a newer one
+  is published: every engine behind it will load the newest, never it.
+  Holding, rather than evaluating whatever the engine serves, is what ties a
+  figure to one version: each answer it counts came from that version.
 """
 
 from __future__ import annotations
@@ -64,6 +73,8 @@ class Registry:
     engines: dict[str, Engine] = field(default_factory=dict)
     latest: Published | None = None
     announced: int = -1  # newest version published as WeightsReady
+    wanted: dict[int, float] = field(default_factory=dict)  # version to evaluate -> asked at
+    evaluating: tuple[int, str] | None = None  # (version, engine id) of the one running
 
     def heartbeat(
         self,
@@ -109,8 +120,48 @@ class Registry:
         return [
             e
             for e in self.live(now)
-            if e.version < p.version and not e.updating and now >= e.retry_at and has_copy(e, p)
+            if e.version < p.version
+            and not e.updating
+            and now >= e.retry_at
+            and has_copy(e, p)
+            and not self.held(e)
         ]
+
+    def held(self, e: Engine) -> bool:
+        """`e` serves a version wanted for evaluation and must stay on it: until the
+        evaluation runs, every such engine; while it runs, the engine it runs on."""
+        if e.version not in self.wanted:
+            return False
+        ev = self.evaluating
+        return ev is None or ev[0] != e.version or ev[1] == e.engine_id
+
+    def evals_due(self, now: float) -> tuple[list[int], tuple[int, Engine] | None]:
+        """(versions to give up evaluating, (version, engine) to evaluate now or None).
+
+        A wanted version is given up when no live engine serves it and a newer one is
+        published (engines behind it will load the newest); one is started, the oldest
+        wanted version served by an engine not being updated, when none is running.
+        """
+        serving = {e.version for e in self.live(now)}
+        newest = self.latest.version if self.latest is not None else -1
+        skip = [v for v in sorted(self.wanted) if v not in serving and newest > v]
+        for v in skip:
+            del self.wanted[v]
+        if self.evaluating is not None:
+            return skip, None
+        for v in sorted(self.wanted):
+            ready = [e for e in self.healthy(now) if e.version == v and not e.updating]
+            if ready:
+                engine = min(ready, key=lambda e: e.engine_id)
+                self.evaluating = (v, engine.engine_id)
+                return skip, (v, engine)
+        return skip, None
+
+    def evaluated(self, version: int) -> None:
+        """The evaluation of `version` ended (whatever its outcome): its engine may move on."""
+        self.wanted.pop(version, None)
+        if self.evaluating is not None and self.evaluating[0] == version:
+            self.evaluating = None
 
     def awaiting_copy(self, now: float) -> list[Engine]:
         """Live engines behind the newest version only because their copy is not there yet."""

@@ -67,3 +67,30 @@ class SyncSettings(TaskServiceSettings):
         "join its weight-update groups (rank 0 is sync). 127.0.0.1 when they share a host; "
         "the sync pod's IP on Kubernetes (FLYWHEEL_SYNC_DISTRIBUTED_ADDRESS from status.podIP).",
     )
+    model: Path | None = Field(
+        None,
+        description="The engines' model directory, for the tokenizer of held-out evaluations "
+        "on the engines ([trainer] eval_on = 'engines'); `flywheel up` sets it. None: an "
+        "evaluation asked of sync is reported aborted, saying so.",
+    )
+    eval_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Limit of one held-out evaluation on an engine; past it the evaluation is "
+        "reported aborted and the engine it held goes on to the newest version.",
+    )
+    eval_concurrency: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="Held-out prompts generated at once on the evaluating engine (it batches "
+        "them).",
+    )
+    verifier_timeout_s: float = Field(
+        5.0, gt=0, description="Limit of one held-out answer's reward (the verifier sandbox)."
+    )
+    sandbox_socket: Path | None = Field(
+        None,
+        description="Unix socket of a `flywheel sandbox` server: the held-out answers' rewards "
+        "run in its children instead of this service's. None: sync starts them itself.",
+    )

@@ -9,19 +9,24 @@ and tokenized exactly as the rollout worker does (`prompts.format_row` +
 verifier sandbox (`Scorer`). A completion is correct when the reward part
 named by `eval.part` (default: the first) reaches `eval.threshold`.
 
-Generation is batched Hugging Face `generate` with left padding, so each
-row's last prompt token sits at the same position; greedy decoding makes
-pass@1 deterministic for a given model. pass@k samples k completions per
-prompt (temperature `eval.temperature`, no top-k/top-p truncation) through
-a generator of its own, never torch's default one (the trainer's
-evaluations run on a thread beside its steps), and counts a prompt solved
-when any of them is correct (the unbiased estimator with n = k). Stop
-strings are not applied: generation ends at EOS or `eval.max_new_tokens`.
+Generation is a `Complete` function: a model in this process (`hf_complete`:
+batched Hugging Face `generate` with left padding, so each row's last prompt
+token sits at the same position; `flywheel eval`, the demo, the trainer's
+`eval_on = "trainer"`) or an engine serving the run (engine_eval.py: the
+SGLang API, each answer checked to come from the version evaluated; sync's
+evaluations). Greedy decoding makes pass@1 deterministic for a given model.
+pass@k samples k completions per prompt (temperature `eval.temperature`,
+no top-k/top-p truncation; in this process through a generator of its own,
+never torch's default one: the trainer's evaluations run on a thread beside
+its steps) and counts a prompt solved when any of them is correct (the
+unbiased estimator with n = k). Stop strings are not applied: generation
+ends at EOS or `eval.max_new_tokens`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +173,31 @@ class SampleWith:
         return torch.full_like(scores, float("-inf")).scatter_(1, pick, 0.0)
 
 
+Completions = list[list[tuple[str, int]]]
+Complete = Callable[..., Awaitable[Completions]]
+"""`complete(prompt_ids, *, max_new_tokens, k=1, temperature=1.0, seed=0)`: k completions per
+prompt as (text, generated tokens up to and with EOS); k = 1 is greedy."""
+
+
+def hf_complete(model: Any, tokenizer: Any, offload: Offload = asyncio.to_thread) -> Complete:
+    """`generate` on a model of this process, run by `offload` (off the event loop)."""
+
+    async def complete(
+        ids: list[list[int]],
+        *,
+        max_new_tokens: int,
+        k: int = 1,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> Completions:
+        return await offload(
+            generate, model, tokenizer, ids, max_new_tokens=max_new_tokens, k=k,
+            temperature=temperature, seed=seed,
+        )  # fmt: skip
+
+    return complete
+
+
 def _cut(tokenizer: Any, ids: list[int], eos: int | None) -> tuple[str, int]:
     n = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
     return tokenizer.decode(ids[:n], skip_special_tokens=True), n
@@ -216,21 +246,27 @@ async def evaluate_task(
     split: Split = "validation",
     greedy_only: bool = False,
     offload: Offload = asyncio.to_thread,
+    complete: Complete | None = None,
 ) -> TaskEval:
     """Greedy pass@1 (and pass@k when eval.k > 1, unless `greedy_only`) of one task's rows
     of `split`; `offload` runs the generation off the event loop (the trainer's: a thread
-    at low CPU priority, services/runtime/threads.py)."""
+    at low CPU priority, services/runtime/threads.py). `complete`: where the completions
+    come from (default: `model` here, `hf_complete`; an engine: engine_eval.py)."""
+    complete = complete or hf_complete(model, tokenizer, offload)
     spec, e = task.spec, task.spec.eval
     rows = task.held_out(split)[: size or e.size]
     formatted = [format_row(spec, r) for _, r in rows]
     ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
 
     if spec.episode is not None:
+        if model is None:
+            raise ConfigError(
+                f"[task] {task.name}: a task with [task.episode] is evaluated by a model of "
+                "the evaluating process ([trainer] eval_on = 'trainer'), not on the engines"
+            )
         greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer, offload)
     else:
-        greedy = await offload(
-            generate, model, tokenizer, ids, max_new_tokens=e.max_new_tokens, seed=seed
-        )
+        greedy = await complete(ids, max_new_tokens=e.max_new_tokens, seed=seed)
     scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy, split)]
     n = max(len(rows), 1)
     result = TaskEval(
@@ -244,15 +280,8 @@ async def evaluate_task(
     )
     if e.k == 1 or spec.episode is not None or greedy_only:  # episodes: greedy pass@1 only
         return result
-    sampled = await offload(
-        generate,
-        model,
-        tokenizer,
-        ids,
-        k=e.k,
-        temperature=e.temperature,
-        seed=seed,
-        max_new_tokens=e.max_new_tokens,
+    sampled = await complete(
+        ids, k=e.k, temperature=e.temperature, seed=seed, max_new_tokens=e.max_new_tokens
     )
     scored_k = await _score(scorer, task.name, rows, sampled, split)
     solved = [any(correct(spec, r) for r in rs) for rs in scored_k]
@@ -272,6 +301,7 @@ async def evaluate(
     split: Split = "validation",
     greedy_only: bool = False,
     offload: Offload = asyncio.to_thread,
+    complete: Complete | None = None,
 ) -> EvalReport:
     """Every task with rows of `split`, evaluated (tasks without them are left out)."""
     return EvalReport(
@@ -286,6 +316,7 @@ async def evaluate(
                 split=split,
                 greedy_only=greedy_only,
                 offload=offload,
+                complete=complete,
             )
             for name, t in loaded.items()
             if t.held_out(split)

@@ -30,6 +30,9 @@ class HeldOut:
 
     def __init__(self, s: TrainerSettings) -> None:
         self.enabled = bool(s.eval_every)
+        # eval_on = "engines": the split is checked and loaded here all the same (a missing
+        # one fails at start-up), but nothing generates or scores in this process
+        self.here = self.enabled and s.eval_on == "trainer"
         self.tasks = s.task_set()
         self.loaded = self.tasks.load() if self.enabled else {}
         if self.enabled and not any(t.validation for t in self.loaded.values()):
@@ -37,7 +40,16 @@ class HeldOut:
                 f"[task] eval: [trainer] eval_every = {s.eval_every} needs a held-out split: "
                 "set eval.holdout = 0.1 (a fraction of the source) or eval.source (a test file)"
             )
+        if self.enabled and s.eval_on == "engines":
+            for name, t in self.loaded.items():
+                if t.spec.episode is not None:
+                    raise ConfigError(
+                        f"[trainer] eval_on = 'engines': task {name!r} has [task.episode], "
+                        "whose held-out episodes run with a model of the evaluating process: "
+                        "set eval_on = 'trainer'"
+                    )
         self.remote = s.sandbox_socket
+        self.loaded_models: Any = None  # a counter of model copies loaded (the trainer's metric)
         # the model load and generation: one thread at eval_nice, never the training step's
         self.cpu = niced_pool(s.eval_nice, "heldout")
         self.offload = offload_to(self.cpu)
@@ -45,7 +57,7 @@ class HeldOut:
         self.tools: ToolPool | None = None  # tasks with episodes: their tools' sandbox
 
     async def __aenter__(self) -> HeldOut:
-        if self.enabled:
+        if self.here:
             self.pool = verifier_pool(self.tasks, remote=self.remote)
             await self.pool.start()
             self.tools = tool_pool(self.tasks, self.remote)
@@ -63,6 +75,8 @@ class HeldOut:
     async def run(self, path: Path) -> EvalReport:
         assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
         model, tok = await self.offload(load_model, path)
+        if self.loaded_models is not None:
+            self.loaded_models.inc()
         scorer = Scorer(self.tasks, self.pool, self.tools)
         return await evaluate(
             model, tok, self.loaded, scorer, split="validation", offload=self.offload

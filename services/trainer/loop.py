@@ -14,7 +14,9 @@ Rank 0 runs this loop (all NATS I/O); every rank runs each step
     record    the metrics row (metrics.py); when due, the held-out evaluation is
               handed to evaluating.py, which runs it beside the next steps (at most
               one in flight; its result a row of its own; the best one's weights
-              kept: best.py)
+              kept: best.py), or, with `eval_on = "engines"`, asked of the engines
+              before the version is announced (engine_evals.py: sync runs it on an
+              engine held at that version and sends the result back)
 
 Overlap. In one process, publishing is not on the critical path: step N's
 publish and record run while step N+1 trains, and step N+2 waits for them.
@@ -37,6 +39,7 @@ from typing import Any
 from services.runtime.lifecycle import ServiceContext
 from services.runtime.malloc import release_free_memory
 from services.trainer.batches import Batch, BatchReader
+from services.trainer.engine_evals import EngineEvaluations
 from services.trainer.evalbudget import EvalBudget
 from services.trainer.evaluating import Evaluations
 from services.trainer.heldout import HeldOut
@@ -62,10 +65,16 @@ class RLLoop:
         self.recorder = Recorder(ctx.registry, s)
         self.publisher = Publisher(ctx, s, trainer, self.recorder.metrics)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
+        self.heldout.loaded_models = self.recorder.metrics.eval_models_loaded
         budget = EvalBudget(s.eval_max_share)  # due evaluations deferred while over it
-        self.evals = Evaluations(
-            self.heldout, self.recorder, s.checkpoint_dir, self.step_now, budget
-        )
+        self.evals: Evaluations | EngineEvaluations
+        if s.eval_on == "engines":  # sync runs them on the engines; results come back here
+            self.evals = EngineEvaluations(ctx, self.recorder, s.checkpoint_dir, self.step_now,
+                                           budget, s.eval_result_timeout_s)  # fmt: skip
+        else:  # a model copy here, generating on a thread beside the steps
+            self.evals = Evaluations(
+                self.heldout, self.recorder, s.checkpoint_dir, self.step_now, budget
+            )
         self.previous = Previous()
 
     def step_now(self) -> int:
@@ -101,9 +110,13 @@ class RLLoop:
         await self.publisher.save(batch, r)
         row = self.recorder.row(batch.wire, r, batch.waited_s)
         if r.published is not None:
+            due = bool(self.s.eval_every) and r.step % self.s.eval_every == 0
+            last = self.s.max_steps is not None and r.step >= self.s.max_steps
+            engines = self.s.eval_on == "engines"
+            if due and engines:  # asked before announced: sync can hold an engine on it
+                await self.evals.submit(r.step, r.published, row["elapsed"], last=last)
             await self.publisher.announce(r.step, r.published, r.sha256, r.size_bytes)
-            if self.s.eval_every and r.step % self.s.eval_every == 0:
-                last = self.s.max_steps is not None and r.step >= self.s.max_steps
+            if due and not engines:
                 await self.evals.submit(r.step, r.published, row["elapsed"], last=last)
         self.recorder.write(row)  # last: a row means its step is checkpointed
         self.recorder.log_step(row, r, batch.waited_s)
@@ -122,6 +135,8 @@ class RLLoop:
         reconcile_rows(self.s.metrics_file, self.s.checkpoint_dir)
         try:
             async with self.reader, self.heldout:
+                if isinstance(self.evals, EngineEvaluations) and self.heldout.enabled:
+                    await self.evals.open()
                 try:
                     yield
                 except BaseException:
@@ -129,6 +144,8 @@ class RLLoop:
                     raise
                 finally:
                     await self.previous.done()
+                    if isinstance(self.evals, EngineEvaluations):
+                        await self.evals.close_results()
         finally:
             self.recorder.close()
 

@@ -127,6 +127,11 @@ class TrainerMetrics:
             "Due held-out evaluations deferred (not run) because the evaluations' measured cost "
             "to the steps beside them was over [trainer] eval_max_share of the RL wall time.",
         )
+        self.eval_models_loaded = m.counter(
+            "eval_models_loaded",
+            "Model copies this trainer loaded to generate held-out evaluations itself "
+            "([trainer] eval_on = 'trainer'); stays 0 when the engines evaluate.",
+        )
         self.eval_cost_share = m.gauge(
             "eval_cost_share",
             "Running estimate of the share of RL wall time the held-out evaluations cost the "

@@ -433,6 +433,21 @@ class TrainerSettings(TaskServiceSettings):
         "of the RL seconds so far. The step-0 evaluation and a run's last step's are never "
         "deferred. 1.0 or None: evaluate at every eval_every (docs/learning.md).",
     )
+    eval_on: Literal["engines", "trainer"] = Field(
+        "trainer",
+        description="Who generates the held-out evaluations: 'engines' asks sync to run each "
+        "due version on an engine serving exactly that version (held there until it ran; "
+        "each answer's version checked), and records the result it sends back: no model "
+        "copy in the trainer, the result known seconds after the version is on an engine. "
+        "'trainer' loads the version here and generates on a thread at eval_nice (the path "
+        "before; tasks with [task.episode] need it).",
+    )
+    eval_result_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="eval_on = 'engines': how long a run that ended by itself waits for the "
+        "results still out (then it ends, saying which versions were never reported).",
+    )
     eval_nice: int = Field(
         19,
         ge=0,

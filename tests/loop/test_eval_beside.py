@@ -1,5 +1,6 @@
 """Held-out evaluation runs beside training: the trainer keeps stepping while one is in
-flight (services/trainer/evaluating.py).
+flight (services/trainer/evaluating.py: `eval_on = "trainer"`, a model copy in the trainer;
+the engines' path: test_eval_engines.py).
 
 One stack (a CPU engine and its rollout worker, sync, trainer, buffer; real
 NATS) on the tiny model, with an evaluation made slow on purpose (many
@@ -53,7 +54,7 @@ def config(root: Path, model: Path) -> str:
         # eval_max_share 1.0: every due version evaluated or skipped for a newer one, never
         # deferred for its cost (what this test reads; the deferral: test_eval_budget.py)
         trainer={"publish_every": 1, "eval_every": EVAL_EVERY, "max_steps": STEPS,
-                 "eval_max_share": 1.0,
+                 "eval_max_share": 1.0, "eval_on": "trainer",
                  "runtime": {"cpu_threads": 1}, "optim": {"lr": 1e-3}},
         sync={"tick_s": 0.1, "keep_last": 2},
     )  # fmt: skip

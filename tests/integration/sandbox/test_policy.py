@@ -139,7 +139,7 @@ def test_the_trainers_held_out_evaluation_runs_tools_and_rewards_in_the_sandbox(
         "eval": {"holdout": 0.2},
         "episode": episode({"type": "python"}),
     }
-    s = TrainerSettings(run="heldout-sandbox", task=task, eval_every=1)
+    s = TrainerSettings(run="heldout-sandbox", task=task, eval_every=1, eval_on="trainer")
     py = {"type": "python", "tag": "python", "description": ""}
     code = f"open({str(best)!r}, 'w').write('pwned')"
 

@@ -22,7 +22,9 @@ TASK = {
 
 @pytest.mark.parametrize("nice", [19, 0])
 def test_heldout_generates_on_a_thread_at_eval_nice(tiny_model_dir: Path, nice: int) -> None:
-    s = TrainerSettings(run="heldout-nice", task=TASK, eval_every=1, eval_nice=nice)
+    s = TrainerSettings(
+        run="heldout-nice", task=TASK, eval_every=1, eval_nice=nice, eval_on="trainer"
+    )
     caller = thread_nice()
 
     async def body() -> tuple[TaskEval, int, int]:

@@ -26,11 +26,14 @@ from proto.messages import (
     Chunk,
     DeadLetter,
     EngineHeartbeat,
+    EvalRequest,
+    EvalResult,
     FinishReason,
     PromptTask,
     Sample,
     SampleGroup,
     SamplingParams,
+    TaskEvalResult,
     TrainBatch,
     WeightsChunk,
     WeightsPublished,
@@ -140,6 +143,35 @@ STRATEGIES = {
     ),
     "WeightsReady": st.builds(
         WeightsReady, run=ids, version=versions, engines=st.lists(ids, max_size=4).map(tuple)
+    ),
+    "EvalRequest": st.builds(EvalRequest, run=ids, version=versions, requested_at=times),
+    "EvalResult": st.builds(
+        EvalResult,
+        run=ids,
+        version=versions,
+        outcome=st.just("evaluated"),
+        tasks=st.lists(
+            st.builds(
+                TaskEvalResult,
+                name=ids,
+                total=st.integers(0, 10**6),
+                pass_at_1=st.floats(0.0, 1.0),
+                mean_reward=st.floats(-10.0, 10.0),
+                k=st.integers(1, 64),
+                pass_at_k=st.none() | st.floats(0.0, 1.0),
+            ),
+            min_size=1,
+            max_size=3,
+        ).map(tuple),
+        engines=st.lists(ids, max_size=4).map(tuple),
+        finished_at=times,
+    )
+    | st.builds(
+        EvalResult,
+        run=ids,
+        version=versions,
+        outcome=st.sampled_from(["skipped", "aborted"]),
+        reason=st.text(max_size=100),
     ),
     "EngineHeartbeat": st.builds(
         EngineHeartbeat,
@@ -452,3 +484,22 @@ def test_train_batch_with_non_finite_values_names_the_field(where, value, field)
         codec.decode(codec.encode(batch.groups[0]), SampleGroup)
     assert e.value.field == field.removeprefix("groups.0.")
     assert codec.decode(codec.encode(ex), TrainBatch) == ex
+
+
+def test_an_evaluation_result_has_figures_exactly_when_evaluated() -> None:
+    """An EvalResult that says `evaluated` carries its figures; a skipped or aborted one
+    carries none (the trainer writes a row from the figures, a log line from the reason)."""
+    good = EXAMPLES["EvalResult"]
+    assert codec.message_id(good) == "golden:evaluated:validation:v4"
+    assert codec.message_id(EXAMPLES["EvalRequest"]) == "golden:evaluate:validation:v4"
+    body = _body("EvalResult")
+    body["tasks"] = []
+    with pytest.raises(SchemaViolation, match="tasks"):
+        codec.decode(_pack(body), EvalResult)
+    body = _body("EvalResult")
+    body["outcome"] = "skipped"
+    with pytest.raises(SchemaViolation, match="tasks"):
+        codec.decode(_pack(body), EvalResult)
+    body["tasks"] = []
+    body["reason"] = "the engines went from v3 to v5"
+    assert codec.decode(_pack(body), EvalResult).outcome == "skipped"
