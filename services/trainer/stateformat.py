@@ -129,8 +129,8 @@ def _save_fsynced(obj: Any, path: Path) -> None:
 
     `torch.load` never checks those CRCs (tests/unit/trainer/test_stateformat.py
     shows a flipped data byte loading silently), so computing them is work
-    nothing reads: for SmolLM2-135M's 1.6 GB of model and AdamW state, 0.4-1.3
-    of the ~2 CPU s a checkpoint took (bench/results_sync.md, "What a version
+    nothing reads: for SmolLM2-135M's 1.6 GB of model and AdamW state, 0.32 ->
+    0.06 user CPU s per checkpoint (bench/results_sync.md, "What a version
     costs"). What makes a checkpoint trustworthy is unchanged: it is fsynced
     before it is renamed into place (state.py), so a torn one is never `latest`.
     """
