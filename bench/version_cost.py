@@ -45,7 +45,8 @@ of the loaded bf16 tensors into its float32 parameters as `.to()` then
 
 Not measured here: sync's own handling of a version (for `disk`: decode
 the message, confine the URI, one HTTP call per engine, one WeightsReady),
-which moves no weight bytes.
+which moves no weight bytes; bench/sync.py measures it on a real sync
+process (its CPU table).
 """
 
 from __future__ import annotations
