@@ -22,6 +22,12 @@ chunks, reports the copy in its heartbeat).
   JetStream publish and ordered-consumer read of the same bytes in the same
   piece sizes (what nats-server and nats-py can do here at all).
 
+Also the CPU seconds the sync process and the engine process spent per
+version, publish to WeightsReady (utime + stime from /proc, in clock ticks
+of 10 ms; sync's include its idle ticks at `tick_s = 0.01` over that time):
+what a version costs those two processes (issue 45; the trainer's side and
+an engine's load by stage: bench/version_cost.py).
+
 Targets (issue 6): disk publish→ready ≤ 1.5× the raw copy; NATS transport
 ≥ 500 MB/s on loopback. Medians of `--reps` versions per size.
 """
@@ -132,6 +138,12 @@ def raw_copy_s(src: Path, dst_root: Path) -> float:
     return took
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 class Bench:
     def __init__(self, nc, js, root: Path, max_payload: int) -> None:
         self.nc, self.js, self.root = nc, js, root
@@ -141,6 +153,7 @@ class Bench:
         self.hb: EngineHeartbeat | None = None
         self.version = 0
         self.beating: asyncio.Task[None] | None = None
+        self.pids: dict[str, int] = {}  # "sync", "engine": whose CPU a version costs
 
     async def start(self) -> None:
         async def on_ready(msg) -> None:
@@ -196,6 +209,7 @@ async def engine_for(b: Bench, model: Path, name: str, check: str, tmp: Path, lo
                    {"FLYWHEEL_ENGINE_NUM_THREADS": "4", "FLYWHEEL_ENGINE_WEIGHTS_CHECK": check},
                    log_dir / f"{engine_id}.log")  # fmt: skip
     local = tmp / "local" / engine_id
+    b.pids["engine"] = engine.pid
     try:
         await asyncio.to_thread(wait_http, f"{url}/health_generate", engine)
         b.beat(engine_id, url, b.version, local, None)
@@ -228,6 +242,7 @@ async def one_version(
 
     m = await asyncio.to_thread(write_weights_dir, target, save)
     out["copy"].append(await asyncio.to_thread(raw_copy_s, target, tmp / "copies"))
+    cpu0 = {who: proc_cpu_s(pid) for who, pid in b.pids.items()}
     t0 = time.perf_counter()
     if transport == "nats":
         up = await upload(b.js, RUN, v, target, max_payload=b.max_payload)
@@ -241,6 +256,8 @@ async def one_version(
         await b.announce(v, target.resolve().as_uri(), m)
     done = await b.wait_ready(v)
     out[transport].append(done - t0)
+    for who, pid in b.pids.items():
+        out.setdefault(f"cpu_{who}_{transport}", []).append(proc_cpu_s(pid) - cpu0[who])
     if transport == "nats":  # after the timed path, so it does not add to it
         pub_s, sub_s = await raw_jetstream_s(b.js, target, b.max_payload)
         out["js_pub"].append(pub_s)
@@ -302,6 +319,7 @@ async def main(args: argparse.Namespace) -> None:
         try:
             await asyncio.to_thread(wait_http, f"http://127.0.0.1:{port}/readyz", sync)
             b = Bench(nc, js, tmp, nc.max_payload)
+            b.pids["sync"] = sync.pid
             await b.start()
             for name in args.sizes.split(","):
                 row = await run_size(b, name, args.reps, tmp, log_dir)
@@ -339,6 +357,18 @@ async def main(args: argparse.Namespace) -> None:
             f"| {mb / r['js_sub']:.0f} MB/s | {r['js_sub'] / r['down']:.2f}× "
             f"| {mb / (r['up'] + r['down']):.0f} MB/s "
             f"| {mb / (r['js_pub'] + r['js_sub']):.0f} MB/s |"
+        )
+    print()
+    print("CPU seconds per version, publish → WeightsReady (median; /proc, 10-ms ticks):")
+    print()
+    print("| model | sync, disk | engine, disk (sha256 check) | engine, disk (sizes check) "
+          "| sync, nats | engine, nats |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['name']} | {r['cpu_sync_disk']:.3f} | {r['cpu_engine_disk']:.3f} "
+            f"| {r['cpu_engine_disk_sizes']:.3f} | {r['cpu_sync_nats']:.3f} "
+            f"| {r['cpu_engine_nats']:.3f} |"
         )
 
 

@@ -242,7 +242,10 @@ class ModelRunner:
                 )
         with torch.no_grad():
             for name, tensor in loaded.items():
-                live[name].copy_(tensor.to(live[name].dtype))
+                # copy_ converts the dtype as it copies (bf16 published, float32 served): a
+                # `.to()` first wrote a whole float32 copy to copy again, 0.10 vs 0.02 CPU s
+                # for SmolLM2-135M (bench/results_sync.md, "What a version costs")
+                live[name].copy_(tensor)
         self.model_dir = p
         self._cache = None
         log.info("loaded weights from %s (%d tensors)", p, len(loaded))
