@@ -131,11 +131,11 @@ async def get_load(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    """No prefix cache on CPU, but SGLang's rule: refused (400) unless nothing is in flight."""
+    """Drop the prefix cache; SGLang's rule: refused (400) unless nothing is in flight."""
     import asyncio
 
     state = request.app[STATE]
-    ok = await asyncio.wrap_future(state.scheduler.flush_possible())
+    ok = await asyncio.wrap_future(state.scheduler.flush_cache())
     if ok:
         return web.Response(text=FLUSHED, status=200)
     text = "Flush cache failed.\n" if state.caps.at_least(0, 5, 22) else FLUSHED

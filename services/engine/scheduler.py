@@ -27,7 +27,9 @@ held) to finish; one asked for while paused loads at once (SGLang takes no
 lock then: 0.5.6+; 0.5.4 takes it, but its pause has aborted every reader).
 Then, as SGLang's scheduler does, it records the version change on every
 live request (tokens so far came from the old version: `weight_versions`
-spans) and, if asked, flushes the cache, which needs no running request and
+spans) and, if asked, flushes the prefix cache (`Batch.prefix_cache`: it
+would otherwise serve prefixes the old weights computed, as SGLang's radix
+cache does after an update without a flush), which needs no running request and
 (before 0.5.22, or unpaused) no waiting one. A refused flush fails the
 update with SGLang's 400 message (0.5.22+) or kills the scheduler as
 SGLang's assertion did (`crashed`, before). Requests held by the update are
@@ -83,6 +85,7 @@ class Scheduler:
         max_running_requests: int = 64,
         random_seed: int = 0,
         caps: Capabilities | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.runner = runner
         self.caps = caps or Capabilities((0, 5, 23))
@@ -94,7 +97,7 @@ class Scheduler:
         self.crashed: str | None = None
         self._finished_at = 0.0
         self.max_running = max_running_requests
-        self._batch = Batch(runner, eos, decode, random_seed)
+        self._batch = Batch(runner, eos, decode, random_seed, prefix_cache_bytes)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waiting: deque[Seq] = deque()
         self._paused = False
@@ -182,8 +185,16 @@ class Scheduler:
         return self.run(cmd)
 
     def flush_possible(self) -> Future[bool]:
-        """Whether SGLang would flush its cache now (for /flush_cache)."""
+        """Whether SGLang would flush its cache now (without flushing it)."""
         return self.run(self._flush_possible)
+
+    def flush_cache(self) -> Future[bool]:
+        """`/flush_cache`: drop the prefix cache if SGLang would flush now; whether it did."""
+        return self.run(self._flush)
+
+    def prefix_cache_entries(self) -> Future[int]:
+        """How many prefixes the cache holds (for tests and the bench)."""
+        return self.run(lambda: len(self._batch.prefix_cache))
 
     def load(self) -> dict[str, Any]:
         """A racy but consistent-enough snapshot for /v1/loads (ints read atomically)."""
@@ -314,6 +325,7 @@ class Scheduler:
             spans=version_spans(seq.events, self.served_version, n),
             retractions=seq.retractions,
             input_logprobs=seq.input_logprobs,
+            cached_tokens=seq.cached_tokens or 0,
         )
         self._finished_at = time.time()
         try:
@@ -377,7 +389,7 @@ class Scheduler:
             self.served_version = upd.version
         # An unlocked update was asked for while paused; SGLang's scheduler handles
         # it before any /continue_generation that came after it.
-        if upd.flush and not self._flush_possible(paused=self._paused or not upd.locked):
+        if upd.flush and not self._flush(paused=self._paused or not upd.locked):
             if not self.caps.flush_refusal_is_400:
                 why = f"AssertionError: {FLUSH_ASSERT}"
                 self.crashed = f"the engine scheduler crashed: {why}"
@@ -387,6 +399,16 @@ class Scheduler:
         if upd.version is not None:
             self.weight_version = upd.version
         return True, message, 0
+
+    def _flush(self, paused: bool | None = None) -> bool:
+        """SGLang's `Scheduler.flush_cache`: drop every cached prefix, only when fully idle
+        (a refused flush keeps them, also those the old weights computed)."""
+        if not self._flush_possible(paused):
+            log.warning("cache not flushed: requests are running or queued")
+            return False
+        dropped = self._batch.prefix_cache.clear()
+        log.info("cache flushed (%d prefixes)", dropped)
+        return True
 
     def _flush_possible(self, paused: bool | None = None) -> bool:
         """SGLang's `flush_cache` precondition (`is_fully_idle`): nothing running, and
