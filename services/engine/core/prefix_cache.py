@@ -24,6 +24,13 @@ cannot evict a prefix a running request holds; here nothing is shared to
 protect). Capacity 0 is the cache switched off (SGLang's
 `--disable-radix-cache`).
 
+Lookups walk a token trie (one per LoRA load), whose nodes know which
+entries pass through them: a match costs one dict step per matched token,
+whatever the number of entries (a scan of every entry, per sequence
+admitted, would cost more than the prefill it saves once thousands of small
+prompts fit in the bound). Entries are numbered, so the trie's sets hold
+ints, not token tuples to hash.
+
 The values are opaque (the engine stores per-layer tensors); this module
 only keys, weighs, matches and evicts them, so it is tested without torch.
 """
@@ -31,33 +38,22 @@ only keys, weighs, matches and evicts them, so it is tested without torch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
-Key = tuple[str | None, tuple[int, ...]]
-"""(lora_id, token ids): the same tokens under another adapter are another prefix."""
 
-
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the longest common prefix of two token tuples (binary search over
-    slice equality, which compares in C: O(n log n) element compares, no Python loop
-    per token)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # invariant: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1] when hi < n
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    through: set[int] = field(default_factory=set)  # ids of the entries on this path
+    ends: int | None = None  # the entry whose tokens end here
 
 
 @dataclass
-class Entry(Generic[V]):
+class _Entry(Generic[V]):
+    lora_id: str | None
     tokens: tuple[int, ...]
     value: V
     nbytes: int
@@ -78,7 +74,9 @@ class PrefixCache(Generic[V]):
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0 bytes, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[Key, Entry[V]] = OrderedDict()  # oldest use first
+        self._entries: OrderedDict[int, _Entry[V]] = OrderedDict()  # oldest use first
+        self._roots: dict[str | None, _Node] = {}  # one trie per LoRA load (None: base)
+        self._next_id = 0
         self.nbytes = 0
         self.hits = 0  # lookups that matched at least one token
         self.lookups = 0
@@ -91,33 +89,40 @@ class PrefixCache(Generic[V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _walk(self, lora_id: str | None, tokens: tuple[int, ...], limit: int) -> tuple[int, _Node]:
+        """How far `tokens[:limit]` goes down the trie, and the node it reaches."""
+        node = self._roots.get(lora_id)
+        if node is None:
+            return 0, _Node()
+        depth = 0
+        for tok in tokens[:limit]:
+            child = node.children.get(tok)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        return depth, node
+
     def match(self, lora_id: str | None, tokens: tuple[int, ...], limit: int) -> Match[V]:
         """The longest cached prefix of `tokens` under `lora_id`, at most `limit` tokens
         long (the engine passes len - 1: the last prompt token is always computed, for
         its logits, as SGLang's `_compute_max_prefix_len` does)."""
         self.lookups += 1
-        best: tuple[int, Key] | None = None
-        if limit > 0:
-            for key, entry in self._entries.items():
-                if key[0] != lora_id:
-                    continue
-                n = min(common_prefix(entry.tokens, tokens), limit)
-                if n > 0 and (best is None or n > best[0]):
-                    best = (n, key)
-        if best is None:
+        depth, node = self._walk(lora_id, tokens, max(limit, 0))
+        if depth == 0:
             return Match(0, None)
         self.hits += 1
-        self._entries.move_to_end(best[1])
-        return Match(best[0], self._entries[best[1]].value)
+        entry_id = max(node.through)  # any entry on the path holds it; the newest
+        self._entries.move_to_end(entry_id)
+        return Match(depth, self._entries[entry_id].value)
 
     def covered(self, lora_id: str | None, tokens: tuple[int, ...]) -> bool:
         """Whether some entry already holds all of `tokens` (inserting them would add
         nothing); refreshes that entry."""
-        for key, entry in self._entries.items():
-            if key[0] == lora_id and entry.tokens[: len(tokens)] == tokens:
-                self._entries.move_to_end(key)
-                return True
-        return False
+        depth, node = self._walk(lora_id, tokens, len(tokens))
+        if depth < len(tokens) or not tokens:
+            return False
+        self._entries.move_to_end(max(node.through))
+        return True
 
     def insert(self, lora_id: str | None, tokens: tuple[int, ...], value: V, nbytes: int) -> bool:
         """Store `value` (the KV of all of `tokens`); False when it is not stored (empty,
@@ -126,16 +131,18 @@ class PrefixCache(Generic[V]):
         entries go until it fits."""
         if not tokens or nbytes > self.capacity or self.covered(lora_id, tokens):
             return False
-        for key in [
-            k
-            for k, e in self._entries.items()
-            if k[0] == lora_id and tokens[: len(e.tokens)] == e.tokens
-        ]:
-            self._drop(key)
+        for prefix in self._prefix_entries(lora_id, tokens):
+            self._drop(prefix)
         while self._entries and self.nbytes + nbytes > self.capacity:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
-        self._entries[(lora_id, tokens)] = Entry(tokens, value, nbytes)
+        entry_id, self._next_id = self._next_id, self._next_id + 1
+        node = self._roots.setdefault(lora_id, _Node())
+        for tok in tokens:
+            node = node.children.setdefault(tok, _Node())
+            node.through.add(entry_id)
+        node.ends = entry_id
+        self._entries[entry_id] = _Entry(lora_id, tokens, value, nbytes)
         self.nbytes += nbytes
         return True
 
@@ -143,8 +150,35 @@ class PrefixCache(Generic[V]):
         """Drop every entry (a flush); the number dropped."""
         n = len(self._entries)
         self._entries.clear()
+        self._roots.clear()
         self.nbytes = 0
         return n
 
-    def _drop(self, key: Key) -> None:
-        self.nbytes -= self._entries.pop(key).nbytes
+    def _prefix_entries(self, lora_id: str | None, tokens: tuple[int, ...]) -> list[int]:
+        node = self._roots.get(lora_id)
+        found: list[int] = []
+        for tok in tokens:
+            if node is None:
+                break
+            node = node.children.get(tok)
+            if node is not None and node.ends is not None:
+                found.append(node.ends)
+        return found
+
+    def _drop(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self.nbytes -= entry.nbytes
+        node = self._roots[entry.lora_id]
+        path = []
+        for tok in entry.tokens:
+            path.append((node, tok))
+            node = node.children[tok]
+            node.through.discard(entry_id)
+        if node.ends == entry_id:
+            node.ends = None
+        for parent, tok in reversed(path):  # prune the branch no entry uses any more
+            if parent.children[tok].through:
+                break
+            del parent.children[tok]
+        if not self._roots[entry.lora_id].children:
+            del self._roots[entry.lora_id]

@@ -4,22 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.core.prefix_cache import PrefixCache, common_prefix
-
-
-@pytest.mark.parametrize(
-    ("a", "b", "n"),
-    [
-        ((), (1, 2), 0),
-        ((1, 2, 3), (1, 2, 3), 3),
-        ((1, 2, 3), (1, 2), 2),
-        ((1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 9, 5, 6, 7), 3),
-        ((7, 2), (1, 2), 0),
-        (tuple(range(100)), (*range(63), -1), 63),
-    ],
-)
-def test_common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
-    assert common_prefix(a, b) == n == common_prefix(b, a)
+from services.engine.core.prefix_cache import PrefixCache
 
 
 def test_match_is_the_longest_common_prefix_capped_at_the_limit() -> None:
@@ -64,6 +49,31 @@ def test_full_evicts_the_least_recently_used_and_refuses_what_never_fits() -> No
     assert cache.match(None, (0, 0, 5), limit=2).value == "e0"
     assert not cache.insert(None, (4, 0), "huge", 31)  # larger than the whole bound
     assert len(cache) == 3 and cache.nbytes <= cache.capacity
+
+
+def test_an_evicted_entry_leaves_the_prefix_it_shared_to_the_others() -> None:
+    cache: PrefixCache[str] = PrefixCache(20)
+    cache.insert(None, (1, 2, 3), "A", 10)
+    cache.insert(None, (1, 2, 4), "B", 10)
+    cache.insert(None, (9,), "C", 10)  # A, the oldest, goes
+    assert cache.match(None, (1, 2, 3, 5), limit=4) == cache.match(None, (1, 2, 9), limit=3)
+    m = cache.match(None, (1, 2, 3, 5), limit=4)
+    assert (m.length, m.value) == (2, "B")
+    cache.insert(None, (7,), "D", 10)  # C goes (B was just used)
+    cache.insert(None, (8,), "E", 10)  # B goes: nothing is left on (1, 2)
+    assert len(cache) == 2
+    assert cache.match(None, (1, 2, 3), limit=3).length == 0
+    assert not cache.covered(None, (1,))
+
+
+def test_many_entries_match_in_one_walk() -> None:
+    """Thousands of prompts: a lookup follows the query's tokens, not every entry."""
+    cache: PrefixCache[int] = PrefixCache(10**9)
+    for i in range(5000):
+        cache.insert(None, (7, 7, i // 100, i % 100, 1, 2, 3), i, 100)
+    assert len(cache) == 5000
+    m = cache.match(None, (7, 7, 42, 17, 1, 2, 9), limit=6)
+    assert (m.length, m.value) == (6, 4217)
 
 
 def test_clear_and_disabled() -> None:
