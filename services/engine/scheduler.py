@@ -63,7 +63,13 @@ from services.engine.core.sequence import (
     UpdateRefused,
     answer,
 )
-from services.engine_api.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
+from services.engine_api.sglang_api import (
+    FLUSH_ASSERT,
+    FLUSH_IN_PROGRESS,
+    FLUSH_REFUSED,
+    FLUSH_TIMED_OUT,
+    Capabilities,
+)
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerCrashed", "SchedulerStopped", "Seq"]
 
@@ -102,6 +108,8 @@ class Scheduler:
         self._waiting: deque[Seq] = deque()
         self._paused = False
         self._update: Update | None = None
+        # A /flush_cache?timeout= waiting for an idle moment: its answer and deadline.
+        self._pending_flush: tuple[Future[tuple[bool, str]], float] | None = None
         self._stop = False
         self._step_sleep = 0.0  # SGLang's /slow_down, for tests that need requests mid-flight
         # LoRA (set by the LoRA routes, services/engine/lora_api.py): at most this many
@@ -188,9 +196,39 @@ class Scheduler:
         """Whether SGLang would flush its cache now (without flushing it)."""
         return self.run(self._flush_possible)
 
-    def flush_cache(self) -> Future[bool]:
-        """`/flush_cache`: drop the prefix cache if SGLang would flush now; whether it did."""
-        return self.run(self._flush)
+    def flush_cache(self, timeout_s: float = 0.0) -> Future[tuple[bool, str]]:
+        """`/flush_cache`: drop the prefix cache if SGLang would flush now; resolves to
+        (flushed, SGLang's message). With `timeout_s` > 0 (0.5.10+) a flush that cannot
+        happen now waits for the first idle moment (`is_fully_idle` counting the waiting
+        queue, paused or not) and fails at the deadline, as SGLang's deferred flush; one
+        such wait at a time."""
+
+        def cmd() -> tuple[bool, str] | None:
+            if self._pending_flush is not None:
+                return False, FLUSH_IN_PROGRESS
+            if timeout_s <= 0:
+                return self._flush(), ""
+            if self._flush_possible(paused=False):
+                return self._flush(), ""
+            self._pending_flush = (fut, time.monotonic() + timeout_s)
+            return None
+
+        fut: Future[tuple[bool, str]] = Future()
+
+        def run() -> None:
+            try:
+                result = cmd()
+            except Exception as e:  # noqa: BLE001 -- handed to the awaiting caller
+                answer(fut, error=e)
+                return
+            if result is not None:
+                answer(fut, result)
+
+        if not self.alive():
+            fut.set_exception(self._stopped())
+        else:
+            self._commands.put(run)
+        return fut
 
     def prefix_cache_entries(self) -> Future[int]:
         """How many prefixes the cache holds (for tests and the bench)."""
@@ -255,6 +293,7 @@ class Scheduler:
                 self._drain_commands(block=not self._has_work())
                 if self._stop:
                     break
+                self._check_pending_flush()
                 self._maybe_update()
                 self._step()
         except SchedulerCrashed as e:
@@ -266,6 +305,8 @@ class Scheduler:
             log.critical(self.crashed, exc_info=True)
             return
         self._abort_matching(None, True, "Engine shutting down")
+        if self._pending_flush is not None:
+            answer(self._pending_flush[0], error=self._stopped())
 
     def _step(self) -> None:
         try:
@@ -305,7 +346,13 @@ class Scheduler:
 
     def _drain_commands(self, block: bool) -> None:
         if block:
-            self._commands.get()()
+            # A waiting flush must still see its deadline while nothing else happens.
+            pending = self._pending_flush
+            wait = None if pending is None else max(0.0, pending[1] - time.monotonic())
+            try:
+                self._commands.get(timeout=wait)()
+            except queue.Empty:
+                return
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -399,6 +446,20 @@ class Scheduler:
         if upd.version is not None:
             self.weight_version = upd.version
         return True, message, 0
+
+    def _check_pending_flush(self) -> None:
+        """SGLang's `check_pending`, once per loop after the commands: flush at the first
+        idle moment, or answer the timeout."""
+        if self._pending_flush is None:
+            return
+        fut, deadline = self._pending_flush
+        if self._flush_possible(paused=False):
+            self._pending_flush = None
+            answer(fut, (self._flush(), ""))
+        elif time.monotonic() >= deadline:
+            log.warning("deferred flush_cache timed out while waiting for idle state")
+            self._pending_flush = None
+            answer(fut, (False, FLUSH_TIMED_OUT))
 
     def _flush(self, paused: bool | None = None) -> bool:
         """SGLang's `Scheduler.flush_cache`: drop every cached prefix, only when fully idle

@@ -18,6 +18,7 @@ from services.engine.core import kvbatch
 from services.engine.core.protocol import Completion, SeqSpec, parse_generate
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
+from services.engine_api.sglang_api import FLUSH_IN_PROGRESS, FLUSH_TIMED_OUT
 from tests.harness.poll import wait_for
 
 PROMPT = [5, 9, 3, 7, 2, 8, 4, 6, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 20 tokens
@@ -172,7 +173,7 @@ def test_flush_cache_and_weight_updates_empty_it_as_sglang_does(
     sched = schedulers(64)
     _run(sched, _specs(_group(2, max_new_tokens=1)))
     assert _cached(sched)
-    assert sched.flush_cache().result(TIMEOUT) is True
+    assert sched.flush_cache().result(TIMEOUT) == (True, "")
     assert not _cached(sched)  # that request cached it again
     # An update with flush_cache false keeps what the old weights computed (SGLang does).
     assert _update(sched, tiny_model, flush=False)[0]
@@ -196,7 +197,7 @@ def test_flush_while_a_request_runs_is_refused_and_keeps_the_cache(schedulers: A
     try:
         # Admitted (so its prompt is cached) and running.
         wait_for(lambda: sched.load()["num_running_reqs"] or None, TIMEOUT, "the long request")
-        assert sched.flush_cache().result(TIMEOUT) is False
+        assert sched.flush_cache().result(TIMEOUT) == (False, "")
         assert sched.prefix_cache_entries().result(TIMEOUT) == 2
     finally:
         sched.abort(abort_all=True).result(TIMEOUT)
@@ -236,3 +237,30 @@ def test_a_real_model_answers_the_same_with_the_cache() -> None:
     finally:
         plain.stop()
         cached.stop()
+
+
+def test_a_flush_with_a_timeout_waits_for_idle_or_times_out(schedulers: Any) -> None:
+    """SGLang 0.5.10+'s deferred flush: at the first idle moment, else at the deadline
+    "Timed out waiting for idle state."; a second one meanwhile is refused."""
+    sched = schedulers(64)
+    sched.slow_down(0.02).result(TIMEOUT)
+    short = _specs(_group(1, [80, 81, 82], max_new_tokens=15))[0]
+    fut: Future[Completion] = Future()
+    sched.submit(short, fut.set_result)
+    wait_for(lambda: sched.load()["num_running_reqs"] or None, TIMEOUT, "the request")
+    waiting = sched.flush_cache(timeout_s=60)
+    assert sched.flush_cache(timeout_s=60).result(TIMEOUT) == (False, FLUSH_IN_PROGRESS)
+    assert waiting.result(TIMEOUT) == (True, "")
+    assert fut.done()  # it flushed once the request had finished
+    assert sched.prefix_cache_entries().result(TIMEOUT) == 0
+    long = _specs(_group(1, [83, 84], max_new_tokens=400))[0]
+    fut = Future()
+    sched.submit(long, fut.set_result)
+    wait_for(lambda: sched.load()["num_running_reqs"] or None, TIMEOUT, "the long request")
+    try:
+        assert sched.flush_cache(timeout_s=0.3).result(TIMEOUT) == (False, FLUSH_TIMED_OUT)
+        assert sched.prefix_cache_entries().result(TIMEOUT) == 1
+    finally:
+        sched.abort(abort_all=True).result(TIMEOUT)
+        sched.slow_down(None).result(TIMEOUT)
+    fut.result(TIMEOUT)
