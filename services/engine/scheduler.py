@@ -338,7 +338,8 @@ class Scheduler:
     def _has_work(self) -> bool:
         decoding = bool(self._running) and not self._paused
         admitting = not self._paused and self._admittable()
-        return decoding or admitting or self._update_due()
+        flushing = self._pending_flush is not None and self._flush_possible(paused=False)
+        return decoding or admitting or self._update_due() or flushing
 
     def _release_held(self) -> None:
         for seq in self._waiting:

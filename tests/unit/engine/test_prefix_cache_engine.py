@@ -250,7 +250,8 @@ def test_a_flush_with_a_timeout_waits_for_idle_or_times_out(schedulers: Any) -> 
     wait_for(lambda: sched.load()["num_running_reqs"] or None, TIMEOUT, "the request")
     waiting = sched.flush_cache(timeout_s=60)
     assert sched.flush_cache(timeout_s=60).result(TIMEOUT) == (False, FLUSH_IN_PROGRESS)
-    assert waiting.result(TIMEOUT) == (True, "")
+    # At the request's end (~0.3 s of decoding), not at its 60-s deadline.
+    assert waiting.result(20) == (True, "")
     assert fut.done()  # it flushed once the request had finished
     assert sched.prefix_cache_entries().result(TIMEOUT) == 0
     long = _specs(_group(1, [83, 84], max_new_tokens=400))[0]
