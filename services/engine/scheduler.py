@@ -203,31 +203,20 @@ class Scheduler:
         queue, paused or not) and fails at the deadline, as SGLang's deferred flush; one
         such wait at a time."""
 
-        def cmd() -> tuple[bool, str] | None:
-            if self._pending_flush is not None:
-                return False, FLUSH_IN_PROGRESS
-            if timeout_s <= 0:
-                return self._flush(), ""
-            if self._flush_possible(paused=False):
-                return self._flush(), ""
-            self._pending_flush = (fut, time.monotonic() + timeout_s)
-            return None
-
         fut: Future[tuple[bool, str]] = Future()
 
-        def run() -> None:
-            try:
-                result = cmd()
-            except Exception as e:  # noqa: BLE001 -- handed to the awaiting caller
-                answer(fut, error=e)
-                return
-            if result is not None:
-                answer(fut, result)
+        def cmd() -> None:
+            if self._pending_flush is not None:
+                answer(fut, (False, FLUSH_IN_PROGRESS))
+            elif timeout_s <= 0 or self._flush_possible(paused=False):
+                answer(fut, (self._flush(), ""))
+            else:
+                self._pending_flush = (fut, time.monotonic() + timeout_s)
 
         if not self.alive():
             fut.set_exception(self._stopped())
         else:
-            self._commands.put(run)
+            self._commands.put(cmd)
         return fut
 
     def prefix_cache_entries(self) -> Future[int]:
