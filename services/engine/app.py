@@ -194,6 +194,7 @@ def create_state(settings: EngineSettings) -> EngineState:
         max_running_requests=settings.max_running_requests,
         random_seed=settings.random_seed,
         caps=caps,
+        prefix_cache_bytes=int(settings.prefix_cache_mib * 2**20),
     )
     scheduler.start()
     return EngineState(

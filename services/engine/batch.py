@@ -4,6 +4,14 @@ The scheduler decides *which* sequences run; this owns *how*: a batched
 prefill that samples each newcomer's first token and joins its cache rows
 (`kvbatch.join`), one decode step for every row, and dropping rows that
 finished. Split from the scheduler so each reads on its own.
+
+With the prefix cache on (`core/prefix_cache.py`), a newcomer's prefill
+starts from the longest cached prefix of its tokens (at most all but the
+last, whose logits it needs) and computes only the rest (`runner.extend`).
+Newcomers that share a prompt (a request's n samples, identical prompts in
+flight) first have that prompt computed once, as SGLang's tokenizer manager
+sends an n > 1 request's prompt ahead of its samples; each sample then
+computes one token on top of it. What a prefill computed is cached.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from services.engine.core import kvbatch
+from services.engine.core.prefix_cache import PrefixCache
 from services.engine.core.sampling import sample_rows, uniform_noise
 from services.engine.core.sequence import Seq, stop_reason
 
@@ -36,6 +45,16 @@ def _params(seqs: list[Seq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
+def _match_limit(seq: Seq, length: int) -> int:
+    """How much of a sequence's `length` tokens may come from the cache: all but the last
+    (its logits are computed), and none past `logprob_start_len` when it asks for prompt
+    logprobs (SGLang's `Req._compute_max_prefix_len`)."""
+    limit = length - 1
+    if seq.spec.input_start is not None:
+        limit = min(limit, seq.spec.input_start)
+    return max(limit, 0)
+
+
 class Batch:
     """Running sequences (`seqs`, row-aligned with `kv`) and the sampler's shared state."""
 
@@ -45,6 +64,7 @@ class Batch:
         eos: frozenset[int],
         decode: Callable[[list[int], bool], str],
         random_seed: int,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         import torch
 
@@ -57,6 +77,7 @@ class Batch:
         self._shared_gen = torch.Generator().manual_seed(random_seed)
         self.generated_tokens = 0  # monotonic counter, read by /v1/loads
         self.last_output = 0.0  # time.time() of the last sampled token
+        self.prefix_cache: PrefixCache[kvbatch.Layers] = PrefixCache(prefix_cache_bytes)
 
     def used_tokens(self) -> int:
         kv = self.kv
@@ -83,9 +104,13 @@ class Batch:
         for seq in new:
             if seq.generator is None and seq.spec.params.sampling_seed is not None:
                 seq.generator = torch.Generator().manual_seed(seq.spec.params.sampling_seed)
-        logits, kv = self.runner.prefill(
-            [list(s.spec.input_ids) + s.output_ids for s in new], [s.spec.lora_id for s in new]
-        )
+        if self.prefix_cache.enabled:
+            logits, kv = self._prefill_cached(new)
+        else:
+            logits, kv = self.runner.prefill(
+                [list(s.spec.input_ids) + s.output_ids for s in new],
+                [s.spec.lora_id for s in new],
+            )
         alive = self._sample(logits, new, _params(new), finish)
         if not alive:
             return
@@ -95,6 +120,77 @@ class Batch:
         self.seqs.extend(new[i] for i in alive)
         self._params = None
         self.runner.invalidate()
+
+    # ---- the prefix cache ------------------------------------------------------------
+
+    def _prefill_cached(self, new: list[Seq]) -> tuple[torch.Tensor, kvbatch.KVBatch]:
+        """`runner.prefill` of `new` through the prefix cache: shared prompts first, once,
+        then every row from its longest cached prefix. Same logits and KV, within float
+        rounding; each sequence learns how many of its tokens came from the cache."""
+        rows = [(s.spec.lora_id, tuple(s.spec.input_ids) + tuple(s.output_ids)) for s in new]
+        limits = [_match_limit(s, len(t)) for s, (_, t) in zip(new, rows, strict=True)]
+        scratch: PrefixCache[kvbatch.Layers] = PrefixCache(1 << 62)  # this admission's own
+        self._compute_shared(new, rows, limits, scratch)
+        logits, kv, matched = self._extend(rows, limits, scratch)
+        for seq, n in zip(new, matched, strict=True):
+            if seq.cached_tokens is None:
+                seq.cached_tokens = n
+        return logits, kv
+
+    def _compute_shared(
+        self,
+        new: list[Seq],
+        rows: list[tuple[str | None, tuple[int, ...]]],
+        limits: list[int],
+        scratch: PrefixCache[kvbatch.Layers],
+    ) -> None:
+        """Compute once each prefix that several newcomers (or an n > 1 request's samples)
+        will read and the cache lacks: every such row then starts from it."""
+        groups: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        many: set[tuple[str | None, tuple[int, ...]]] = set()
+        for seq, (lora, tokens), limit in zip(new, rows, limits, strict=True):
+            key = (lora, tokens[:limit])
+            groups[key] = groups.get(key, 0) + 1
+            if seq.spec.params.n > 1:
+                many.add(key)
+        shared = [
+            key
+            for key, count in groups.items()
+            if len(key[1]) > 0
+            and (count > 1 or key in many)
+            and not self.prefix_cache.covered(key[0], key[1])
+        ]
+        if shared:
+            self._extend(shared, [len(t) - 1 for _, t in shared], scratch)
+
+    def _extend(
+        self,
+        rows: list[tuple[str | None, tuple[int, ...]]],
+        limits: list[int],
+        scratch: PrefixCache[kvbatch.Layers],
+    ) -> tuple[torch.Tensor, kvbatch.KVBatch, list[int]]:
+        """Prefill `rows` from their longest cached prefixes (at most `limits`); cache what
+        was computed, also in `scratch` (kept for this admission even when the cache
+        cannot hold it); return logits [B, V], the rows' KV and each row's cached length."""
+        found = []
+        for (lora, tokens), limit in zip(rows, limits, strict=True):
+            a = self.prefix_cache.match(lora, tokens, limit)
+            b = scratch.match(lora, tokens, limit)
+            found.append(b if b.length > a.length else a)
+        suffixes = [list(t[m.length :]) for (_, t), m in zip(rows, found, strict=True)]
+        loras = [lora for lora, _ in rows]
+        if all(m.length == 0 for m in found):
+            logits, kv = self.runner.prefill(suffixes, loras)
+        else:
+            past = kvbatch.stack_prefixes([(m.value, m.length) for m in found])
+            logits, kv = self.runner.extend(past, suffixes, loras)
+        for row, ((lora, tokens), m) in enumerate(zip(rows, found, strict=True)):
+            if m.length < len(tokens) and not self.prefix_cache.covered(lora, tokens):
+                layers = kvbatch.row_prefix(kv, row)
+                size = kvbatch.nbytes(layers)
+                self.prefix_cache.insert(lora, tokens, layers, size)
+                scratch.insert(lora, tokens, layers, size)
+        return logits, kv, [m.length for m in found]
 
     def decode(self, finish: Finish) -> None:
         """One decode step for every row; rows that finished leave."""

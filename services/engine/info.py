@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from services.engine.state import STATE
+from services.engine_api.sglang_api import FLUSH_FAILED
 
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -131,12 +132,34 @@ async def get_load(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    """No prefix cache on CPU, but SGLang's rule: refused (400) unless nothing is in flight."""
+    """Drop the prefix cache; SGLang's rule: refused (400) unless nothing is in flight,
+    from 0.5.10 after waiting up to `?timeout=` seconds for that (Scheduler.flush_cache)."""
     import asyncio
 
     state = request.app[STATE]
-    ok = await asyncio.wrap_future(state.scheduler.flush_possible())
+    timeout = 0.0
+    if state.caps.flush_cache_waits:
+        parsed = _query_seconds(request.query.get("timeout"), "timeout")
+        if isinstance(parsed, web.Response):
+            return parsed
+        timeout = parsed
+    ok, message = await asyncio.wrap_future(state.scheduler.flush_cache(timeout))
     if ok:
         return web.Response(text=FLUSHED, status=200)
-    text = "Flush cache failed.\n" if state.caps.at_least(0, 5, 22) else FLUSHED
+    text = (message or FLUSH_FAILED) if state.caps.flush_cache_waits else FLUSHED
     return web.Response(text=text, status=400)
+
+
+def _query_seconds(raw: str | None, name: str) -> float | web.Response:
+    """FastAPI's `Query(0.0, ge=0.0)`: the value, or its 422 with pydantic's error."""
+    from typing import Annotated
+
+    from pydantic import Field, TypeAdapter, ValidationError
+
+    if raw is None:
+        return 0.0
+    try:
+        return float(TypeAdapter(Annotated[float, Field(ge=0.0)]).validate_python(raw))
+    except ValidationError as e:
+        detail = [{**err, "loc": ["query", name]} for err in e.errors(include_url=False)]
+        return web.json_response({"detail": detail}, status=422)

@@ -13,7 +13,13 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.engine.core.kvbatch import KVBatch, left_pad_ids, positions, zero_padding
+from services.engine.core.kvbatch import (
+    KVBatch,
+    left_pad_ids,
+    positions,
+    right_align,
+    zero_padding,
+)
 from services.engine.core.sequence import UpdateRefused
 from services.engine.lora_weights import LoraLayers
 
@@ -144,6 +150,36 @@ class ModelRunner:
         layers = _cache_tensors(cache)
         lengths = mask.sum(-1)
         kv = zero_padding(KVBatch(layers, mask, lengths))
+        return out.logits[:, -1, :].float(), kv  # [B, V]
+
+    def extend(
+        self, past: KVBatch, suffixes: list[list[int]], lora_ids: list[str | None] | None = None
+    ) -> tuple[torch.Tensor, KVBatch]:
+        """Run each row's `suffixes[r]` on top of its cached prefix `past` (row r's first
+        `past.lengths[r]` positions, right-aligned); return last-position logits [B, V]
+        and the whole rows' cache, right-aligned (`prefill` when no row has a prefix).
+
+        The suffixes are left-padded after the past, so a row's columns read
+        [pad | prefix | pad | suffix]: the mask says which are real and the position ids
+        continue each row's prefix, which is all attention and rotary read."""
+        import torch
+        from transformers import DynamicCache
+
+        self.lora.set_rows(lora_ids or [None] * len(suffixes))
+        ids, smask = left_pad_ids(suffixes, self.pad_id)  # [B, S], [B, S]
+        mask = torch.cat([past.mask, smask], dim=1)  # [B, P + S]
+        pos = past.lengths[:, None] + positions(smask)  # [B, S]
+        cache = DynamicCache(ddp_cache_data=past.layers)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
+        kv = right_align(_cache_tensors(cache), mask)
         return out.logits[:, -1, :].float(), kv  # [B, V]
 
     def prompt_logprobs(

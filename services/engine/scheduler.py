@@ -27,7 +27,9 @@ held) to finish; one asked for while paused loads at once (SGLang takes no
 lock then: 0.5.6+; 0.5.4 takes it, but its pause has aborted every reader).
 Then, as SGLang's scheduler does, it records the version change on every
 live request (tokens so far came from the old version: `weight_versions`
-spans) and, if asked, flushes the cache, which needs no running request and
+spans) and, if asked, flushes the prefix cache (`Batch.prefix_cache`: it
+would otherwise serve prefixes the old weights computed, as SGLang's radix
+cache does after an update without a flush), which needs no running request and
 (before 0.5.22, or unpaused) no waiting one. A refused flush fails the
 update with SGLang's 400 message (0.5.22+) or kills the scheduler as
 SGLang's assertion did (`crashed`, before). Requests held by the update are
@@ -61,7 +63,13 @@ from services.engine.core.sequence import (
     UpdateRefused,
     answer,
 )
-from services.engine_api.sglang_api import FLUSH_ASSERT, FLUSH_REFUSED, Capabilities
+from services.engine_api.sglang_api import (
+    FLUSH_ASSERT,
+    FLUSH_IN_PROGRESS,
+    FLUSH_REFUSED,
+    FLUSH_TIMED_OUT,
+    Capabilities,
+)
 
 __all__ = ["PAUSE_MODES", "Scheduler", "SchedulerCrashed", "SchedulerStopped", "Seq"]
 
@@ -83,6 +91,7 @@ class Scheduler:
         max_running_requests: int = 64,
         random_seed: int = 0,
         caps: Capabilities | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.runner = runner
         self.caps = caps or Capabilities((0, 5, 23))
@@ -94,11 +103,13 @@ class Scheduler:
         self.crashed: str | None = None
         self._finished_at = 0.0
         self.max_running = max_running_requests
-        self._batch = Batch(runner, eos, decode, random_seed)
+        self._batch = Batch(runner, eos, decode, random_seed, prefix_cache_bytes)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waiting: deque[Seq] = deque()
         self._paused = False
         self._update: Update | None = None
+        # A /flush_cache?timeout= waiting for an idle moment: its answer and deadline.
+        self._pending_flush: tuple[Future[tuple[bool, str]], float] | None = None
         self._stop = False
         self._step_sleep = 0.0  # SGLang's /slow_down, for tests that need requests mid-flight
         # LoRA (set by the LoRA routes, services/engine/lora_api.py): at most this many
@@ -182,8 +193,35 @@ class Scheduler:
         return self.run(cmd)
 
     def flush_possible(self) -> Future[bool]:
-        """Whether SGLang would flush its cache now (for /flush_cache)."""
+        """Whether SGLang would flush its cache now (without flushing it)."""
         return self.run(self._flush_possible)
+
+    def flush_cache(self, timeout_s: float = 0.0) -> Future[tuple[bool, str]]:
+        """`/flush_cache`: drop the prefix cache if SGLang would flush now; resolves to
+        (flushed, SGLang's message). With `timeout_s` > 0 (0.5.10+) a flush that cannot
+        happen now waits for the first idle moment (`is_fully_idle` counting the waiting
+        queue, paused or not) and fails at the deadline, as SGLang's deferred flush; one
+        such wait at a time."""
+
+        fut: Future[tuple[bool, str]] = Future()
+
+        def cmd() -> None:
+            if self._pending_flush is not None:
+                answer(fut, (False, FLUSH_IN_PROGRESS))
+            elif timeout_s <= 0 or self._flush_possible(paused=False):
+                answer(fut, (self._flush(), ""))
+            else:
+                self._pending_flush = (fut, time.monotonic() + timeout_s)
+
+        if not self.alive():
+            fut.set_exception(self._stopped())
+        else:
+            self._commands.put(cmd)
+        return fut
+
+    def prefix_cache_entries(self) -> Future[int]:
+        """How many prefixes the cache holds (for tests and the bench)."""
+        return self.run(lambda: len(self._batch.prefix_cache))
 
     def load(self) -> dict[str, Any]:
         """A racy but consistent-enough snapshot for /v1/loads (ints read atomically)."""
@@ -244,6 +282,7 @@ class Scheduler:
                 self._drain_commands(block=not self._has_work())
                 if self._stop:
                     break
+                self._check_pending_flush()
                 self._maybe_update()
                 self._step()
         except SchedulerCrashed as e:
@@ -255,6 +294,8 @@ class Scheduler:
             log.critical(self.crashed, exc_info=True)
             return
         self._abort_matching(None, True, "Engine shutting down")
+        if self._pending_flush is not None:
+            answer(self._pending_flush[0], error=self._stopped())
 
     def _step(self) -> None:
         try:
@@ -286,7 +327,8 @@ class Scheduler:
     def _has_work(self) -> bool:
         decoding = bool(self._running) and not self._paused
         admitting = not self._paused and self._admittable()
-        return decoding or admitting or self._update_due()
+        flushing = self._pending_flush is not None and self._flush_possible(paused=False)
+        return decoding or admitting or self._update_due() or flushing
 
     def _release_held(self) -> None:
         for seq in self._waiting:
@@ -294,7 +336,13 @@ class Scheduler:
 
     def _drain_commands(self, block: bool) -> None:
         if block:
-            self._commands.get()()
+            # A waiting flush must still see its deadline while nothing else happens.
+            pending = self._pending_flush
+            wait = None if pending is None else max(0.0, pending[1] - time.monotonic())
+            try:
+                self._commands.get(timeout=wait)()
+            except queue.Empty:
+                return
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -314,6 +362,7 @@ class Scheduler:
             spans=version_spans(seq.events, self.served_version, n),
             retractions=seq.retractions,
             input_logprobs=seq.input_logprobs,
+            cached_tokens=seq.cached_tokens or 0,
         )
         self._finished_at = time.time()
         try:
@@ -377,7 +426,7 @@ class Scheduler:
             self.served_version = upd.version
         # An unlocked update was asked for while paused; SGLang's scheduler handles
         # it before any /continue_generation that came after it.
-        if upd.flush and not self._flush_possible(paused=self._paused or not upd.locked):
+        if upd.flush and not self._flush(paused=self._paused or not upd.locked):
             if not self.caps.flush_refusal_is_400:
                 why = f"AssertionError: {FLUSH_ASSERT}"
                 self.crashed = f"the engine scheduler crashed: {why}"
@@ -387,6 +436,30 @@ class Scheduler:
         if upd.version is not None:
             self.weight_version = upd.version
         return True, message, 0
+
+    def _check_pending_flush(self) -> None:
+        """SGLang's `check_pending`, once per loop after the commands: flush at the first
+        idle moment, or answer the timeout."""
+        if self._pending_flush is None:
+            return
+        fut, deadline = self._pending_flush
+        if self._flush_possible(paused=False):
+            self._pending_flush = None
+            answer(fut, (self._flush(), ""))
+        elif time.monotonic() >= deadline:
+            log.warning("deferred flush_cache timed out while waiting for idle state")
+            self._pending_flush = None
+            answer(fut, (False, FLUSH_TIMED_OUT))
+
+    def _flush(self, paused: bool | None = None) -> bool:
+        """SGLang's `Scheduler.flush_cache`: drop every cached prefix, only when fully idle
+        (a refused flush keeps them, also those the old weights computed)."""
+        if not self._flush_possible(paused):
+            log.warning("cache not flushed: requests are running or queued")
+            return False
+        dropped = self._batch.prefix_cache.clear()
+        log.info("cache flushed (%d prefixes)", dropped)
+        return True
 
     def _flush_possible(self, paused: bool | None = None) -> bool:
         """SGLang's `flush_cache` precondition (`is_fully_idle`): nothing running, and

@@ -58,6 +58,18 @@ class EngineSettings(TaskServiceSettings, EngineLoraSettings):
     max_running_requests: int = Field(
         64, ge=1, le=4096, description="Most sequences decoded together in one batch."
     )
+    prefix_cache_mib: float = Field(
+        256.0,
+        ge=0,
+        description="The prefix cache's bound in MiB of KV (SGLang's radix cache; "
+        "services/engine/core/prefix_cache.py): prompts' KV, reused by every request "
+        "that starts with them, so a request's n samples and identical prompts in flight "
+        "prefill their prompt once. Full: the least recently used prefixes are dropped "
+        "until a new one fits; one larger than the bound is not kept (its samples still "
+        "share it within their admission). /flush_cache and a weight update that "
+        "flushes empty it. 0 switches it off (SGLang's --disable-radix-cache): every "
+        "sample prefills its whole prompt. SmolLM2-135M keeps ~45 KiB per token.",
+    )
     default_max_new_tokens: int = Field(
         128, ge=0, description="max_new_tokens when a request does not give one."
     )

@@ -36,6 +36,10 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | rest: temperature 1.0, top_k 50, top_p 1.0, repetition_penalty 1.0)       |
 |        | k = -1 with return_logprob starts at len: no input logprobs ([]);           |
 |        | `meta_info.output_token_logprobs_length` (tokenizer_manager)               |
+|        | `/flush_cache?timeout=s` waits up to s for an idle scheduler (is_fully_idle |
+|        | with the waiting queue, paused or not); a refusal answers its message      |
+|        | ("Flush cache failed.", "Timed out waiting for idle state.", "Another      |
+|        | flush_cache is already in progress."), before the success text with 400    |
 |        | a lora_path without --enable-lora is refused (400), no longer ignored      |
 | 0.5.12 | `meta_info.num_retractions` (0.5.10: `reasoning_tokens`)                   |
 | 0.5.19 | `meta_info.weight_versions`: per-token version spans (utils/weight_versions)|
@@ -94,6 +98,12 @@ FLUSH_REFUSED = (
     "running or queued. Retract or finish them, then call /flush_cache."
 )
 """0.5.22+: `WeightUpdater.flush_cache_after_weight_update`'s message (HTTP 400)."""
+FLUSH_FAILED = "Flush cache failed.\n"
+"""0.5.10+: `/flush_cache`'s answer to a refused flush without a message."""
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
+"""0.5.10+: a `/flush_cache?timeout=s` that found no idle moment in s seconds."""
+FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
+"""0.5.10+: a `/flush_cache` while a waiting one is pending."""
 FLUSH_ASSERT = "Cache flush failed after updating weights"
 """0.5.4-0.5.21: the scheduler's assertion message; the scheduler process dies."""
 
@@ -160,6 +170,13 @@ class Capabilities:
     def has_flush_cache_field(self) -> bool:
         """`UpdateWeightFromDiskReqInput.flush_cache` exists (before: always flushed)."""
         return self.at_least(0, 5, 6)
+
+    @property
+    def flush_cache_waits(self) -> bool:
+        """`/flush_cache` takes `timeout` (seconds to wait for idle) and a refusal answers
+        its message; before 0.5.10 the route reads nothing and a refusal answers the
+        success text with status 400."""
+        return self.at_least(0, 5, 10)
 
     @property
     def flush_refusal_is_400(self) -> bool:

@@ -137,8 +137,8 @@ async def prepare(
     state: Any,
     places: dict[str, str],
 ) -> Any:
-    """`given`: adapters, a slowed in-flight generation, then a pause; returns the
-    in-flight task."""
+    """`given`: adapters, requests answered before, a slowed in-flight generation, then
+    a pause; returns the in-flight task."""
     task = None
     g = case.given
     for name in g.get("adapters", []):
@@ -150,6 +150,9 @@ async def prepare(
         status, answer = await send(s, url, {"method": "POST", "path": "/unload_lora_adapter",
                                              "body": {"lora_name": name}}, auth)  # fmt: skip
         assert status == 200, answer
+    for req in g.get("before", []):
+        status, answer = await send(s, url, substitute(req, places), auth)
+        assert status == 200, f"given.before {req['path']}: {status}: {answer!r}"
     if "in_flight" in g:
         await send(s, url, {"method": "POST", "path": "/slow_down",
                             "body": {"forward_sleep_time": 0.05}}, auth)  # fmt: skip

@@ -13,6 +13,11 @@ batches, so the model's own masking and rotary code handle it unchanged.
 - `select`: finished rows leave (index_select on the batch dimension).
 - `trim`:  columns that are padding in every row are dropped, so T stays the
   longest live row rather than growing with the engine's uptime.
+- `stack_prefixes` / `right_align`: the prefix cache's two moves. Rows whose
+  prompts start with a cached prefix get that prefix's KV as a right-aligned
+  past; their remaining tokens run on top of it (left-padded themselves), which
+  leaves padding between each row's past and its new columns; `right_align`
+  gathers every row's real columns back to the right edge.
 
 Padding columns are zeroed (`zero_padding`): a fully masked query row can
 produce NaN in attention, and 0 * NaN would leak through the masked softmax
@@ -120,3 +125,70 @@ def left_pad_ids(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 def positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids [B, L] for a right-aligned mask: 0.. over real tokens, 0 on padding."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+Layers = list[tuple["torch.Tensor", "torch.Tensor"]]
+"""Per-layer (keys, values) of one sequence: [1, H, T, D] each."""
+
+
+def stack_prefixes(rows: list[tuple[Layers | None, int]]) -> KVBatch:
+    """A right-aligned batch of leading KV: row r holds the first n_r positions of its
+    layers (none where n_r is 0). Always fresh tensors: a cached prefix is never handed
+    to the model, which would append to it."""
+    import torch
+
+    width = max(n for _, n in rows)
+    ref = next(layers for layers, n in rows if n and layers is not None)
+    out: Layers = []
+    for i, (k_ref, _) in enumerate(ref):
+        empty = k_ref.new_zeros((1, k_ref.shape[1], width, k_ref.shape[3]))  # [1, H, W, D]
+        ks, vs = [], []
+        for layers, n in rows:
+            if n == 0 or layers is None:
+                ks.append(empty)
+                vs.append(empty)
+                continue
+            k, v = layers[i]
+            ks.append(_left_pad(k[:, :, :n, :], width, 2))
+            vs.append(_left_pad(v[:, :, :n, :], width, 2))
+        out.append((torch.cat(ks, dim=0), torch.cat(vs, dim=0)))
+    lengths = torch.tensor([n for _, n in rows], dtype=torch.long)  # [B]
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()  # [B, W]
+    return KVBatch(out, mask, lengths)
+
+
+def right_align(layers: Layers, mask: torch.Tensor) -> KVBatch:
+    """Move every row's real columns (mask 1, in order) to the right edge; padding left."""
+    import torch
+
+    lengths = mask.sum(-1)  # [B]
+    width = int(lengths.max())
+    # A stable sort of the 0/1 mask puts padding columns first and keeps the real ones
+    # in order; the last `width` indices are each row's real columns, left-padded.
+    order = torch.sort(mask, dim=1, stable=True).indices[:, -width:]  # [B, W]
+    idx = order[:, None, :, None]  # [B, 1, W, 1]
+    aligned = [
+        (
+            k.gather(2, idx.expand(-1, k.shape[1], -1, k.shape[3])),
+            v.gather(2, idx.expand(-1, v.shape[1], -1, v.shape[3])),
+        )
+        for k, v in layers
+    ]
+    return zero_padding(KVBatch(aligned, torch.gather(mask, 1, order), lengths))
+
+
+def row_prefix(kv: KVBatch, row: int) -> Layers:
+    """A copy of one row's real columns ([1, H, n, D] per layer), for the prefix cache
+    (a copy, so the cache does not keep the whole batch's tensors alive)."""
+    n = int(kv.lengths[row])
+    return [
+        (
+            k[row : row + 1, :, kv.width - n :, :].clone(),
+            v[row : row + 1, :, kv.width - n :, :].clone(),
+        )
+        for k, v in kv.layers
+    ]
+
+
+def nbytes(layers: Layers) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)

@@ -400,6 +400,7 @@ class Completion:
     retractions: int = 0
     # log p(input_ids[i] | input_ids[:i]) for i in input_start + 1 .. len - 1 (None: not asked)
     input_logprobs: list[float] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (meta_info.cached_tokens)
 
 
 def trim_text(text: str, params: SamplingParams, matched: str | None) -> str:
@@ -454,7 +455,7 @@ def response(
     if caps.at_least(0, 5, 12):
         meta["num_retractions"] = done.retractions
     meta["completion_tokens"] = len(done.output_ids)
-    meta["cached_tokens"] = 0
+    meta["cached_tokens"] = done.cached_tokens
     if caps.at_least(0, 5, 10):
         meta["reasoning_tokens"] = 0
     if caps.reports_version_spans and done.spans:

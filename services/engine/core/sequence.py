@@ -42,6 +42,9 @@ class Seq:
     input_logprobs: list[float] | None = (
         None  # prompt logprobs, once computed (SeqSpec.input_start)
     )
+    # Prompt tokens whose KV came from the prefix cache at its first prefill (SGLang's
+    # cached_tokens: counted once, not again after a retraction); None: not prefilled yet.
+    cached_tokens: int | None = None
 
 
 def stop_reason(
