@@ -87,7 +87,8 @@ def render(report: Any, model: Any) -> str:
         lines.append(f"  {name}: pass@1 {t.pass_at_1:.3f}  pass@{t.k} {t.pass_at_k:.3f}  "
                      f"flat {t.flat:.3f}")  # fmt: skip
     for x in report.samples:
-        last = (x.prompt.rstrip().splitlines() or [""])[-1][-60:]
+        last = (x.prompt.rstrip().splitlines() or [""])[-1]
+        last = last if len(last) <= 60 else "…" + last[-59:]
         lines.append(f"  {last}  ->  {x.reply[:80]!r}  (answer {x.answer}, reward "
                      f"{x.reward:g}{', correct' if x.correct else ''})")  # fmt: skip
     return "\n".join(lines)
@@ -118,7 +119,8 @@ def check_main(argv: list[str] | None = None) -> int:
 def before_up(s: Any, config: str) -> None:
     """`flywheel up`'s check: the verdict line alone, on the console, before anything
     starts (the run goes on after a warning: the line says what would help). A check
-    that cannot run says why in one line and the run starts anyway."""
+    that cannot run, or fails, says why in one line and the run starts anyway: it is
+    advice, and the run it advises on must not depend on it."""
     from services.runtime.errors import FlywheelError
 
     if s.engine != "cpu":  # a GPU model sampled on this CPU would take minutes
@@ -133,5 +135,9 @@ def before_up(s: Any, config: str) -> None:
         raise SystemExit(130) from None
     except FlywheelError as e:  # ConfigError, NotCheckable: preflight passed the run file
         print(f"flywheel up: check skipped: {e}", flush=True)
+        return
+    except Exception as e:  # noqa: BLE001 - advice only: a check that breaks must not stop the run
+        print(f"flywheel up: check failed ({type(e).__name__}: {e}); starting anyway "
+              f"(`flywheel check -c {config}` shows it)", flush=True)  # fmt: skip
         return
     print(f"flywheel up: check ({report.seconds:.0f} s): {report.verdict.line}", flush=True)

@@ -11,9 +11,9 @@ verifier sandbox (`Scorer`, one round trip per group), as a rollout worker
 would. `check_verdict.py` turns the scores into figures and one verdict.
 
 What differs from a rollout, on purpose: the model runs in this process,
-in bfloat16 where the CPU computes it natively (measured about twice as
-fast as float32 here: bench/results_learning.md, "Pre-flight"; 32 prompts'
-statistics are far coarser than bf16's rounding), and stop strings and
+in bfloat16 where the CPU computes it natively (half the time of float32 in
+the one comparison run: bench/results_learning.md, "Pre-flight"; 32
+prompts' statistics are far coarser than bf16's rounding), and stop strings and
 top_p are not applied (`evaluate.generate` samples the full distribution
 and stops at EOS). Multi-turn tasks ([task.episode]) are not checked:
 `evaluate` plays their episodes greedily only. Judge reward parts are left

@@ -139,7 +139,11 @@ def verdict(s: Stats, *, temperature: float, min_pass_at_k: float = MIN_PASS_AT_
             "nothing to learn here; harder prompts would give it something"
         ))  # fmt: skip
     if s.pass_at_k < min_pass_at_k:
-        if s.pass_at_k == 0:
+        if s.pass_at_k == 0 and spread > 0:  # a shaped reward: its other parts spread
+            why = (f"no reply of {replies} was correct ({k} 0.000); {spread:.0%} of groups "
+                   "have a reward spread from its other parts, which RL may climb toward the "
+                   "answer or stop short of")  # fmt: skip
+        elif s.pass_at_k == 0:
             why = (f"no reply of {replies} was correct ({k} 0.000): RL cannot reach an answer "
                    "the model never gives")  # fmt: skip
         else:

@@ -76,6 +76,15 @@ def test_replies_that_name_the_answer_in_another_form_say_so() -> None:
     assert "50% of replies name the answer but the reward does not count them" in v.line
 
 
+def test_a_shaped_reward_s_spread_without_a_correct_reply_is_said_as_such() -> None:
+    # demo-real's base model: exact match never, brevity credit for a right word in a sentence
+    near = Reply(0.15, False, True)
+    v = verdict(stats([[near, WRONG], [WRONG, WRONG]]), temperature=0.7)
+    assert v.kind is Kind.UNREACHABLE and v.warns
+    assert "no reply of 4 was correct (pass@2 0.000); 50% of groups have a reward spread" in v.line
+    assert "RL cannot reach" not in v.line
+
+
 def test_pass_at_k_near_zero_is_unreachable_too() -> None:
     # one prompt of 32 solved once: 1/32 < 0.05 of prompts
     groups = [[RIGHT, *[WRONG] * 7]] + [[WRONG] * 8] * 31
