@@ -4,7 +4,8 @@ the verifier sandbox's pool, as a user runs it (`python -m services check -c run
 The task whose answers the model never gives ("zebracorn-7": a random character-level
 model does not spell it) warns, exit 3; one it sometimes solves (a reward that pays
 about half of any model's replies) does not, exit 0; a bad run file is exit 2. And
-`flywheel up` prints the check's verdict line before it starts anything.
+`flywheel up` prints the check's verdict line before it starts anything, unless told
+not to (`--no-check`, `[stack] check = false`).
 """
 
 from __future__ import annotations
@@ -87,15 +88,29 @@ def test_a_bad_run_file_is_exit_2_in_one_line(task: Path) -> None:
     assert r.returncode == 2 and "-k >= 2" in r.stderr, r.stderr
 
 
-def test_up_prints_the_verdict_before_it_starts_anything(task: Path) -> None:
-    log = task / "up.log"
-    proc = start(["up", "-c", str(config(task, "up", "exact_match"))], log)
+def up_until_nats(task: Path, cfg: Path, *args: str) -> str:
+    """`flywheel up` until it has started NATS (after any check), then Ctrl-C; its console."""
+    log = task / f"{cfg.stem}-up.log"
+    proc = start(["up", "-c", str(cfg), *args], log)
     try:
         wait_for(lambda: "embedded nats-server" in log.read_text(), timeout_s=240,
                  what="flywheel up to start NATS after its check")  # fmt: skip
     finally:
         stop(proc, signal.SIGINT)
-    out = log.read_text()
+    return log.read_text()
+
+
+def test_up_prints_the_verdict_before_it_starts_anything(task: Path) -> None:
+    out = up_until_nats(task, config(task, "up", "exact_match"))
     check = next(x for x in out.splitlines() if x.startswith("flywheel up: check ("))
     assert "WARNING: no reply of 256 was correct" in check
     assert out.index(check) < out.index("embedded nats-server")
+
+
+def test_up_skips_the_check_when_told(task: Path) -> None:
+    assert "flywheel up: check" not in up_until_nats(task, config(task, "flag", "exact_match"),
+                                                     "--no-check")  # fmt: skip
+    cfg = config(task, "key", "exact_match")
+    cfg.write_text(cfg.read_text().replace("[stack]\n", "[stack]\ncheck = false\n"))
+    assert "check = false" in cfg.read_text()
+    assert "flywheel up: check" not in up_until_nats(task, cfg)
