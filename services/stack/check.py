@@ -29,7 +29,14 @@ BUFFER_SETTINGS = "services.buffer.settings"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flywheel check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="flywheel check",
+        description="Does the base model give RL anything to learn from? Samples [stack] model "
+        "k times on N training prompts through the task's reward: pass@1, pass@k, flat groups, "
+        "replies naming the answer, a few replies, and one verdict line.",
+        epilog="exit status: 0 RL has something to learn from; 3 it warns (the line says what "
+        "would help); 2 a bad run file. docs/task.md, 'Before you train'.",
+    )
     p.add_argument("-c", "--config", required=True, help="TOML run file")
     p.add_argument("-n", type=int, default=32, help="training prompts to sample (default 32)")
     p.add_argument(
@@ -62,7 +69,7 @@ def sampling(config: str, **flags: Any) -> Any:
     return how
 
 
-def run(s: Any, config: str, how: Any, *, show: int = 3) -> Any:
+def run(s: Any, how: Any, *, show: int = 3) -> Any:
     """The check of `s.model` (a StackSettings, model resolved) on the run's tasks."""
     from services.models.resolve import resolve_model
     from services.tasks.check import check_dir
@@ -104,7 +111,7 @@ def check_main(argv: list[str] | None = None) -> int:
     try:
         how = sampling(args.config, prompts=args.n, k=args.k, temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, seed=args.seed)  # fmt: skip
-        report = run(settings, args.config, how, show=args.show)
+        report = run(settings, how, show=args.show)
     except NotCheckable as e:
         print(f"flywheel check: skipped: {e}")
         return 0
@@ -129,7 +136,7 @@ def before_up(s: Any, config: str) -> None:
         return
     print("flywheel up: checking the base model's replies (--no-check skips it)", flush=True)
     try:
-        report = run(s, config, sampling(config))
+        report = run(s, sampling(config))
     except KeyboardInterrupt:  # Ctrl-C while checking: the user stops the run, not the check
         print("flywheel up: interrupted during the check; nothing was started", flush=True)
         raise SystemExit(130) from None
