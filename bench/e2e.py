@@ -373,7 +373,7 @@ def up_once(args: argparse.Namespace, variant: str, env: dict[str, str], rep: in
     if args.model is not None:
         full_env["FLYWHEEL_STACK_MODEL"] = str(args.model)
     cmd = [PY, "-m", "services", "up", "-c", str(args.config), "--steps", str(args.steps),
-           "--quiet"]  # fmt: skip
+           "--quiet", "--no-check"]  # fmt: skip
     log = run_dir.parent / f"{run_dir.name}-{variant}-{rep}.log"
     print(f"e2e: {variant} (run {rep}): {' '.join(f'{k}={v}' for k, v in env.items())} "
           f"{' '.join(cmd[1:])}", flush=True)  # fmt: skip

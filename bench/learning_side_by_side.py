@@ -157,7 +157,7 @@ def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int
     fresh_run_dir(run_dir)
     rf = run_file(config, run_dir, model, None, None, seed)
     metrics = run_dir / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "services", "up", "-c", str(rf), "--quiet"]
+    cmd = [sys.executable, "-m", "services", "up", "-c", str(rf), "--quiet", "--no-check"]
     print(f"side_by_side: flywheel: {' '.join(cmd[2:])}", flush=True)
     load0, t_wall = os.getloadavg()[0], time.monotonic()
     log = (out / "flywheel.log").open("w")

@@ -21,6 +21,10 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("services.cli:demo_main", "SFT warm start, then async GRPO: watch it learn"),
     "up": ("services.stack.cli:up_main", "run the whole stack locally (supervised processes)"),
+    "check": (
+        "services.stack.check:check_main",
+        "before a run: does the base model give RL anything to learn from? (pass@k, flat groups)",
+    ),
     "status": ("services.cli:status_main", "a run's state, read from NATS"),
     "eval": (
         "services.stack.inspect:eval_main",

@@ -37,6 +37,11 @@ def parser() -> argparse.ArgumentParser:
     add_console_flags(p)
     p.add_argument("--print-config", action="store_true", help="print [stack] settings and exit")
     p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="start without the pre-flight check of the base model ([stack] check = false)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print each process's GPUs, command and environment; start nothing",
@@ -303,5 +308,9 @@ def up_main(argv: list[str] | None = None) -> int:
         print(dry_run(settings, Path(args.config)))
         return 0
     settings = with_model(settings)  # preflight has checked it resolves
+    if settings.check and not args.no_check:
+        from services.stack.check import before_up
+
+        before_up(settings, args.config)
     console = {"quiet": args.quiet, "verbose": args.verbose}
     return asyncio.run(up(settings, Path(args.config), steps=args.steps, **console))

@@ -88,6 +88,13 @@ class StackSettings(TaskServiceSettings):
         "on its model beside the rollout engines (supervised alike) and gives every rollout "
         "worker their URLs.",
     )
+    check: bool = Field(
+        True,
+        description="Before starting anything, sample the base model on a few training "
+        "prompts through the task's reward (`flywheel check`) and print its one-line verdict: "
+        "whether RL has anything to learn from, and what would help. The run goes on either "
+        "way. Off: false, or `flywheel up --no-check`. Skipped with engine = 'sglang'.",
+    )
     on_failure: Literal["restart", "stop"] = Field(
         "restart", description="When a service dies: restart it, or stop the whole run."
     )
