@@ -60,8 +60,12 @@ class UpRun:
     """One `flywheel up -c config [args]` run; `run_dir` is its `[stack] run_dir`."""
 
     def __init__(self, config: Path, run_dir: Path, *args: str, log: Path | None = None,
-                 env: dict[str, str] | None = None, cwd: Path = REPO) -> None:  # fmt: skip
-        self.config, self.run_dir, self.args = config, run_dir, args
+                 env: dict[str, str] | None = None, cwd: Path = REPO,
+                 check: bool = False) -> None:  # fmt: skip
+        """`check`: run `up`'s pre-flight check (tests/integration/stack/test_check.py tests
+        it; elsewhere it would only add its sampling to every run's start)."""
+        self.config, self.run_dir = config, run_dir
+        self.args = args if check else ("--no-check", *args)
         self.log = log or config.parent / "up.log"
         self.env, self.cwd = env, cwd
         self.proc: subprocess.Popen[bytes] | None = None
