@@ -18,7 +18,8 @@ same pairs:
 
 Paths: `a.b` for keys, `[*]` for every element of a list (`[*].meta_info.id`).
 `given` sets up the engine first: `api_key`, `health_generation`,
-`health_check_timeout_s`, an `in_flight` generation (slowed down so it stays
+`health_check_timeout_s`, `released` memory tags (a release before the
+request; every case ends with all tags resumed), an `in_flight` generation (slowed down so it stays
 in flight), then `paused` in a mode. `given.during` lists `/generate` bodies
 sent once the case's request is pending in the engine (a weight update
 waiting on the in-flight generation); each must answer as
