@@ -21,9 +21,10 @@ The CPU engine answers as SGLang started without `--enable-memory-saver`
 keeps working. On a CPU the resource two colocated roles share is cores, not
 memory: `/flywheel/num_threads` (not an SGLang route: SGLang on a GPU has no
 such knob and answers 404) sets the engine's torch intra-op threads. It runs
-`torch.set_num_threads` on the scheduler thread between two steps, because
-torch keeps that count per thread once a thread has run a parallel op (set
-from the HTTP thread it would change nothing the model computes with).
+`torch.set_num_threads` on the scheduler thread between two steps: ATen's
+parallel ops read OpenMP's per-thread count, which a thread takes from torch's
+global one only at its first use (bench/thread_switch.py), so set from the
+HTTP thread it would not reach the ops the model computes with.
 """
 
 from __future__ import annotations

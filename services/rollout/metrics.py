@@ -50,8 +50,8 @@ class RolloutMetrics:
         self.in_flight = m.gauge("tasks_in_flight", "Tasks being worked on.")
         self.engine_idle = m.gauge(
             "engine_idle_fraction",
-            "Fraction of wall time since start with no task of this worker in flight (its "
-            "engine had nothing of this worker's to generate).",
+            "Fraction of wall time since this worker's first task with none of its tasks in "
+            "flight (its engine had nothing of this worker's to generate).",
         )
         self.engine_threads = m.gauge(
             "engine_threads", "Threads the worker last gave its engine (core lease; 0: none)."

@@ -130,16 +130,19 @@ class CoreLease:
 
 
 class BusyClock:
-    """Wall time with and without work, from the transitions (`busy`, `idle`)."""
+    """Wall time with and without work, from the transitions (`busy`, `idle`), counted from
+    `started` (default: the first `busy`, so a role's start-up is not its idleness)."""
 
-    def __init__(self, now: float | None = None) -> None:
-        self.started = time.monotonic() if now is None else now
+    def __init__(self, started: float | None = None) -> None:
+        self.started = started
         self.busy_s = 0.0
         self.busy_since: float | None = None
 
     def busy(self, now: float | None = None) -> None:
         if self.busy_since is None:
             self.busy_since = time.monotonic() if now is None else now
+            if self.started is None:
+                self.started = self.busy_since
 
     def idle(self, now: float | None = None) -> None:
         if self.busy_since is not None:
@@ -148,6 +151,9 @@ class BusyClock:
             self.busy_since = None
 
     def idle_fraction(self, now: float | None = None) -> float:
+        """0.0 before any work (nothing measured yet: not idle time)."""
+        if self.started is None:
+            return 0.0
         t = time.monotonic() if now is None else now
         busy = self.busy_s + (t - self.busy_since if self.busy_since is not None else 0.0)
         wall = t - self.started

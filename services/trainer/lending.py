@@ -4,10 +4,11 @@ with, moved while it computes.
 The loop marks the trainer busy when a batch arrives and idle when its step's
 compute is done, so while it waits for a batch the engines take its cores.
 The count it computes with is applied on the compute thread itself, by a
-forward pre-hook on every decoder layer: torch keeps its intra-op thread
-count per thread once a thread has run a parallel op, so setting it from the
-loop's thread or the watcher would change nothing the step computes with.
-Setting it costs well under a microsecond when nothing changes
+forward pre-hook on every decoder layer: ATen's parallel ops read OpenMP's
+per-thread count, which a thread takes from torch's global one only at its
+first use, so set from the loop's thread or the watcher it would not reach
+the step's elementwise ops (MKL's matmuls read a process-wide count; setting
+it on the compute thread covers both). A change costs under a microsecond
 (bench/results_placement.md), so a layer boundary is a fine place: an engine
 that goes idle mid-step (the buffer stopped admitting) lends its cores to the
 rest of that step, not only to the next one. Backward runs on the same thread

@@ -41,7 +41,12 @@ def test_a_role_alone_at_work_gets_every_core_and_a_dead_one_lends_its_own(tmp_p
 
 
 def test_busy_clock_counts_wall_time_without_work() -> None:
-    c = BusyClock(now=0.0)
+    assert BusyClock().idle_fraction() == 0.0  # before any work: nothing measured
+    first = BusyClock()
+    first.busy(now=5.0)
+    first.idle(now=6.0)
+    assert first.idle_fraction(now=7.0) == pytest.approx(0.5)  # counted from the first work
+    c = BusyClock(started=0.0)
     c.busy(now=1.0)
     c.idle(now=4.0)
     assert c.idle_fraction(now=10.0) == pytest.approx(0.7)
