@@ -65,7 +65,7 @@ class EngineLending:
         try:
             while not stop.is_set() and not self.hookless:
                 if self.in_flight:
-                    await self.give(self.lease.threads())
+                    await self.give(self.lease.threads(mine=self.given or self.settings.share))
                 try:
                     await asyncio.wait_for(stop.wait(), self.settings.poll_s)
                 except TimeoutError:

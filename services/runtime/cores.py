@@ -9,7 +9,11 @@ role on the machine says whether it has work, and each role computes with
     threads = max(share, total // busy roles)      (itself counted as busy)
 
 so a role alone at work gets every core, and roles that all work get their
-share each. The decision is a pure function (`threads_for`); the state is a
+share each. A core is lent only while nothing else runs on it (the machine's
+runnable threads, /proc/loadavg): on a machine shared with other work a
+lent thread waits for a descheduled partner at every parallel op, and the
+role computes slower with two threads than with one (measured:
+bench/results_placement.md). The decision is a pure function (`threads_for`); the state is a
 directory of one small file per role (`<dir>/<role>`: its pid and `busy` or
 `idle`), written atomically, and only when the role's state changes. A file
 whose pid is gone counts as idle, so a crashed role lends its cores instead
@@ -63,9 +67,20 @@ class CoreLeaseSettings(BaseModel):
         return self.total or os.cpu_count() or 1
 
 
-def threads_for(total: int, share: int, busy_others: int) -> int:
-    """Threads for a role with work when `busy_others` other roles have work too."""
-    return max(share, total // (busy_others + 1))
+def threads_for(total: int, share: int, busy_others: int, free: int | None = None) -> int:
+    """Threads for a role with work when `busy_others` other roles have work too, and at
+    most `free` cores nobody else runs on (None: unknown, not a limit)."""
+    n = max(share, total // (busy_others + 1))
+    return n if free is None else max(share, min(n, free))
+
+
+def runnable_threads() -> int | None:
+    """Threads running or ready to run on this machine now (/proc/loadavg's 4th field),
+    the reader included; None where there is no /proc."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -88,6 +103,7 @@ class CoreLease:
         self.role = role
         self.pid = os.getpid()
         self._state: str | None = None
+        self.runnable = runnable_threads  # what runs on the machine (a test gives its own)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.mark(False)
 
@@ -116,10 +132,15 @@ class CoreLease:
                 n += 1
         return n
 
-    def threads(self) -> int:
-        """What this role should compute with now, if it has work."""
+    def threads(self, mine: int = 0) -> int:
+        """What this role should compute with now, if it has work; `mine`: the threads it
+        runs with now (not someone else's). A core is lent only while no one runs on it:
+        the machine's runnable threads, less the reader and `mine`, bound the count."""
         s = self.settings
-        return threads_for(s.cores(), s.share, self.busy_others())
+        total = s.cores()
+        running = self.runnable()
+        free = None if running is None else total - max(0, running - 1 - mine)
+        return threads_for(total, s.share, self.busy_others(), free)
 
     def close(self) -> None:
         """Leave the lease: this role's cores are everyone's."""

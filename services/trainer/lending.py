@@ -61,7 +61,7 @@ class ThreadLending:
         """A batch arrived: the trainer has work (the count is read once more now)."""
         self._busy = True
         self.lease.mark(True)
-        self.target = self.lease.threads()
+        self.target = self.lease.threads(mine=self.target)
 
     def waiting(self) -> None:
         """The step's compute is done: until the next batch the cores are the engines'."""
@@ -72,7 +72,7 @@ class ThreadLending:
         while not self._stop.wait(self.poll_s):
             if self._busy:
                 try:
-                    self.target = self.lease.threads()
+                    self.target = self.lease.threads(mine=self.target)
                 except OSError as e:  # the run directory went away: keep the last count
                     log.warning("trainer: core lease unreadable: %s", e)
 

@@ -21,9 +21,20 @@ def test_busy_roles_split_the_cores_never_below_their_share(
     assert threads_for(total, share, others) == want
 
 
+def test_only_cores_nobody_runs_on_are_lent() -> None:
+    assert threads_for(8, 1, 0, free=3) == 3
+    assert threads_for(2, 1, 0, free=0) == 1  # a busy machine: the share, never less
+
+
+def quiet(lease: CoreLease, others: int = 0) -> CoreLease:
+    """The lease on a machine where, besides the reader, `others` threads run."""
+    lease.runnable = lambda: 1 + others
+    return lease
+
+
 def test_a_role_alone_at_work_gets_every_core_and_a_dead_one_lends_its_own(tmp_path: Path) -> None:
     s = CoreLeaseSettings(dir=tmp_path / "cores", total=2)
-    trainer, engine = CoreLease(s, "trainer"), CoreLease(s, "engine-0")
+    trainer, engine = quiet(CoreLease(s, "trainer")), quiet(CoreLease(s, "engine-0"))
     engine.mark(True)
     assert engine.threads() == 2  # the trainer waits: the engine computes with its core
     assert trainer.threads() == 1  # a batch comes: the trainer starts on its share
@@ -36,6 +47,10 @@ def test_a_role_alone_at_work_gets_every_core_and_a_dead_one_lends_its_own(tmp_p
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     (tmp_path / "cores" / "engine-1").write_text(f"{dead} busy\n")
     assert engine.threads() == 2
+    # someone else's work on the machine: the idle trainer's core is not free to lend
+    assert quiet(engine, others=2).threads(mine=1) == 1  # its own thread and a stranger
+    assert quiet(engine, others=1).threads(mine=0) == 1
+    assert quiet(engine, others=1).threads(mine=1) == 2  # only its own: not someone else's
     engine.close()
     assert not (tmp_path / "cores" / "engine-0").exists()
 
