@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.engine import dist_api, info, lora_api, loras, openai_api, probes
+from services.engine import dist_api, info, lora_api, loras, memory_api, openai_api, probes
 from services.engine.core.protocol import RequestError
 from services.engine.generate import generate
 from services.engine.http import error, json_route
@@ -164,6 +164,7 @@ def build_app(state: EngineState) -> web.Application:
         r.add_get("/ready", ready)
     openai_api.add_routes(r)
     lora_api.add_routes(r)
+    memory_api.add_routes(r)
     dist_api.add_routes(app, state)
     return app
 

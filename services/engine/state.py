@@ -43,6 +43,9 @@ class EngineState:
     in_flight: dict[str, asyncio.Event] = field(default_factory=dict)
     requests: dict[int, web.Request] = field(default_factory=dict)  # open /generate calls
     on_crash: Callable[[str], None] | None = None  # the scheduler died: the server must go too
+    # Memory tags /release_memory_occupation recorded and no resume took back yet
+    # (services/engine/memory_api.py): SGLang's scheduler's `offload_tags`.
+    released: set[str] = field(default_factory=set)
     _handoff: Handoff | None = field(default=None, init=False, repr=False)
 
     def handoff(self) -> Handoff:

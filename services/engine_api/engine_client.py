@@ -464,3 +464,28 @@ class EngineClient:
 
     async def flush_cache(self) -> None:
         await self.request("POST", "/flush_cache")
+
+    # ---- colocation (services/engine/memory_api.py has SGLang's rules) ---------------
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Give up the engine's memory (`tags`: weights, kv_cache, cuda_graph; None: all).
+
+        Only while nothing runs (pause first): SGLang's scheduler asserts it and
+        dies otherwise, which reaches here as `EngineUnavailable`."""
+        await self.request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take back what `release_memory_occupation` gave up (the same `tags`).
+
+        Never retried: a resume that arrived but whose answer was lost would, sent
+        again, resume a tag no longer released, which kills SGLang's scheduler."""
+        await self.request("POST", "/resume_memory_occupation", {"tags": tags}, retries=0)
+
+    async def num_threads(self) -> int:
+        """The CPU engine's torch intra-op threads (404 `EngineHTTPError` from SGLang)."""
+        return int((await self.request("GET", "/flywheel/num_threads"))["num_threads"])
+
+    async def set_num_threads(self, k: int) -> int:
+        """Let the CPU engine compute with `k` threads from its next step; the count before."""
+        out = await self.request("POST", "/flywheel/num_threads", {"num_threads": k})
+        return int(out["previous"])

@@ -15,11 +15,19 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | `/pause_generation` takes no body and always aborts (tokenizer_manager)    |
 |        | LoRA: `/load_lora_adapter`, `/unload_lora_adapter`, `/generate` lora_path  |
 |        | (an adapter's name; ignored without --enable-lora)                         |
+|        | `/release_memory_occupation`, `/resume_memory_occupation` (GET or POST,    |
+|        | `{"tags": [...] or null}`, 200 `null`): tags default weights + kv_cache;   |
+|        | release checks nothing; resuming a tag not released: KeyError, the        |
+|        | scheduler dies (scheduler_update_weights_mixin.py)                         |
+| 0.5.5  | memory tags default to kv_cache, weights, cuda_graph (constants.py);       |
+|        | a release asserts "no ongoing request" (running and waiting empty),       |
+|        | else the scheduler dies                                                    |
 | 0.5.5  | `/v1/models` lists the loaded adapters (id = name, root = path)            |
 |        | `logprob_start_len` k (prompt logprobs, `input_token_logprobs`): k = len(input) |
 |        | is refused for a request that generates; k = -1 with return_logprob starts |
 |        | at len - 1 (one null entry), at len for max_new_tokens = 0 (scheduler.py) |
 | 0.5.6  | `/model_info`, `/server_info`; pause modes abort/retract/in_place          |
+|        | a release's `_is_no_request` looks at the running batch only               |
 |        | (io_struct PauseGenerationReqInput); `flush_cache` on update requests;     |
 |        | `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false` makes `/health` cheap;    |
 |        | a `/generate` naming an adapter unloaded earlier loads it again from its   |
@@ -41,6 +49,8 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | ("Flush cache failed.", "Timed out waiting for idle state.", "Another      |
 |        | flush_cache is already in progress."), before the success text with 400    |
 |        | a lora_path without --enable-lora is refused (400), no longer ignored      |
+|        | a release asserts `is_fully_idle()` (running and waiting): "... only when  |
+|        | server is idle." (scheduler_update_weights_mixin.py)                       |
 | 0.5.12 | `meta_info.num_retractions` (0.5.10: `reasoning_tokens`)                   |
 | 0.5.19 | `meta_info.weight_versions`: per-token version spans (utils/weight_versions)|
 | 0.5.20 | `/ready` (503 while paused)                                                |
@@ -49,6 +59,7 @@ through 0.5.23 (the newest 0.5.x when written), reading
 |        | a cache flush after a weight update that finds requests still queued or    |
 |        | running fails the update (400); before, the scheduler asserted and died.   |
 |        | A paused scheduler's flush ignores its waiting queue (retracted requests)  |
+|        | and so does a paused release (weight_updater.py, is_fully_idle)            |
 | 0.5.23 | `/ping` reports health (503 after a failed health check), not always 200   |
 
 Unchanged over the whole range: `/generate` (`GenerateReqInput`), the
@@ -106,6 +117,12 @@ FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
 """0.5.10+: a `/flush_cache` while a waiting one is pending."""
 FLUSH_ASSERT = "Cache flush failed after updating weights"
 """0.5.4-0.5.21: the scheduler's assertion message; the scheduler process dies."""
+RELEASE_ASSERT_OLD = "release_memory_occupation should be called only when no ongoing request."
+"""0.5.5-0.5.9: `release_memory_occupation`'s assertion (the scheduler dies)."""
+RELEASE_ASSERT = "release_memory_occupation should be called only when server is idle."
+"""0.5.10+: the same assertion, reworded."""
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""`GPU_MEMORY_ALL_TYPES` (constants.py, 0.5.5+): what an empty or null `tags` means."""
 
 
 class UnsupportedEngine(FlywheelError, RuntimeError):
@@ -275,6 +292,27 @@ class Capabilities:
     @property
     def ping_reports_health(self) -> bool:
         return self.at_least(0, 5, 23)
+
+    @property
+    def default_memory_tags(self) -> tuple[str, ...]:
+        """What `/release_memory_occupation` (or resume) with no `tags` acts on."""
+        return MEMORY_TAGS if self.at_least(0, 5, 5) else ("weights", "kv_cache")
+
+    def release_refused(self, running: int, waiting: int, paused: bool) -> str | None:
+        """The assertion SGLang's scheduler dies with when `/release_memory_occupation`
+        comes with `running` requests in its batch and `waiting` in its queue (held ones
+        are not in it), or None when it releases. 0.5.4 checks nothing; 0.5.5 and
+        0.5.10-0.5.21 need both empty; 0.5.6-0.5.9 only the running batch; 0.5.22+
+        the running batch, and the queue too unless paused (retracted requests wait)."""
+        if not self.at_least(0, 5, 5):
+            return None
+        message = RELEASE_ASSERT if self.at_least(0, 5, 10) else RELEASE_ASSERT_OLD
+        if self.at_least(0, 5, 22):
+            waiting_counts = not paused
+        else:
+            waiting_counts = not (self.at_least(0, 5, 6) and not self.at_least(0, 5, 10))
+        busy = running > 0 or (waiting_counts and waiting > 0)
+        return message if busy else None
 
     def check_update_mode(self, mode: str) -> None:
         """UnsupportedEngine if this release cannot update weights in `mode`."""

@@ -150,7 +150,8 @@ async def body(ctx: ServiceContext) -> None:
         await worker.wait_for_engine(ctx.stop)  # its SGLang release decides the routes
         heartbeat = asyncio.create_task(worker.heartbeat_loop(ctx.stop))
         fetch = asyncio.create_task(worker.fetcher.run_loop(ctx.stop, worker.engine_version))
-        for side in (heartbeat, fetch):  # one that fails (a stream gone) stops the worker
+        lending = asyncio.create_task(worker.lending.run(ctx.stop))  # [rollout.cores]
+        for side in (heartbeat, fetch, lending):  # one that fails stops the worker
             side.add_done_callback(functools.partial(_stop_on_error, ctx.stop))
         try:
             await ctx.consume(
@@ -164,6 +165,7 @@ async def body(ctx: ServiceContext) -> None:
             await worker.close()
             await heartbeat
             await fetch
+            await lending
 
 
 def _stop_on_error(stop: asyncio.Event, task: asyncio.Task[None]) -> None:

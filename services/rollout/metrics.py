@@ -48,6 +48,14 @@ class RolloutMetrics:
             (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
         self.in_flight = m.gauge("tasks_in_flight", "Tasks being worked on.")
+        self.engine_idle = m.gauge(
+            "engine_idle_fraction",
+            "Fraction of wall time since this worker's first task with none of its tasks in "
+            "flight (its engine had nothing of this worker's to generate).",
+        )
+        self.engine_threads = m.gauge(
+            "engine_threads", "Threads the worker last gave its engine (core lease; 0: none)."
+        )
         self.engine_version = m.gauge("engine_version", "Weight version of this engine.")
         self.weights_downloaded = m.gauge(
             "weights_downloaded_version", "Newest weight version received over NATS."

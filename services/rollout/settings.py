@@ -9,6 +9,7 @@ from typing import ClassVar
 from pydantic import Field, SecretStr
 
 from services.engine_api.teacher import TeacherSettings
+from services.runtime.cores import CoreLeaseSettings
 from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
@@ -88,6 +89,13 @@ class RolloutSettings(TaskServiceSettings):
         default_factory=list,
         description="The teacher engines `flywheel up` started (set by it), used beside "
         "[teacher] urls.",
+    )
+    cores: CoreLeaseSettings = Field(
+        default_factory=CoreLeaseSettings,
+        description="[rollout.cores]: the machine's core lease (services/runtime/cores.py), "
+        "set by `flywheel up` when [stack] placement is colocated: while tasks are in flight "
+        "the worker sets its CPU engine's threads (/flywheel/num_threads) to what the lease "
+        "gives, every core while the trainer waits for a batch. Off (no dir) otherwise.",
     )
     behind_retry_s: float = Field(
         0.5, gt=0, description="Task redelivery delay while the engine is older than it needs."

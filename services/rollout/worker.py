@@ -75,6 +75,7 @@ from services.rollout.core import (
     sampling_params,
 )
 from services.rollout.episodes import EpisodeRunner, as_result
+from services.rollout.lending import EngineLending
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.settings import RolloutSettings
 from services.rollout.weights_fetch import WeightsFetcher
@@ -123,6 +124,8 @@ class RolloutWorker:
         self.scorer = scorer
         self.subjects = Subjects(s.run)
         self.metrics = RolloutMetrics(ctx.registry)
+        # the engine's busy state (its idle fraction; the core lease's, when colocated)
+        self.lending = EngineLending(s.cores, s.engine_id, client, self.metrics)
         self.fetcher: WeightsFetcher | None = None  # set by the app: weights over NATS
         self.warned_errors: set[str] = set()  # verifier errors already logged once
         self.episodes: EpisodeRunner | None = None  # set by use_tools: tasks with episodes
@@ -297,9 +300,11 @@ class RolloutWorker:
     async def on_task(self, task: PromptTask, d: Delivery) -> None:
         received = time.time()
         self.metrics.in_flight.inc()
+        self.lending.started()
         try:
             await self._on_task(task, d, received)
         finally:
+            self.lending.finished()
             self.metrics.in_flight.dec()
 
     async def _on_task(self, task: PromptTask, d: Delivery, received: float) -> None:

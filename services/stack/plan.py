@@ -12,7 +12,10 @@ by `CUDA_VISIBLE_DEVICES` per process from the `[stack]` GPU map: each
 engine its own, the trainer its ranks'; with a map, every other process
 sees none, so nothing else can take memory on an engine's or trainer's GPU.
 Cores likewise (`[stack] cpus`): a pinned process gets its cores' count as
-its torch threads here, and the supervisor sets the affinity at spawn.
+its torch threads here, and the supervisor sets the affinity at spawn. A
+colocated run (`[stack] placement`) pins nothing: the trainer and each rollout
+worker are given the run's core lease (`<run_dir>/cores`, their `cores`
+settings), and the cores move to whichever role has work.
 """
 
 from __future__ import annotations
@@ -152,6 +155,8 @@ def plan(
             if teachers:
                 urls = [(t.ready_url or "").rsplit("/", 1)[0] for t in teachers]
                 env["FLYWHEEL_ROLLOUT_TEACHER_URLS"] = json.dumps(urls)
+            if s.colocated:  # the worker lends its engine cores (its share: engine_threads)
+                env.update(lease_env("ROLLOUT", run_dir, max(s.engine_threads, 1)))
             argv = _py("services.rollout", "-c", str(config))
             specs.append(service("rollout", f"rollout-{i}", argv, env, beside=eng.name))
     if "sync" in s.services:
@@ -265,6 +270,8 @@ def trainer_spec(
     }
     if max_steps is not None:
         env["FLYWHEEL_TRAINER_MAX_STEPS"] = str(max_steps)
+    if s.colocated:
+        env.update(lease_env("TRAINER", run_dir, 1))
     if s.trainer_gpus:
         env.update(_visible(s.trainer_gpus))
     return service(
@@ -275,6 +282,12 @@ def trainer_spec(
         gpus=tuple(s.trainer_gpus),
         finishes=max_steps is not None,
     )
+
+
+def lease_env(service: str, run_dir: Path, share: int) -> dict[str, str]:
+    """The core lease of a colocated run, for one service's `cores` settings."""
+    prefix = f"FLYWHEEL_{service}_CORES__"
+    return {f"{prefix}DIR": str(run_dir / "cores"), f"{prefix}SHARE": str(share)}
 
 
 def _redact(name: str, value: str) -> str:

@@ -11,6 +11,11 @@ from services.engine_api.teacher import TeacherSettings
 from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 
+SMALL_MACHINE_CORES = 4
+"""At most this many cores, `placement = "auto"` colocates a CPU run: there are too few
+to give the trainer and each engine cores of their own, so a fixed split leaves the
+waiting role's cores idle."""
+
 
 class StackSettings(TaskServiceSettings):
     section: ClassVar[str] = "stack"
@@ -77,6 +82,19 @@ class StackSettings(TaskServiceSettings):
         "(sched_setaffinity) and its torch threads are their count (OMP_NUM_THREADS; an "
         "engine's num_threads, the trainer's runtime.cpu_threads), so roles on a many-core "
         "box do not fight for cores. Empty: no pinning.",
+    )
+    placement: Literal["auto", "colocated", "disaggregated"] = Field(
+        "disaggregated",
+        description="How the trainer and the engines share this machine. 'disaggregated': "
+        "each keeps its own threads (engine_threads, [trainer.runtime] cpu_threads). "
+        "'colocated' (CPU engines, a one-process trainer): cores move to whichever role has "
+        "work through a core lease in <run_dir>/cores (services/runtime/cores.py): while "
+        "the trainer waits for a batch the engines compute with its cores, while the "
+        "engines wait (max_staleness ahead) the trainer computes with theirs. 'auto': "
+        "colocated on a machine of at most 4 cores running CPU engines, one trainer "
+        "process and no `cpus` map; disaggregated otherwise. The default stays "
+        "'disaggregated' until lending is measured to help on quiet cores: on demo-real "
+        "(2 shared cores) the trainer idled 62-79% either way (bench/results_placement.md).",
     )
     services: tuple[str, ...] = Field(
         ("engine", "rollout", "sync", "trainer", "buffer"),
@@ -170,6 +188,33 @@ class StackSettings(TaskServiceSettings):
                 what = f"core(s) {bad} (this machine has 0..{have - 1})" if bad else "no cores"
                 raise ValueError(f"cpus.{key}: {what}")
         return self
+
+    @model_validator(mode="after")
+    def _colocation_possible(self) -> StackSettings:
+        if self.placement != "colocated":
+            return self
+        if self.engine != "cpu":
+            raise ValueError(
+                "placement = 'colocated' lends CPU cores between CPU engines and the trainer; "
+                "with SGLang engines `flywheel up` does not yet release and resume their GPU "
+                "memory around a step (the engines answer /release_memory_occupation): use "
+                "'disaggregated'"
+            )
+        if self.cpus:
+            raise ValueError("placement = 'colocated' moves cores between roles: drop `cpus`")
+        if self.trainer_nproc > 1:
+            raise ValueError("placement = 'colocated' lends to a one-process trainer only")
+        return self
+
+    @property
+    def colocated(self) -> bool:
+        """Whether roles lend each other cores here (`placement`, 'auto' resolved)."""
+        if self.placement != "auto":
+            return self.placement == "colocated"
+        import os
+
+        small = (os.cpu_count() or 1) <= SMALL_MACHINE_CORES
+        return small and self.engine == "cpu" and not self.cpus and self.trainer_nproc == 1
 
     def cpus_of(self, name: str, kind: str) -> tuple[int, ...]:
         """The cores of process `name` (of service `kind`); () when not pinned."""

@@ -55,6 +55,9 @@ class Status:
     evals_not_run: tuple[int, int] = (0, 0)  # due evaluations skipped, deferred
     staleness: float | None = None
     idle: float | None = None
+    # the engines' idle fraction: the mean over rollout workers of the share of wall time
+    # their engine had no task of theirs in flight (None: no worker reports it)
+    engine_idle: float | None = None
     # train–inference mismatch of the trainer's last measured step: mean and max
     # |trainer − engine logprob| and k3, on tokens of the trainer's version (None: never)
     mismatch: tuple[float, float, float] | None = None
@@ -78,6 +81,7 @@ class Status:
 
 def summarise(by_service: dict[str, Samples]) -> Status:
     st = Status()
+    engine_idle: list[float] = []
     for name, s in by_service.items():
         if name.startswith("trainer"):
             step = value(s, "flywheel_trainer_step")
@@ -92,6 +96,9 @@ def summarise(by_service: dict[str, Samples]) -> Status:
             st.entropy = value(s, "flywheel_trainer_entropy") if st.step else None
         elif name.startswith("rollout"):
             st.samples_total += value(s, "flywheel_rollout_samples_total", 0.0) or 0.0
+            idle = value(s, "flywheel_rollout_engine_idle_fraction")
+            if idle is not None:
+                engine_idle.append(idle)
         elif name.startswith("sync"):
             for labels, v in s.get("flywheel_sync_engine_version", []):
                 st.engines[labels.get("engine", "?")] = int(v)
@@ -115,6 +122,8 @@ def summarise(by_service: dict[str, Samples]) -> Status:
                 st.filtered += v
             else:
                 st.dead_letters += v
+    if engine_idle:
+        st.engine_idle = sum(engine_idle) / len(engine_idle)
     return st
 
 
@@ -227,7 +236,8 @@ def render_line(now: Status, before: Status | None) -> str:
     return (
         f"step {f(now.step, 'd')} | reward {f(now.reward, '.3f')} | {accuracy_text(now)} "
         f"| staleness {f(now.staleness, '.0f')} | mismatch {gap} | samples/s {f(rate, '.1f')} "
-        f"| trainer idle {f(now.idle, '.0%')} | in flight {f(now.tasks_in_flight, '.0f')} "
+        f"| trainer idle {f(now.idle, '.0%')} | engine idle {f(now.engine_idle, '.0%')} "
+        f"| in flight {f(now.tasks_in_flight, '.0f')} "
         f"| flat {f(now.flat_share, '.0%')} | distinct {distinct} "
         f"| entropy {f(now.entropy, '.2f')} "
         f"| filtered {now.filtered:.0f} | stale {stale} | unscored {now.unscored:.0f} "

@@ -43,6 +43,7 @@ from services.trainer.engine_evals import EngineEvaluations
 from services.trainer.evalbudget import EvalBudget
 from services.trainer.evaluating import Evaluations
 from services.trainer.heldout import HeldOut
+from services.trainer.lending import ThreadLending
 from services.trainer.metrics import Recorder
 from services.trainer.publishing import Publisher
 from services.trainer.replay import RecordedBatches
@@ -76,6 +77,9 @@ class RLLoop:
                 self.heldout, self.recorder, s.checkpoint_dir, self.step_now, budget
             )
         self.previous = Previous()
+        # [trainer.cores] (flywheel up's colocated placement): cores lent to the engines
+        # while a batch is awaited, borrowed while they are idle (lending.py)
+        self.lending = ThreadLending.of(s.cores, trainer)
 
     def step_now(self) -> int:
         return self.trainer.step
@@ -86,7 +90,11 @@ class RLLoop:
             await self.start()
             async for batch in self.batches():
                 started = time.perf_counter()
+                if self.lending is not None:
+                    self.lending.working()
                 result = await asyncio.to_thread(step, self.trainer, self.s, batch.wire, batch.seq)
+                if self.lending is not None:
+                    self.lending.waiting()
                 computed = time.perf_counter()
                 await self.previous.done()  # the previous step's publish and record
                 unblocked = time.perf_counter()
@@ -148,6 +156,8 @@ class RLLoop:
                         await self.evals.close_results()
         finally:
             self.recorder.close()
+            if self.lending is not None:
+                self.lending.close()
 
 
 class Previous:

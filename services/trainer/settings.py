@@ -16,6 +16,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.runtime.cores import CoreLeaseSettings
 from services.runtime.settings import RunPath
 from services.tasks.settings import TaskServiceSettings
 from services.trainer.loggers import LoggerName, WandbMode
@@ -404,6 +405,13 @@ class TrainerSettings(TaskServiceSettings):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     runtime: ModelConfig = Field(default_factory=ModelConfig)
+    cores: CoreLeaseSettings = Field(
+        default_factory=CoreLeaseSettings,
+        description="[trainer.cores]: the machine's core lease (services/runtime/cores.py), "
+        "set by `flywheel up` when [stack] placement is colocated: a one-process CPU trainer "
+        "computes with every core while the engines are idle and lends them while it waits "
+        "for a batch. Off (no dir) otherwise.",
+    )
     lora: LoraSettings | None = Field(
         None,
         description="[trainer.lora]: train a LoRA adapter (PEFT) instead of every weight, and "

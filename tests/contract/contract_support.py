@@ -18,12 +18,14 @@ same pairs:
 
 Paths: `a.b` for keys, `[*]` for every element of a list (`[*].meta_info.id`).
 `given` sets up the engine first: `api_key`, `health_generation`,
-`health_check_timeout_s`, requests sent `before` (each answered 200, in order:
-a generation that fills the prefix cache, a flush, an update), an `in_flight`
-generation (slowed down so it stays in flight), then `paused` in a mode.
-`given.during` lists `/generate` bodies sent once the case's request is
-pending in the engine (a weight update waiting on the in-flight generation);
-each must answer as `given.during_response` says (same rules as `response`, no `vary`).
+`health_check_timeout_s`, `released` memory tags (a release before the
+request; every case ends with all tags resumed), requests sent `before` (each
+answered 200, in order: a generation that fills the prefix cache, a flush, an
+update), an `in_flight` generation (slowed down so it stays in flight), then
+`paused` in a mode. `given.during` lists `/generate` bodies sent once the
+case's request is pending in the engine (a weight update waiting on the
+in-flight generation); each must answer as `given.during_response` says (same
+rules as `response`, no `vary`).
 `{weights_dir}` in a request stands for a valid weights directory.
 
 `given.generation_config` starts the engine on a copy of the model whose

@@ -137,10 +137,14 @@ async def prepare(
     state: Any,
     places: dict[str, str],
 ) -> Any:
-    """`given`: adapters, requests answered before, a slowed in-flight generation, then
-    a pause; returns the in-flight task."""
+    """`given`: adapters, released memory, requests answered before, a slowed in-flight
+    generation, then a pause; returns the in-flight task."""
     task = None
     g = case.given
+    if "released" in g:
+        status, answer = await send(s, url, {"method": "POST", "path": "/release_memory_occupation",
+                                             "body": {"tags": g["released"]}}, auth)  # fmt: skip
+        assert status == 200, answer
     for name in g.get("adapters", []):
         body = {"lora_name": name, "lora_path": places["{adapter_dir}"]}
         status, answer = await send(s, url, {"method": "POST", "path": "/load_lora_adapter",
@@ -168,11 +172,17 @@ async def prepare(
     return task
 
 
-async def cleanup(s: aiohttp.ClientSession, url: str, task: Any, auth: dict[str, str]) -> None:
+async def cleanup(
+    s: aiohttp.ClientSession, url: str, task: Any, auth: dict[str, str], state: Any
+) -> None:
     for path, body in (("/slow_down", {"forward_sleep_time": None}),
                        ("/abort_request", {"abort_all": True}),
                        ("/continue_generation", {})):  # fmt: skip
         await send(s, url, {"method": "POST", "path": path, "body": body}, auth)
+    if state.released:  # the next case starts with everything resumed, as SGLang would
+        body = {"tags": sorted(state.released)}
+        await send(s, url, {"method": "POST", "path": "/resume_memory_occupation", "body": body},
+                   auth)  # fmt: skip
     if task is not None:
         await asyncio.wait_for(task, 20)
 
@@ -220,7 +230,7 @@ def test_cpu_engine_answers_like_sglang(
                 took = time.monotonic() - t0
                 during_answers = await asyncio.gather(*during)
             finally:
-                await cleanup(s, url, task, auth)
+                await cleanup(s, url, task, auth, state)
         where = f"{case.id} ({case.source})"
         assert status == case.response["status"], f"{where}: status {status}: {answer!r}"
         problems = check_body(case, answer)
@@ -331,6 +341,10 @@ async def run_client_call(c: EngineClient, case: Case, places: dict[str, str]) -
         await c.unload_lora_adapter(body["lora_name"])
     elif call == "health":
         assert await c.health() is spec["ok"]
+    elif call == "release":
+        await c.release_memory_occupation(spec["tags"])
+    elif call == "resume":
+        await c.resume_memory_occupation(spec["tags"])
     elif call == "pause":
         await c.pause_generation(spec["mode"])
     elif call == "continue":
