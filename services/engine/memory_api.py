@@ -82,6 +82,8 @@ async def release_memory_occupation(
     )
     if refused is not None:
         return _dies(request, state, f"AssertionError: {refused}")
+    if "kv_cache" in tags:  # SGLang flushes its radix cache with the KV pool it releases
+        await asyncio.wrap_future(sched.run(sched._flush))
     state.released.update(tags)
     return web.json_response(None)
 

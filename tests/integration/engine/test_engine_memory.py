@@ -93,9 +93,13 @@ def test_release_and_resume_around_a_pause_and_generation_after(
 
     async def body() -> None:
         async with client_of(state) as c:
+            await c.generate([4, 5, 6, 7], sampling_params={"max_new_tokens": 1})
+            assert state.scheduler.prefix_cache_entries().result() > 0
             await c.pause_generation("abort")
             await c.release_memory_occupation()
             assert state.released == {"kv_cache", "weights", "cuda_graph"}
+            # SGLang flushes its radix cache with the KV pool it releases
+            assert state.scheduler.prefix_cache_entries().result() == 0
             await c.resume_memory_occupation()
             await c.continue_generation()
             out = await c.generate([4, 5], sampling_params={"max_new_tokens": 3})
