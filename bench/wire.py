@@ -14,7 +14,7 @@
    Besides wall-clock rates it reports this process's CPU µs per message
    (time.process_time; the server is another process): on a shared 2-core
    box the wall clock swings with other jobs, the CPU cost much less.
-Prints ratios against the baselines; results go to bench/RESULTS.md by hand.
+Prints ratios against the baselines; results go to bench/results_wire.md by hand.
 """
 
 from __future__ import annotations

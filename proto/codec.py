@@ -7,7 +7,7 @@ declared on the message classes; any failure becomes a ProtocolError
 subclass naming the message type and the field.
 
 Cost (4k-token Sample, 38 KB; measured on the 2-core dev box, see
-bench/RESULTS.md): msgpack's own pack + unpack is most of a round trip,
+bench/results_wire.md): msgpack's own pack + unpack is most of a round trip,
 dominated by copying the packed arrays (the packer copies them into its
 buffer and out, the unpacker into new `bytes`). The rest is pydantic's
 validation (Rust, plus one Python call per cross-field check) and a few

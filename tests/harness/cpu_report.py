@@ -7,7 +7,7 @@ they mostly measure the other workers' load. This plugin, loaded with
 `-p tests.harness.cpu_report` and `FLYWHEEL_CPU_REPORT=FILE`, appends one line
 per test phase: node id, phase, CPU seconds of the worker and of the processes
 it reaped (the stacks' services, engines, nats-servers: a module's stack is
-counted in the phase that stops it), wall seconds. `bench/test_cpu.py FILE`
+counted in the phase that stops it), wall seconds. `bench/suite_cpu.py FILE`
 sums them per module.
 """
 

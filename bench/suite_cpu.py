@@ -1,7 +1,7 @@
 """CPU seconds per test module from a `tests/harness/cpu_report.py` log.
 
     FLYWHEEL_CPU_REPORT=/tmp/cpu.tsv PYTEST_PLUGINS=tests.harness.cpu_report make test
-    .venv/bin/python bench/test_cpu.py /tmp/cpu.tsv [--top 25]
+    .venv/bin/python bench/suite_cpu.py /tmp/cpu.tsv [--top 25]
 
 Prints each module's CPU seconds (its tests' setup, call and teardown, with
 the processes they reaped), its share of the suite's, and its wall seconds,
