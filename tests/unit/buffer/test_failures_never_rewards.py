@@ -167,7 +167,7 @@ def test_each_trained_group_has_the_advantages_of_its_scored_members_alone(
     estimator: str,
     normalize: bool,
 ) -> None:
-    loss = LossConfig(advantage=estimator, batch_normalize_advantages=normalize)  # type: ignore[arg-type]
+    loss = LossConfig(advantage=estimator, batch_normalize_advantages=normalize)
     asm = Assembler(
         Policy(groups_per_step=per_step, max_staleness=1000),
         BufferState(),
