@@ -17,6 +17,11 @@ keeps `concurrency` tasks in flight so its engine batches them. Per task:
    instead (episodes.py: turns, tool calls in the tool sandbox, observation
    tokens with loss mask 0);
 3. score each completion with the task's environment, under a time limit;
+   a completion whose reward could not be computed (a check that timed out,
+   crashed or raised, a judge that failed, an environment's failed episode)
+   travels unscored (`verifier_error`, never trained on nor in its group's
+   baseline) and is dead-lettered alone with its reason (`dlq.verifier_timeout`,
+   `dlq.judge_timeout`, ...): failures never pose as a reward of 0;
 4. with a `[teacher]`, ask the teacher's engines for each sample's teacher
    logprobs (services/engine_api/teacher.py); a sample no teacher engine
    scores is dead-lettered alone (`teacher_failed`, the sample's bytes) and
@@ -85,12 +90,15 @@ from services.runtime.msgloop import DeadLetterPublisher, Delivery, pause, trans
 from services.runtime.publish import publish
 from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
+from services.tasks.judge import JUDGE_REASONS
 from services.tasks.prompts import encode
 from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from services.weights.adapter_load import adapter_versions
 
 log = logging.getLogger(__name__)
+
+ENV_ERROR = "env_error"  # a verifiers v1 episode that failed: the dead letter's reason
 
 
 class PromptTaskScoring(Protocol):
@@ -225,7 +233,8 @@ class RolloutWorker:
             self.metrics.verifier_errors.inc()
             # One warning per distinct error; repeats are counted, not logged (a broken
             # reward fails every sample: the buffer stops the run on that, not the console).
-            seen = r.reason or r.error  # a judge's failures: one warning per reason
+            # A judge's failures: one warning per reason (its errors name each request).
+            seen = r.reason if r.reason in JUDGE_REASONS else r.error
             level = logging.DEBUG if seen in self.warned_errors else logging.WARNING
             self.warned_errors.add(seen)
             log.log(
@@ -244,13 +253,14 @@ class RolloutWorker:
         results: list[GenerateResult],
         d: Delivery,
     ) -> None:
-        """A sample a check outside the sandbox could not score (an LLM judge that hung,
-        failed or answered garbage) goes to `dlq.<reason>` with the judge's reply; the
-        sample itself travels unscored (the buffer leaves it out of the loss). One dead
-        letter per sample and delivery-independent id, so a redelivered task's repeats
-        are stored once."""
+        """A sample whose reward could not be computed (a check in the sandbox that timed
+        out, crashed or raised; an LLM judge that hung, failed or answered garbage; an
+        environment's failed episode) goes to `dlq.<reason>` with the error and the
+        completion; the sample itself travels unscored (`verifier_error`: the buffer leaves
+        it out of the loss and of its group's baseline). One dead letter per sample and
+        delivery-independent id, so a redelivered task's repeats are stored once."""
         for sample, score, r in zip(samples, scores, results, strict=True):
-            if score.reason is None:
+            if score.error is None:
                 continue
             what = {
                 "sample_id": sample.sample_id,
@@ -260,9 +270,10 @@ class RolloutWorker:
                 "error": score.error,
                 "completion": r.text[:4000],
             }
+            reason = score.reason or "verifier_failed"  # a Reward from elsewhere without one
             await self.dead_letters.publish(
-                reason=score.reason,
-                error=score.error or score.reason,
+                reason=reason,
+                error=score.error,
                 subject=self.subjects.tasks,
                 payload=json.dumps(what).encode(),
                 delivered=d.delivered,
@@ -432,11 +443,13 @@ class RolloutWorker:
             raise engine_failure(e, self.s.engine_url, task.task_id) from e
         group_id = f"{task.task_id}:a{task.attempt}"
         origin = Origin(self.s.engine_id, before, started)
-        samples = []
+        samples, scores, results = [], [], []
         for i, v in enumerate(out):
             r = as_result(v.episode, f"{task.task_id}:e{i}")
-            score = Reward(v.reward, v.parts, v.error)
+            score = Reward(v.reward, v.parts, v.error, ENV_ERROR if v.error else None)
             self.count_error(task, score)
+            scores.append(score)
+            results.append(r)
             ep = v.episode
             samples.append(
                 make_sample(task, group_id, i, ep.prompt_ids, r, score, origin, ep.loss_mask)
@@ -446,6 +459,7 @@ class RolloutWorker:
             self.metrics.episode_turns.observe(v.episode.turns)
             if score.error is None:
                 self.metrics.reward.observe(score.reward)
+        await self.dead_letter_unscored(task, samples, scores, results, d)
         group = make_group(self.s.run, task, group_id, tuple(samples), self.s.worker_id)
         await publish(self.ctx.js, self.subjects.samples, group, self.ctx.max_payload)
         self.metrics.groups.inc()

@@ -27,8 +27,10 @@ class Reward:
     reward: float
     parts: dict[str, float] = field(default_factory=dict)
     error: str | None = None
-    # Why it is unscored, as a dead-letter reason, when a check outside the sandbox
-    # failed (an LLM judge: judge.JUDGE_REASONS); the rollout worker dead-letters it.
+    # Why it is unscored, as a dead-letter reason (`dlq.<reason>`), whenever `error` is
+    # set: a check in the sandbox that timed out, crashed or raised (`verifier_timeout`,
+    # `verifier_crashed`, `verifier_raised`), an LLM judge (judge.JUDGE_REASONS), an
+    # environment's episode (`env_error`). The rollout worker dead-letters the sample.
     reason: str | None = None
 
 

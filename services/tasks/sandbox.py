@@ -1126,8 +1126,9 @@ class VerifierPool:
 
     @staticmethod
     def _reward(answer: list[Any]) -> Reward:
-        if answer[0] == "error":
-            return Reward(0.0, error=f"verifier {answer[1]}")
+        if answer[0] == "error":  # no verdict: unscored, dead-lettered as verifier_<kind>
+            kind = answer[2] if len(answer) > 2 else "raised"
+            return Reward(0.0, error=f"verifier {answer[1]}", reason=f"verifier_{kind}")
         return Reward(float(answer[1]), {str(k): float(v) for k, v in answer[2].items()})
 
     async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:

@@ -15,11 +15,19 @@ def to_tensor_batch(batch: TrainBatch) -> TensorBatch:
         raise BatchError(
             f"batch {batch.batch_id} mixes temperatures {sorted(temps)}", field="temperature"
         )
-    prompt, response, logprobs, masks, rewards, groups, truncated = [], [], [], [], [], [], []
+    prompt, response, logprobs, masks, groups, truncated = [], [], [], [], [], []
     versions = []
+    rewards: list[float] = []
     teacher: list[torch.Tensor | None] = []
     for gi, g in enumerate(batch.groups):
         for s in g.samples:
+            if s.verifier_error is not None:  # the buffer keeps only scored samples (scored_part)
+                raise BatchError(
+                    f"batch {batch.batch_id}: sample {s.sample_id} has no reward "
+                    f"({s.verifier_error}); an unscored sample is never trained on",
+                    sample=len(rewards),
+                    field="verifier_error",
+                )
             prompt.append(torch.from_numpy(unpack_i32(s.prompt_ids).astype("int64")))
             response.append(torch.from_numpy(unpack_i32(s.response_ids).astype("int64")))
             logprobs.append(torch.from_numpy(unpack_f32(s.logprobs).copy()))

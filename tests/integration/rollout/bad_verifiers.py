@@ -1,5 +1,6 @@
 """Verifiers that misbehave, imported by path in the verifier sandbox's child processes."""
 
+import hashlib
 import time
 
 
@@ -19,3 +20,13 @@ def slow_when_right(completion: str, answer: str | None) -> float:
     if completion != completion.rstrip() and completion.strip() == answer:
         time.sleep(3600)
     return float(completion == answer)
+
+
+def hangs_on_half(completion: str, answer: str | None) -> float:
+    """A check that hangs on about half of all completions (those whose digest's first byte
+    is even) and scores the rest by another byte of it, spread over [0, 1]: a group of
+    sampled completions gets both, whichever text the engine made."""
+    digest = hashlib.sha256(completion.encode()).digest()
+    if digest[0] % 2 == 0:
+        time.sleep(3600)
+    return digest[1] / 255

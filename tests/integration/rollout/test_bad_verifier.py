@@ -74,4 +74,7 @@ def test_hanging_and_raising_verifiers_score_zero_and_are_counted() -> None:
     assert hung.reward == 0.0 and hung.error and "timed out" in hung.error, hung
     assert raised.reward == 0.0 and raised.error and "ValueError" in raised.error, raised
     assert good.reward == 1.0 and good.error is None, good  # the hung child was replaced
+    # each failure says why, as the dead-letter reason the worker files it under
+    reasons = (hung.reason, raised.reason, good.reason)
+    assert reasons == ("verifier_timeout", "verifier_raised", None), reasons
     assert counted == 2.0 and pool_errors == 2.0

@@ -153,6 +153,9 @@ def test_pool_scores_parts_and_survives_hangs_raises_and_deaths(run_async: Any) 
         assert died.reward == 0.0 and "died" in (died.error or "")
         assert after.reward == 1.0
         assert pool.errors == {"timeout": 1, "raised": 1, "crashed": 1}
+        # each says why it has no verdict: the dead-letter reason the worker files it under
+        reasons = [r.reason for r in (hung, raised, died, after)]
+        assert reasons == ["verifier_timeout", "verifier_raised", "verifier_crashed", None]
 
     run_async(body(), timeout_s=60)
 

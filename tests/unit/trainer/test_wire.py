@@ -42,3 +42,15 @@ def test_mixed_temperatures_are_refused() -> None:
     wire = TrainBatch(run="r", batch_id="r:step0", step=0, groups=(group("a", 1.0), group("b")))
     with pytest.raises(BatchError, match="temperature"):
         to_tensor_batch(wire)
+
+
+def test_an_unscored_sample_is_refused_never_trained_as_reward_0() -> None:
+    """The buffer sends scored samples only (`scored_part`); one that slipped through with
+    its failed check's 0 would be a failure posing as a reward in its group's baseline."""
+    g = group("a")
+    failed = g.samples[1].model_copy(update={"verifier_error": "verifier timed out after 1s"})
+    g = g.model_copy(update={"samples": (g.samples[0], failed)})
+    wire = TrainBatch(run="r", batch_id="r:step0", step=0, groups=(g,))
+    with pytest.raises(BatchError, match=r"no reward.*timed out") as e:
+        to_tensor_batch(wire)
+    assert (e.value.sample, e.value.field) == (1, "verifier_error")
