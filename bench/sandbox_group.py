@@ -19,9 +19,9 @@ from typing import Any
 
 sys.path.insert(0, os.getcwd())
 
+from services.sandbox import VerifierPool
+from services.sandbox.jail import Sandbox
 from services.tasks import rewards as R
-from services.tasks.jail import Sandbox
-from services.tasks.sandbox import VerifierPool
 from services.tasks.scoring import reward_payload
 from services.tasks.spec import TaskSpec
 

@@ -1,22 +1,4 @@
-"""Run verifiers and tools in sandboxed processes that can be killed: one bad sample
-never stalls a worker, and nothing it runs reaches past its sandbox.
-
-A verifier is named by import path, "pkg.module:function", and called as
-`function(*args)` in a child process. The parent waits on the child's pipe
-with an asyncio deadline. On timeout the child is killed (SIGKILL: a
-verifier stuck in C code ignores everything else) and replaced; a raising
-verifier is reported by the child; a call that dies mid-way is reported as
-crashed. Each of these gives reward 0 and a counted, named error, and the
-caller carries on — a thread-based `wait_for` could not stop a hung
-pure-Python or C loop, which is why this is a process.
-
-Children are started by jail.py: inside bubblewrap (their own PID and
-network namespaces, a read-only root with only the interpreter and the
-code they run, a private /tmp, an empty environment, a uid of their own,
-rlimits, seccomp, and a cgroup of their own where the host delegates one:
-`jail.memory_mode`), or where the host has no sandbox and the run file allows
-it, as plain processes with the same limits. Killing a child on a time-out
-kills everything it started: the whole PID namespace (or process group).
+"""The sandbox's child side: the zygote, and the process it forks per call.
 
 Each child is a warm *zygote*: it imports the rewards and tools once
 (`ZYGOTE_MODULES`, then the pool's `PRELOAD` and `warmup`, all before it
@@ -53,69 +35,32 @@ never runs, nor even reads, a call. A call sees nothing of any other:
 A fork, and the copy-on-write faults of the call in it, cost milliseconds
 of CPU (bench/results_sandbox.md).
 
-The protocol is length-prefixed MessagePack on the child's stdin/stdout — no
-pickle, and no fork of a parent that runs an event loop, NATS and torch
-threads. The pool sends control frames, which the zygote reads:
-`["warm", id, path, args]` runs in the zygote itself (warm-up: imports,
-caches; the service's own requests) and is answered `["warmed", id,
-answer]`; `["calls", id, n, pure]` is followed by n request frames
-`[id, i, path, args, mode]` (mode None: a reward, answered `["ok", reward,
-parts]` or `["error", message]`; "value": a tool call, answered `["value",
-text]`), which the zygote does not read: it forks a process for each (for
-all n when `pure`), which reads its own. For each such process the zygote
-writes `["answer", id, i, k]` followed by that process's own frame
-`[id, i, [answer, ...]]` (k answers, spliced), or `["crashed", id, i, k,
-why]` when it died without one; then `["done", id, doubt]`, doubt None or
-why the slot must be replaced. What a call's process sends back is checked
-by the pool, per answer, for the shape its request asks for.
+This module runs in the child (jail.py `boot` starts `_child_main`); it imports
+nothing of the service's side (pool.py) and nothing of what it runs: the code a
+call names is imported by path (`calls.resolve`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import gc
 import importlib
-import logging
-import math
 import os
-import secrets
 import signal
 import stat
 import struct
 import sys
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Self
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
-from services.runtime.errors import ConfigError
-from services.tasks import jail
-from services.tasks.calls import Reward, environment, resolve, to_reward
-from services.tasks.jail import Limits, Sandbox, Spawn
+from services.sandbox.calls import resolve, to_reward
+from services.sandbox.protocol import HEADER, MAX_FRAME, encode
 
-log = logging.getLogger(__name__)
-
-
-class _Desync(Exception):
-    """A child's frames do not answer the request sent (wrong id, order or shape): its
-    stream cannot be trusted, so the child is replaced."""
-
-
-_LEN = struct.Struct("<I")
-MAX_FRAME = 64 << 20  # a call's answer larger than this is refused
-
-
-def _frame(obj: Any) -> bytes:
-    data = msgpack.packb(obj, use_bin_type=True)
-    return _LEN.pack(len(data)) + data
-
-
-# ── the child (the zygote and the process it forks per request) ──────────────
 _DENIED_EVENTS = (
     "socket.connect",
     "socket.bind",
@@ -237,35 +182,6 @@ def _answer(fn: Callable[..., Any], args: Sequence[Any], mode: str | None) -> li
         return ["error", f"{type(e).__name__}: {e}"]
 
 
-def _is_verdict(v: Any) -> bool:
-    if not isinstance(v, list) or not v:
-        return False
-    if v[0] == "error":
-        return len(v) == 2 and isinstance(v[1], str)
-    return (
-        v[0] == "ok"
-        and len(v) == 3
-        and isinstance(v[1], float)
-        and math.isfinite(v[1])
-        and isinstance(v[2], dict)
-        and all(isinstance(k, str) and isinstance(x, float) for k, x in v[2].items())
-    )
-
-
-def checked(answer: Any, mode: str | None) -> list[Any]:
-    """A call's answer if it has the shape its request asks for, else an error: what a
-    call's process sends is not trusted (its code may be the policy's)."""
-    ok = False
-    if isinstance(answer, list) and answer and answer[0] == "error":
-        ok = _is_verdict(answer)
-    elif mode == "value":
-        ok = isinstance(answer, list) and len(answer) == 2 and answer[0] == "value"
-        ok = ok and isinstance(answer[1], str)
-    else:
-        ok = _is_verdict(answer)
-    return answer if ok else ["error", "sandbox: the call sent back a malformed answer"]
-
-
 def _read_exact(fd: int, n: int) -> bytes | None:
     chunks = []
     while n > 0:
@@ -280,10 +196,10 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 def _read_frame_fd(fd: int) -> Any:
     """One frame from `fd`, read unbuffered: not a byte past it (what follows is the next
     reader's: a zygote reads only its control frames, never a call's request)."""
-    header = _read_exact(fd, _LEN.size)
+    header = _read_exact(fd, HEADER.size)
     if header is None:
         raise EOFError
-    (n,) = _LEN.unpack(header)
+    (n,) = HEADER.unpack(header)
     body = _read_exact(fd, n) if n <= MAX_FRAME else None
     if body is None:
         raise EOFError
@@ -339,10 +255,10 @@ def _relay(r: int, marker: bytes) -> str | None:
     """Pass one frame of the call's pipe `r` on to the pool after `marker`: the 4-byte
     header through this process, the body spliced pipe to pipe (the zygote never holds
     an answer). None, or why there was none."""
-    header = _read_exact(r, _LEN.size)
+    header = _read_exact(r, HEADER.size)
     if header is None:
         return "without answering"
-    (n,) = _LEN.unpack(header)
+    (n,) = HEADER.unpack(header)
     if n > MAX_FRAME:
         return f"with an answer of {n} bytes (the limit is {MAX_FRAME})"
     _write_all(1, marker + header)
@@ -664,12 +580,12 @@ def _call(
     except OSError as e:
         os.close(r)
         os.close(w)
-        _write_all(1, _frame(["crashed", rid, first, k, f"no process for the call: {e}"]))
+        _write_all(1, encode(["crashed", rid, first, k, f"no process for the call: {e}"]))
         return "no process for a call"
     if pid == 0:  # the call's process: answer once, exit whatever happens
         try:
             os.close(r)
-            data = memoryview(_frame(_serve_call(rid, first, k, opts)))
+            data = memoryview(encode(_serve_call(rid, first, k, opts)))
             while data:
                 data = data[os.write(w, data) :]
         finally:
@@ -677,12 +593,12 @@ def _call(
     os.close(w)
     doubt = None
     try:
-        why = _relay(r, _frame(["answer", rid, first, k]))
+        why = _relay(r, encode(["answer", rid, first, k]))
     finally:
         os.close(r)
         status, left = _reap(pid, opts)
     if why is not None:
-        _write_all(1, _frame(["crashed", rid, first, k, f"its process {_died(status)} {why}"]))
+        _write_all(1, encode(["crashed", rid, first, k, f"its process {_died(status)} {why}"]))
         doubt = "a call crashed"
     if left:
         doubt = f"a call left {left} processes"
@@ -700,23 +616,6 @@ def _call(
     return doubt
 
 
-def _pure(path: str, args: Sequence[Any], mode: str | None) -> bool:
-    """A request that runs only Flywheel's code reading the completion as text (built-in
-    rewards but math, the calculator): a group of them shares one process (the pool
-    decides, the zygote forks accordingly). Anything that may run the completion as
-    code, or the user's code, gets a process of its own per completion."""
-    from services.tasks import rewards, tools
-
-    try:
-        if path == rewards.SCORE and mode is None:
-            return rewards.pure(args[0])
-        if path == tools.CALL and mode == "value":
-            return tools.pure(args[0])
-    except (IndexError, TypeError, KeyError):
-        return False  # not the shape these take: not pure
-    return False
-
-
 def preload(modules: list[str]) -> float:
     """A child's first request (in the zygote): import `modules` (VerifierPool.PRELOAD).
     Its answer also says the child is up: its interpreter started, its imports done."""
@@ -725,8 +624,9 @@ def preload(modules: list[str]) -> float:
     return 1.0
 
 
-_PRELOAD = "services.tasks.sandbox:preload"
 # The zygote's own imports, before it serves: each call's fork starts with them warm.
+# Names, not imports: the sandbox imports no task code; these are the modules of
+# what every pool runs (the reward entry point, the tool entry point).
 ZYGOTE_MODULES = ("services.tasks.rewards", "services.tasks.tools")
 
 
@@ -781,7 +681,7 @@ def _child_main(argv: Sequence[str]) -> None:
                 answer = _answer(resolve(path), args, None)
             except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
                 answer = ["error", f"{type(e).__name__}: {e}"]
-            _write_all(1, _frame(["warmed", rid, answer]))
+            _write_all(1, encode(["warmed", rid, answer]))
             continue
         n, pure = rest
         if not dropped:
@@ -794,424 +694,4 @@ def _child_main(argv: Sequence[str]) -> None:
             doubt = _call(rid, first, k, opts, keep, dirs)
             if doubt:
                 doubts.append(doubt)
-        _write_all(1, _frame(["done", rid, "; ".join(doubts) or None]))
-
-
-# ── the pools (in the service) ───────────────────────────────────────────────
-class _Child:
-    """One sandboxed zygote and the two ends of its pipe (its stdin/stdout here, or a
-    connection to the `flywheel sandbox` server that started it there)."""
-
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        confined: bool,
-        stop: Callable[[], Awaitable[None]],
-        pid: int | None = None,
-    ) -> None:
-        self.reader, self.writer, self.confined = reader, writer, confined
-        self._stop = stop
-        self.pid = pid  # the process this service started (None: the server's)
-
-    @classmethod
-    async def start(cls, spawn: Spawn) -> _Child:
-        """A child of this process."""
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *spawn.argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                env=spawn.env,
-                cwd=spawn.cwd,
-                pass_fds=spawn.pass_fds,
-                # plain processes: a group of their own, killed whole on a time-out
-                start_new_session=not spawn.confined,
-            )
-        finally:
-            spawn.close_fds()
-        assert proc.stdin is not None and proc.stdout is not None
-
-        async def stop() -> None:
-            """Kill the child and everything it started: bubblewrap's death ends its PID
-            namespace; plain processes die as a process group."""
-            with contextlib.suppress(ProcessLookupError):
-                if spawn.confined:
-                    proc.kill()
-                else:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            spawn.cleanup()
-
-        return cls(proc.stdout, proc.stdin, spawn.confined, stop, proc.pid)
-
-    @classmethod
-    async def connect(cls, socket_path: str, sandbox: Sandbox, cpu_s: int) -> _Child:
-        """A child of the `flywheel sandbox` server on `socket_path` (services/sandbox):
-        it starts one for this connection and kills it when the connection closes."""
-        try:
-            reader, writer = await asyncio.open_unix_connection(socket_path)
-        except OSError as e:
-            raise ConfigError(f"sandbox server {socket_path}: cannot connect: {e}") from e
-        writer.write(_frame(["spawn", {**sandbox.to_wire(), "cpu_s": cpu_s}]))
-        await writer.drain()
-        try:
-            header = await reader.readexactly(_LEN.size)
-            answer = msgpack.unpackb(await reader.readexactly(_LEN.unpack(header)[0]))
-        except asyncio.IncompleteReadError as e:
-            writer.close()
-            raise ConfigError(f"sandbox server {socket_path} closed the connection") from e
-        if answer[0] != "ready":
-            writer.close()
-            raise ConfigError(f"sandbox server {socket_path}: {answer[1]}")
-
-        async def stop() -> None:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-        return cls(reader, writer, bool(answer[1]), stop)
-
-    async def send(self, frames: Sequence[Any]) -> None:
-        self.writer.write(b"".join(_frame(f) for f in frames))
-        await self.writer.drain()
-
-    async def read(self) -> Any:
-        """One frame; EOFError when the child is gone. A body that does not decode (a
-        call's answer, spliced through as it wrote it) reads as None."""
-        try:
-            header = await self.reader.readexactly(_LEN.size)
-            (n,) = _LEN.unpack(header)
-            if n > MAX_FRAME:
-                raise EOFError(f"a frame of {n} bytes")
-            body = await self.reader.readexactly(n)
-        except asyncio.IncompleteReadError as e:
-            raise EOFError("verifier process closed its pipe") from e
-        try:
-            return msgpack.unpackb(body, raw=False)
-        except (ValueError, msgpack.ExtraData):
-            return None
-
-    async def warm(self, path: str, args: tuple[Any, ...]) -> Any:
-        """A warm-up request, answered by the zygote itself: its answer."""
-        rid = secrets.randbits(62)
-        await self.send([["warm", rid, path, list(args)]])
-        frame = await self.read()
-        if not (isinstance(frame, list) and len(frame) == 3 and frame[:2] == ["warmed", rid]):
-            raise _Desync(f"a warm-up answered {frame!r:.200}")
-        return frame[2]
-
-    async def kill(self) -> None:
-        await self._stop()
-
-
-class VerifierPool:
-    """`size` verifier processes; `await pool.call(path, *args)` never hangs past the limit.
-
-    `errors` counts failures by kind ("timeout", "raised", "crashed");
-    `calls` counts every call. Use `async with VerifierPool(...) as pool`.
-
-    `warmup`: calls every new child makes before it serves (import math-verify,
-    build a reasoning-gym dataset: seconds, which must not count against the
-    first real call's limit, or a slow import times out on every child it
-    replaces). A warm-up that fails at start is a ConfigError. Before those,
-    every child answers `preload` of `PRELOAD`, the reward entry point
-    (pydantic and the reward classes: a tenth of a second of CPU, seconds on a
-    loaded box): a child serves only once that answer is in, so neither its
-    interpreter's start, nor bubblewrap's, nor an import ever counts against a
-    call's time limit.
-
-    `sandbox`: what the children may see and use (jail.py); by default only
-    Flywheel's own code, and the sandbox is required. `remote`: the unix socket
-    of a `flywheel sandbox` server that starts the children instead (a sidecar
-    container without the service's credentials or volumes).
-    """
-
-    WARMUP_TIMEOUT_S = 120.0
-    PRELOAD: tuple[str, ...] = ("services.tasks.rewards",)
-
-    def __init__(
-        self,
-        size: int = 2,
-        timeout_s: float = 5.0,
-        warmup: Sequence[tuple[str, tuple[Any, ...]]] = (),
-        sandbox: Sandbox | None = None,
-        remote: str | os.PathLike[str] | None = None,
-    ) -> None:
-        if size < 1 or timeout_s <= 0:
-            raise ConfigError("verifier pool needs size >= 1 and timeout_s > 0")
-        self.size = size
-        self.timeout_s = timeout_s
-        self.warmup = tuple(warmup)
-        self.sandbox = sandbox or Sandbox()
-        self.remote = os.fspath(remote) if remote is not None else None
-        self.confined: bool | None = None  # known at start: in the sandbox, or plain processes
-        self.errors: Counter[str] = Counter()
-        self.calls = 0
-        self._idle: asyncio.Queue[_Child | None] | None = None
-        self._all: list[_Child] = []
-        self._killing: set[asyncio.Task[None]] = set()  # abandoned children being killed
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def start(self) -> None:
-        why = None
-        if self.remote is None:  # (a server checks its own host, per child)
-            why = await asyncio.to_thread(self.sandbox.check)  # ConfigError: must not run
-        self._idle = asyncio.Queue()
-        children = await asyncio.gather(*(self._spawn(strict=True) for _ in range(self.size)))
-        for child in children:
-            self._idle.put_nowait(child)
-        self.confined = all(c.confined for c in children)
-        if self.remote is None:
-            log.info("%s: memory per call: %s", type(self).__name__, jail.memory_mode())
-        if not self.confined:
-            log.warning(
-                "%s runs as plain processes (limits, no walls): the sandbox is unavailable%s",
-                type(self).__name__,
-                f" ({why})" if why else f" on the server at {self.remote}",
-            )
-
-    async def _spawn(self, strict: bool = False) -> _Child:
-        cpu_s = math.ceil(self.timeout_s) + 1
-        if self.remote is not None:
-            child = await _Child.connect(self.remote, self.sandbox, cpu_s)
-        else:
-            child = await _Child.start(jail.plan(self.sandbox, cpu_s))
-        self._all.append(child)
-        # The preload first, even of nothing: the child is ready once it has answered.
-        for path, args in [(_PRELOAD, (list(self.PRELOAD),)), *self.warmup]:
-            try:
-                answer = await asyncio.wait_for(child.warm(path, args), self.WARMUP_TIMEOUT_S)
-            except (TimeoutError, EOFError, OSError, _Desync) as e:
-                answer = ["error", f"{type(e).__name__}: {e}"]
-            if answer[0] == "error":
-                if strict:
-                    await self.close()
-                    raise ConfigError(f"verifier warm-up {path} failed: {answer[1]}")
-                log.warning("verifier warm-up %s failed: %s", path, answer[1])
-        return child
-
-    async def _retire(self, child: _Child) -> _Child | None:
-        await child.kill()
-        self._all.remove(child)
-        return await self._respawn()
-
-    def _abandon(self, child: _Child) -> None:
-        """Kill `child` in the background and leave its slot empty (the next call starts a
-        new one): a cancelled call's process may still answer, and its answer must never
-        be read as another call's."""
-        assert self._idle is not None
-        self._all.remove(child)
-        self._idle.put_nowait(None)
-        task = asyncio.get_running_loop().create_task(child.kill())
-        self._killing.add(task)
-        task.add_done_callback(self._killing.discard)
-
-    async def _respawn(self) -> _Child | None:
-        """A new child, or None while none can start (a sandbox server restarting): the
-        slot stays in the pool and the next call tries again."""
-        try:
-            return await self._spawn()
-        except (ConfigError, OSError) as e:
-            log.warning("sandbox: cannot start a process: %s", e)
-            return None
-
-    async def close(self) -> None:
-        for child in list(self._all):
-            await child.kill()
-        self._all.clear()
-        if self._killing:
-            await asyncio.gather(*self._killing, return_exceptions=True)
-
-    async def _batch(
-        self, child: _Child, path: str, calls: Sequence[tuple[Any, ...]], mode: str | None
-    ) -> tuple[list[list[Any]], str | None]:
-        """Send `calls` as one request of a fresh id, read one answer per call (each from
-        its own process, relayed by the zygote) and the zygote's closing frame. The
-        answers, and why the slot is in doubt (None: it is not). _Desync if the zygote's
-        frames do not echo the id in order."""
-        rid = secrets.randbits(62)
-        n = len(calls)
-        pure = all(_pure(path, args, mode) for args in calls)
-        requests = [[rid, i, path, list(args), mode] for i, args in enumerate(calls)]
-        await child.send([["calls", rid, n, pure], *requests])
-        answers: list[list[Any]] = []
-        doubts: list[str] = []
-        while True:
-            frame = await child.read()
-            if not (isinstance(frame, list) and len(frame) >= 3 and frame[1] == rid):
-                raise _Desync(f"call {rid} was answered {frame!r:.200}")
-            if frame[0] == "done" and len(answers) == n:
-                doubts += [str(frame[2])] if frame[2] else []
-                return answers, "; ".join(doubts) or None
-            if frame[0] not in ("answer", "crashed") or frame[2] != len(answers):
-                raise _Desync(f"call {rid} was answered {frame!r:.200} after {len(answers)}")
-            k = frame[3]
-            if not (isinstance(k, int) and 0 < k <= n - len(answers)):
-                raise _Desync(f"call {rid} was answered for {k!r} requests")
-            if frame[0] == "crashed":
-                answers += [["crashed", str(frame[4])]] * k
-                continue
-            got = await child.read()
-            if isinstance(got, list) and len(got) == 3 and got[:2] == [rid, frame[2]]:
-                if isinstance(got[2], list) and len(got[2]) == k:
-                    answers += [checked(a, mode) for a in got[2]]
-                    continue
-            answers += [["error", "sandbox: the call sent back a malformed answer"]] * k
-            doubts.append("a call's process sent back a malformed answer")
-
-    async def _run(
-        self, path: str, calls: Sequence[tuple[Any, ...]], limit: float, mode: str | None
-    ) -> list[list[Any]] | tuple[str, str]:
-        """`calls` in a child, each in a process of its own: their answers, or (kind, why)
-        when the child as a whole failed ("timeout", "crashed"; not counted here)."""
-        if self._idle is None:
-            raise RuntimeError(f"{type(self).__name__} used before start()")
-        slot = await self._idle.get()
-        try:
-            child = slot if slot is not None else await self._respawn()
-        except BaseException:  # cancelled while a new child started: the slot stays
-            self._idle.put_nowait(None)
-            raise
-        if child is None:
-            self._idle.put_nowait(None)
-            return "crashed", f"{path}: no sandbox process could start"
-        try:
-            answers, doubt = await asyncio.wait_for(self._batch(child, path, calls, mode), limit)
-        except TimeoutError:
-            self._idle.put_nowait(await self._retire(child))
-            return "timeout", f"{path} timed out after {limit}s"
-        except (EOFError, OSError, ConnectionError, _Desync) as e:
-            self._idle.put_nowait(await self._retire(child))
-            return "crashed", f"{path} process died: {e!r}"
-        except BaseException:  # cancelled mid-call: never hand its answer to the next call
-            self._abandon(child)
-            raise
-        if doubt is None:
-            self._idle.put_nowait(child)
-        else:  # a crash, processes left behind, a /tmp it could not empty: a new child
-            log.info("sandbox: replacing a %s process: %s", type(self).__name__, doubt)
-            self._idle.put_nowait(await self._retire(child))
-        return answers
-
-    def _counted(self, path: str, answer: list[Any]) -> list[Any]:
-        """A call's answer as callers read it: ["error", why, kind] counted in `errors`."""
-        if answer[0] == "crashed":
-            self.errors["crashed"] += 1
-            return ["error", f"{path} process died: {answer[1]}", "crashed"]
-        if answer[0] == "error":
-            self.errors["raised"] += 1
-            return ["error", f"{path} raised {answer[1]}", "raised"]
-        return answer
-
-    async def _one(
-        self, path: str, args: tuple[Any, ...], limit: float, mode: str | None
-    ) -> list[Any]:
-        """One call: its answer, or ["error", why, kind] after a timeout, raise or crash."""
-        self.calls += 1
-        out = await self._run(path, [args], limit, mode)
-        if isinstance(out, tuple):
-            kind, why = out
-            if kind == "timeout":
-                log.warning("sandbox: %s timed out after %.1fs; killing its process", path, limit)
-            self.errors[kind] += 1
-            return ["error", why, kind]
-        return self._counted(path, out[0])
-
-    @staticmethod
-    def _reward(answer: list[Any]) -> Reward:
-        if answer[0] == "error":
-            return Reward(0.0, error=f"verifier {answer[1]}")
-        return Reward(float(answer[1]), {str(k): float(v) for k, v in answer[2].items()})
-
-    async def call(self, path: str, *args: Any, timeout_s: float | None = None) -> Reward:
-        """Run `path(*args)` in a child; Reward(0, error=...) on timeout, raise or crash."""
-        return self._reward(await self._one(path, args, timeout_s or self.timeout_s, None))
-
-    async def call_many(
-        self, path: str, calls: Sequence[tuple[Any, ...]], timeout_s: float | None = None
-    ) -> list[Reward]:
-        """`call(path, *args)` for each of `calls`, with the same results, in one round trip:
-        each in a process of its own (a completion cannot touch its siblings' rewards).
-
-        The whole batch gets one call's limit. If it runs past it (a hang, or
-        verifiers slow enough that the batch does) or the child dies, the calls
-        run again one by one, each under its own limit, as `call` would: a bad
-        completion costs at most one extra limit and still scores alone.
-        """
-        limit = timeout_s or self.timeout_s
-        if len(calls) > 1:
-            out = await self._run(path, calls, limit, None)
-            if not isinstance(out, tuple):
-                self.calls += len(calls)
-                return [self._reward(self._counted(path, a)) for a in out]
-        return [await self.call(path, *args, timeout_s=limit) for args in calls]
-
-
-@dataclass(frozen=True)
-class ToolOutcome:
-    """A tool call's text, or why it failed ("timeout", "raised", "crashed") and how long."""
-
-    text: str
-    error: str | None
-    seconds: float
-
-
-def tool_modules(tools: Sequence[dict[str, Any]]) -> tuple[str, ...]:
-    """The user modules function tools are imported from (visible in the sandbox)."""
-    return tuple(str(t["fn"]).partition(":")[0] for t in tools if t.get("type") == "function")
-
-
-class ToolPool(VerifierPool):
-    """Sandboxed children that run tool calls (a process per call, `memory_mb` each).
-
-    Apart from the verifiers: a tool's limits must not apply to a reward, and
-    a hung tool must not hold a verifier's process.
-    """
-
-    PRELOAD = ()  # no reward runs here; its warm-up imports the tools
-
-    def __init__(
-        self,
-        size: int = 2,
-        timeout_s: float = 5.0,
-        memory_mb: int = 1024,
-        tools: Sequence[dict[str, Any]] = (),
-        sandbox: Sandbox | None = None,
-        remote: str | os.PathLike[str] | None = None,
-    ) -> None:
-        # warm-up: import the tools module (and the user's tools) before the first call; only
-        # their names: a tool's `env` (a secret) reaches no process but its own calls'
-        names = [{"type": t.get("type"), "fn": t.get("fn")} for t in tools]
-        warm = ("services.tasks.tools:warm", (names,))
-        base = sandbox or Sandbox(modules=tool_modules(tools))
-        box = replace(base, limits=replace(base.limits, memory_mb=memory_mb), audit=True)
-        super().__init__(size, timeout_s, warmup=[warm], sandbox=box, remote=remote)
-
-    async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:
-        """`path(*args)` as text; a hang, raise or crash is an outcome with its error."""
-        started = time.monotonic()
-        answer = await self._one(path, args, timeout_s or self.timeout_s, "value")
-        seconds = time.monotonic() - started
-        if answer[0] == "error":
-            return ToolOutcome(str(answer[1]).removeprefix(f"{path} "), str(answer[2]), seconds)
-        return ToolOutcome(str(answer[1]), None, seconds)
-
-
-__all__ = [
-    "Limits",
-    "Reward",
-    "Sandbox",
-    "ToolOutcome",
-    "ToolPool",
-    "VerifierPool",
-    "environment",
-    "resolve",
-    "to_reward",
-]
+        _write_all(1, encode(["done", rid, "; ".join(doubts) or None]))
