@@ -17,7 +17,15 @@ zygote's internals, bubblewrap's arguments, the filter) is the sandbox's own.
 
 from services.sandbox.calls import Reward, environment, resolve, to_reward
 from services.sandbox.jail import Limits, Sandbox
-from services.sandbox.pool import ToolOutcome, ToolPool, VerifierPool, text_reader, tool_modules
+from services.sandbox.pool import (
+    ToolOutcome,
+    ToolPool,
+    VerifierPool,
+    every_child_imports,
+    text_reader,
+    tool_modules,
+    tool_warmup,
+)
 
 __all__ = [
     "Limits",
@@ -27,8 +35,10 @@ __all__ = [
     "ToolPool",
     "VerifierPool",
     "environment",
+    "every_child_imports",
     "resolve",
     "text_reader",
     "to_reward",
     "tool_modules",
+    "tool_warmup",
 ]

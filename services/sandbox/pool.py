@@ -56,6 +56,22 @@ log = logging.getLogger(__name__)
 
 # (path, mode) -> whether a request's first argument makes it a text reader
 _TEXT_READERS: dict[tuple[str, str | None], Callable[[Any], bool]] = {}
+# Modules every child imports before it serves, and the warm-ups of every tool pool:
+# declared by the code they belong to, as it is imported (the pool knows no task).
+_EVERY_CHILD: dict[str, None] = {}
+_TOOL_WARMUPS: dict[str, None] = {}
+
+
+def every_child_imports(module: str) -> None:
+    """Declare that every sandbox child imports `module` before it serves (an entry
+    point of what the pools run): each call's fork starts with it warm."""
+    _EVERY_CHILD[module] = None
+
+
+def tool_warmup(path: str) -> None:
+    """Declare `path(tools)` the warm-up of every tool pool's children: called with the
+    pool's tools by name only (their `type` and `fn`, never their `env`)."""
+    _TOOL_WARMUPS[path] = None
 
 
 def text_reader(path: str, mode: str | None, pure: Callable[[Any], bool]) -> None:
@@ -196,7 +212,8 @@ class VerifierPool:
     build a reasoning-gym dataset: seconds, which must not count against the
     first real call's limit, or a slow import times out on every child it
     replaces). A warm-up that fails at start is a ConfigError. Before those,
-    every child answers `preload` of `PRELOAD`, the reward entry point
+    every child answers `preload` of the modules every child imports
+    (`every_child_imports`: the reward and tool entry points) and `PRELOAD`
     (pydantic and the reward classes: a tenth of a second of CPU, seconds on a
     loaded box): a child serves only once that answer is in, so neither its
     interpreter's start, nor bubblewrap's, nor an import ever counts against a
@@ -209,7 +226,7 @@ class VerifierPool:
     """
 
     WARMUP_TIMEOUT_S = 120.0
-    PRELOAD: tuple[str, ...] = ("services.tasks.rewards",)
+    PRELOAD: tuple[str, ...] = ()  # this pool's own, beside `every_child_imports`
 
     def __init__(
         self,
@@ -266,7 +283,8 @@ class VerifierPool:
             child = await _Child.start(jail.plan(self.sandbox, cpu_s))
         self._all.append(child)
         # The preload first, even of nothing: the child is ready once it has answered.
-        for path, args in [(PRELOAD_PATH, (list(self.PRELOAD),)), *self.warmup]:
+        preload = list(dict.fromkeys([*_EVERY_CHILD, *self.PRELOAD]))
+        for path, args in [(PRELOAD_PATH, (preload,)), *self.warmup]:
             try:
                 answer = await asyncio.wait_for(child.warm(path, args), self.WARMUP_TIMEOUT_S)
             except (TimeoutError, EOFError, OSError, Desync) as e:
@@ -456,8 +474,6 @@ class ToolPool(VerifierPool):
     a hung tool must not hold a verifier's process.
     """
 
-    PRELOAD = ()  # no reward runs here; its warm-up imports the tools
-
     def __init__(
         self,
         size: int = 2,
@@ -470,10 +486,10 @@ class ToolPool(VerifierPool):
         # warm-up: import the tools module (and the user's tools) before the first call; only
         # their names: a tool's `env` (a secret) reaches no process but its own calls'
         names = [{"type": t.get("type"), "fn": t.get("fn")} for t in tools]
-        warm = ("services.tasks.tools:warm", (names,))
+        warm = [(path, (names,)) for path in _TOOL_WARMUPS]
         base = sandbox or Sandbox(modules=tool_modules(tools))
         box = replace(base, limits=replace(base.limits, memory_mb=memory_mb), audit=True)
-        super().__init__(size, timeout_s, warmup=[warm], sandbox=box, remote=remote)
+        super().__init__(size, timeout_s, warmup=warm, sandbox=box, remote=remote)
 
     async def run(self, path: str, *args: Any, timeout_s: float | None = None) -> ToolOutcome:
         """`path(*args)` as text; a hang, raise or crash is an outcome with its error."""
@@ -485,4 +501,12 @@ class ToolPool(VerifierPool):
         return ToolOutcome(str(answer[1]), None, seconds)
 
 
-__all__ = ["ToolOutcome", "ToolPool", "VerifierPool", "text_reader", "tool_modules"]
+__all__ = [
+    "ToolOutcome",
+    "ToolPool",
+    "VerifierPool",
+    "every_child_imports",
+    "text_reader",
+    "tool_modules",
+    "tool_warmup",
+]

@@ -39,7 +39,8 @@ class Desync(Exception):
 
 HEADER = struct.Struct("<I")
 MAX_FRAME = 64 << 20  # a call's answer larger than this is refused
-# The zygote's first request of every child: import the pool's PRELOAD (zygote.preload).
+# The zygote's first request of every child: import what every child imports and the
+# pool's PRELOAD (zygote.preload).
 PRELOAD_PATH = "services.sandbox.zygote:preload"
 
 

@@ -1,7 +1,8 @@
 """The sandbox's child side: the zygote, and the process it forks per call.
 
-Each child is a warm *zygote*: it imports the rewards and tools once
-(`ZYGOTE_MODULES`, then the pool's `PRELOAD` and `warmup`, all before it
+Each child is a warm *zygote*: it imports what it runs once (the pool's
+first request, `preload`: the modules every child imports, declared by the
+code they belong to, and the pool's `PRELOAD`; then its `warmup`, all before it
 serves: none of it counts against a call's time limit), and then forks a
 fresh process for every call, which runs it and exits; the zygote itself
 never runs, nor even reads, a call. A call sees nothing of any other:
@@ -617,17 +618,13 @@ def _call(
 
 
 def preload(modules: list[str]) -> float:
-    """A child's first request (in the zygote): import `modules` (VerifierPool.PRELOAD).
-    Its answer also says the child is up: its interpreter started, its imports done."""
+    """A child's first request (in the zygote, before /tmp's state is taken): import
+    `modules` (what every child imports, `pool.every_child_imports`, and the pool's
+    PRELOAD): each call's fork starts with them warm. Its answer also says the child is
+    up: its interpreter started, its imports done."""
     for module in modules:
         importlib.import_module(module)
     return 1.0
-
-
-# The zygote's own imports, before it serves: each call's fork starts with them warm.
-# Names, not imports: the sandbox imports no task code; these are the modules of
-# what every pool runs (the reward entry point, the tool entry point).
-ZYGOTE_MODULES = ("services.tasks.rewards", "services.tasks.tools")
 
 
 def _reachable_code() -> None:
@@ -655,6 +652,16 @@ def _reachable_code() -> None:
     sys.path_importer_cache.clear()
 
 
+def _warm(control: list[Any]) -> None:
+    """Answer a warm-up request `["warm", id, path, args]` in the zygote itself."""
+    _, rid, path, args = control
+    try:
+        answer = _answer(resolve(path), args, None)
+    except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
+        answer = ["error", f"{type(e).__name__}: {e}"]
+    _write_all(1, encode(["warmed", rid, answer]))
+
+
 def _child_main(argv: Sequence[str]) -> None:
     """The zygote: read control frames, answer warm-ups in itself and fork a process for
     each call (which reads its own request); see the module docstring for the frames."""
@@ -664,24 +671,28 @@ def _child_main(argv: Sequence[str]) -> None:
     _harden(opts)
     pr_set_child_subreaper = 36
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
-    for module in ZYGOTE_MODULES:
-        importlib.import_module(module)
+    try:
+        control = _read_frame_fd(0)
+    except EOFError:
+        return
+    # The pool's first request is the preload: the zygote's own imports, answered before
+    # /tmp's state is taken, as everything the zygote does before it serves.
+    if control[0] == "warm":
+        _warm(control)
+        control = None
     keep = _keep(os.getcwd())  # the temp dir as it is before any call
     dirs = _own_dirs(os.getcwd(), keep)  # and the metadata of its directories
     dropped = opts.uid < 0
     while True:
-        try:
-            control = _read_frame_fd(0)
-        except EOFError:
-            return
-        kind, rid, *rest = control
-        if kind == "warm":  # the service's own request (imports, caches): in the zygote
-            path, args = rest
+        if control is None:
             try:
-                answer = _answer(resolve(path), args, None)
-            except Exception as e:  # noqa: BLE001 -- a module that fails to import: reported
-                answer = ["error", f"{type(e).__name__}: {e}"]
-            _write_all(1, encode(["warmed", rid, answer]))
+                control = _read_frame_fd(0)
+            except EOFError:
+                return
+        kind, rid, *rest = control
+        control = None
+        if kind == "warm":  # the service's own request (imports, caches): in the zygote
+            _warm([kind, rid, *rest])
             continue
         n, pure = rest
         if not dropped:

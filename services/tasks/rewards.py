@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.runtime.errors import ConfigError
-from services.sandbox import text_reader
+from services.sandbox import every_child_imports, text_reader
 from services.tasks.registry import FN_PATH, REWARDS, RewardPart
 
 _SPACE = re.compile(r"\s+")
@@ -436,4 +436,7 @@ def pure(parts: list[dict[str, Any]]) -> bool:
     return True
 
 
+# What the sandbox runs of this module: every child imports it before it serves, and a
+# group of text-only parts shares one process.
+every_child_imports(__name__)
 text_reader(SCORE, None, pure)

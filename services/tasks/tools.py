@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.sandbox import text_reader
+from services.sandbox import every_child_imports, text_reader, tool_warmup
 from services.tasks.episode_spec import EpisodeSpec, FunctionTool
 
 CALL = "services.tasks.tools:call"
@@ -173,6 +173,10 @@ def pure(tool: Any) -> bool:
     return isinstance(tool, dict) and tool.get("type") == "calculator"
 
 
+# What the sandbox runs of this module: every child imports it before it serves, every
+# tool pool's children run `warm` first, and the calculator needs no process of its own.
+every_child_imports(__name__)
+tool_warmup(WARM)
 text_reader(CALL, "value", pure)
 
 
