@@ -13,7 +13,7 @@ role, the cores used (CPU seconds / window) and the ms of CPU per generated samp
 — the second is what the machine's load moves least: it counts work, not waiting.
 
 Roles: the process's command line (`services.engine`, `services.rollout`, the
-verifier/tool sandbox children `services.tasks.sandbox`, `services.buffer`,
+verifier/tool sandbox children `services.sandbox.zygote`, `services.buffer`,
 `services.trainer`, `services.sync`, `nats-server`, and the demo/`up` supervisor).
 
 `--pyspy`: after the CPU window, `py-spy record --nonblocking` one engine, one
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 ROLES = [
-    ("services.tasks.sandbox", "verifier sandbox"),
+    ("services.sandbox.zygote", "verifier sandbox"),
     ("services.engine", "engine"),
     ("services.rollout", "rollout worker"),
     ("services.buffer", "buffer"),

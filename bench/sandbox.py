@@ -37,10 +37,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.tasks import jail  # noqa: E402
+from services.sandbox import (  # noqa: E402
+    ToolPool,
+    VerifierPool,
+    jail,
+)
+from services.sandbox.jail import Sandbox  # noqa: E402
 from services.tasks import rewards as R  # noqa: E402
-from services.tasks.jail import Sandbox  # noqa: E402
-from services.tasks.sandbox import ToolPool, VerifierPool  # noqa: E402
 from services.tasks.tools import CALL  # noqa: E402
 
 PY = {"type": "python", "tag": "python", "description": ""}

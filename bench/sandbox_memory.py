@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.tasks.jail import Sandbox  # noqa: E402
-from services.tasks.sandbox import ToolPool  # noqa: E402
+from services.sandbox import ToolPool  # noqa: E402
+from services.sandbox.jail import Sandbox  # noqa: E402
 from services.tasks.tools import CALL  # noqa: E402
 from tests.harness.sandbox import PodServer  # noqa: E402
 

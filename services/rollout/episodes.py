@@ -18,9 +18,9 @@ from typing import Any
 from proto.weight_version import VersionSpan
 from services.engine_api.engine_client import EngineClient, GenerateResult
 from services.runtime.errors import RetryableError
+from services.sandbox import ToolPool
 from services.tasks.episode import Episode, TurnOutput, run_episode
 from services.tasks.episode_spec import EpisodeSpec
-from services.tasks.sandbox import ToolPool
 
 
 def turn_output(r: GenerateResult) -> TurnOutput:

@@ -88,11 +88,11 @@ from services.runtime.errors import ConfigError, PermanentError, RetryableError
 from services.runtime.lifecycle import ServiceContext
 from services.runtime.msgloop import DeadLetterPublisher, Delivery, pause, transient_errors
 from services.runtime.publish import publish
+from services.sandbox import Reward, ToolPool
 from services.tasks.episode import Episode
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.judge import JUDGE_REASONS
 from services.tasks.prompts import encode
-from services.tasks.sandbox import Reward, ToolPool
 from services.tasks.verifiers_v1 import V1Runner, VerifiersV1Source
 from services.weights.adapter_load import adapter_versions
 

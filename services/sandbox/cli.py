@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
 
 def check() -> int:
     """`--check`: the walls and the memory limit a call gets on this host, one line each."""
-    from services.tasks import jail
+    from services.sandbox import jail
 
     reason = jail.probe()
     walls = "bubblewrap" if reason is None else f"plain processes only ({reason})"

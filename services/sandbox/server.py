@@ -7,7 +7,7 @@ no secret, mounts no weights, has a read-only root filesystem and no
 service-account token: this server. The two containers share only an
 emptyDir with its socket.
 
-The protocol is the pools' own (sandbox.py), plus one frame first. A
+The protocol is the pools' own (protocol.py), plus one frame first. A
 connection asks for one child: `["spawn", {modules, limits, required_by,
 audit, cpu_s}]` (jail.Sandbox.to_wire); the server answers `["ready",
 confined]` and hands the connection to a child it starts as jail.plan says
@@ -40,7 +40,7 @@ from typing import Any
 import msgpack
 
 from services.runtime.errors import ConfigError
-from services.tasks import jail
+from services.sandbox import jail
 
 log = logging.getLogger(__name__)
 

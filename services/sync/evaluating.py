@@ -40,11 +40,11 @@ from services.runtime.errors import ConfigError
 from services.runtime.lifecycle import ServiceContext
 from services.runtime.msgloop import Delivery
 from services.runtime.publish import publish
+from services.sandbox import VerifierPool
 from services.sync.core import Engine, Registry
 from services.sync.settings import SyncSettings
 from services.tasks.engine_eval import EvalAborted, engine_complete, figures
 from services.tasks.evaluate import EvalReport, evaluate
-from services.tasks.sandbox import VerifierPool
 from services.tasks.scoring import Scorer, verifier_pool
 from services.tasks.taskset import LoadedTask, TaskSet
 

@@ -17,9 +17,11 @@ reasoning-gym, math-verify) are imported inside the functions that use them.
               order, their start-up checks;
 - `prompts`:  row -> prompt text/messages -> token ids (training and eval alike);
 - `rewards`:  the named reward functions and their weighted sum;
-- `sandbox`:  `VerifierPool`, where every reward runs with a time limit;
 - `scoring`:  a task's reward for one completion, through the pool;
 - `evaluate`: greedy pass@1 and sampled pass@k on the held-out split;
 - `episode_spec`, `episode`, `tools`: multi-turn episodes with tools
-              (`[task.episode]`), the turn loop, the tools (`ToolPool` runs them).
+              (`[task.episode]`), the turn loop, the tools.
+
+Rewards and tools run in the sandbox (services/sandbox: `VerifierPool`,
+`ToolPool`), below this package and imported through its face only.
 """

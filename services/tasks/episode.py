@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.sandbox import ToolPool
 from services.tasks.episode_spec import EpisodeSpec
-from services.tasks.sandbox import ToolPool
 from services.tasks.tools import CALL, observation, parse_turn
 
 

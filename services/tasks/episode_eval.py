@@ -13,9 +13,9 @@ import asyncio
 from typing import Any
 
 from services.runtime.threads import Offload
+from services.sandbox import ToolPool
 from services.tasks.episode import Episode, TurnOutput, run_episode
 from services.tasks.episode_spec import EpisodeSpec
-from services.tasks.sandbox import ToolPool
 
 
 def cut_at_stop(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[list[int], str]:

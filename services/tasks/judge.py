@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from services.runtime.errors import FlywheelError
 from services.runtime.metrics import MetricSet
-from services.tasks.calls import Reward
+from services.sandbox import Reward
 from services.tasks.registry import REWARDS, RewardPart
 
 if TYPE_CHECKING:

@@ -143,7 +143,7 @@ class RewardPart(Strict):
 
     def sandbox_modules(self) -> tuple[str, ...]:
         """The modules the sandbox must show for `value` to run (their top-level packages
-        are bound into it, jail.py): its class's, and any user code it calls."""
+        are bound into it, services/sandbox/jail.py): its class's, and any user code it calls."""
         return (type(self).__module__,)
 
 

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.runtime.errors import ConfigError
+from services.sandbox import every_child_imports, text_reader
 from services.tasks.registry import FN_PATH, REWARDS, RewardPart
 
 _SPACE = re.compile(r"\s+")
@@ -364,7 +365,7 @@ class CustomReward(RewardPart):
     def value(
         self, completion: str, answer: str | None, ctx: dict[str, Any]
     ) -> tuple[float, dict[str, float]]:
-        from services.tasks.calls import environment, resolve, to_reward
+        from services.sandbox import environment, resolve, to_reward
 
         with environment(self.env):
             r = to_reward(resolve(self.fn)(completion, answer, **self.kwargs))
@@ -374,7 +375,7 @@ class CustomReward(RewardPart):
         return (*super().sandbox_modules(), self.fn.partition(":")[0])
 
     def warm(self, ctx: dict[str, Any]) -> None:
-        from services.tasks.calls import resolve
+        from services.sandbox import resolve
 
         resolve(self.fn)
 
@@ -422,7 +423,8 @@ TEXT_ONLY_FUNCTIONS = frozenset({"services.tasks.last_word:brevity_credit"})
 def pure(parts: list[dict[str, Any]]) -> bool:
     """Every part is one of this module's built-ins that read the completion only as text
     (`RewardPart.text_only`), or one of TEXT_ONLY_FUNCTIONS: the sandbox scores a group
-    of such completions in one process (sandbox.py `_pure`) instead of a process each.
+    of such completions in one process (`text_reader`, services/sandbox/pool.py) instead
+    of a process each.
     A class or function defined elsewhere, a user's included, never is: only
     Flywheel's own code is trusted not to run the completion or leave state behind."""
     for p in parts:
@@ -432,3 +434,9 @@ def pure(parts: list[dict[str, Any]]) -> bool:
         if cls is None or not cls.text_only or cls.__module__ != __name__:
             return False
     return True
+
+
+# What the sandbox runs of this module: every child imports it before it serves, and a
+# group of text-only parts shares one process.
+every_child_imports(__name__)
+text_reader(SCORE, None, pure)

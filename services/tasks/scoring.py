@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.runtime.errors import PermanentError
+from services.sandbox import Limits, Reward, Sandbox, ToolPool, VerifierPool, tool_modules
 from services.tasks import rewards
+from services.tasks import tools as _tools  # noqa: F401 -- declares its entry point to the pools
 from services.tasks.episode_spec import FunctionTool, PythonTool
-from services.tasks.jail import Limits, Sandbox
 from services.tasks.judge import Judge, JudgeReward, with_verdicts
 from services.tasks.registry import SourceSpec, as_fields
-from services.tasks.sandbox import Reward, ToolPool, VerifierPool, tool_modules
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
 

@@ -1,8 +1,8 @@
 """Tools of multi-turn episodes: parse a turn's call, run it in the sandbox, format the result.
 
 Parsing and formatting are pure and run in the rollout worker (and the
-evaluation); `call` runs in the tool sandbox (`ToolPool` in sandbox.py: a
-process forked per call inside bubblewrap's walls, jail.py), so a tool that
+evaluation); `call` runs in the tool sandbox (`ToolPool`, services/sandbox/pool.py: a
+process forked per call inside bubblewrap's walls, services/sandbox/jail.py), so a tool that
 hangs, raises, eats memory, exits or tries to reach out costs only its turn.
 
 `call` takes the tool's spec as a plain dict (what crosses the pipe is
@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.sandbox import every_child_imports, text_reader, tool_warmup
 from services.tasks.episode_spec import EpisodeSpec, FunctionTool
 
 CALL = "services.tasks.tools:call"
@@ -154,7 +155,7 @@ def check_arguments(tool: FunctionTool, body: str) -> dict[str, Any]:
 
 def call(tool: dict[str, Any], body: str) -> str:
     """Run one call of `tool` (its spec as a dict) in this sandbox child."""
-    from services.tasks.calls import environment, resolve
+    from services.sandbox import environment, resolve
 
     kind = tool["type"]
     if kind == "calculator":
@@ -172,10 +173,17 @@ def pure(tool: Any) -> bool:
     return isinstance(tool, dict) and tool.get("type") == "calculator"
 
 
+# What the sandbox runs of this module: every child imports it before it serves, every
+# tool pool's children run `warm` first, and the calculator needs no process of its own.
+every_child_imports(__name__)
+tool_warmup(WARM)
+text_reader(CALL, "value", pure)
+
+
 def warm(tools: list[dict[str, Any]]) -> float:
     """Run by every new tool child before it serves: import this module's dependencies
     and the user's tool functions, so a call's time limit is spent calling."""
-    from services.tasks.calls import resolve
+    from services.sandbox import resolve
 
     for tool in tools:
         if tool["type"] == "function":

@@ -19,8 +19,8 @@ from typing import Any
 from proto.messages import TrainBatch
 from services.runtime.errors import ConfigError
 from services.runtime.threads import niced_pool, offload_to
+from services.sandbox import ToolPool, VerifierPool
 from services.tasks.evaluate import EvalReport, evaluate, load_model
-from services.tasks.sandbox import ToolPool, VerifierPool
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.trainer.settings import TrainerSettings
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tasks.jail import Sandbox, interpreter_roots, probe, python
+from services.sandbox.jail import Sandbox, interpreter_roots, probe, python
 from tests.harness.poll import wait_for
 
 TESTS = Sandbox(modules=("tests",), required_by=())

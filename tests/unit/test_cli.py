@@ -42,7 +42,7 @@ def test_a_reward_beside_the_run_file_imports_as_the_services_import_it(tmp_path
     (tmp_path / "my_rewards.py").write_text("def score(c, a):\n    return float(c == a)\n")
     code = (
         "import sys\n"
-        "from services.tasks.calls import resolve\n"
+        "from services.sandbox import resolve\n"
         "{before}"
         "print(resolve('my_rewards:score')('b', 'b'))\n"
     )

@@ -105,3 +105,76 @@ def test_no_pickle_multiprocessing_or_unsafe_torch_load_in_the_tree() -> None:
             problems[name] = v
     if problems:
         pytest.fail(f"forbidden deserialisation / process pools: {problems}")
+
+
+# The sandbox is a package of its own (services/sandbox/), below tasks: the walls
+# (bubblewrap, seccomp, rlimits, uids) live there and nowhere in services/tasks/, which
+# imports the sandbox through its face (`services.sandbox`) only. What would mean walls
+# built in tasks: the modules that build them, and the words of bubblewrap's and
+# seccomp's own interfaces in code (docstrings and comments may name them).
+WALL_MODULES = {"ctypes", "resource", "seccomp", "pyseccomp"}
+WALL_WORDS = ("bwrap", "--unshare", "--seccomp", "prctl", "setrlimit", "SECCOMP_", "BPF_", "HBBI")
+SECCOMP_ACTIONS = {0x7FFF0000, 0x80000000, 0x00050000}  # RET_ALLOW, RET_KILL_PROCESS, RET_ERRNO
+
+
+def sandbox_violations(source: str) -> list[str]:
+    """What in `source` (a module of services/tasks) builds sandbox walls or reaches past
+    the sandbox's face, as "line: what" strings (pure, tested below)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            if name.partition(".")[0] in WALL_MODULES or name.startswith("services.sandbox."):
+                found.append(f"{line}: import {name}")
+        if isinstance(node, ast.Attribute) and node.attr in ("prctl", "setrlimit", "unshare"):
+            found.append(f"{line}: .{node.attr}")
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
+            found += [f"{line}: {w!r}" for w in WALL_WORDS if w in node.value]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            found += [f"{line}: {node.value:#x}"] if node.value in SECCOMP_ACTIONS else []
+    return found
+
+
+def test_the_sandbox_scan_finds_walls_and_reaches_past_the_face() -> None:
+    bad = (
+        "import ctypes\nfrom services.sandbox.jail import plan\nimport resource\n"
+        "argv = ['bwrap', '--unshare-pid']\nlibc.prctl(4, 0)\n"
+        "ALLOW = 0x7FFF0000\nop = struct.pack('=HBBI', 6, 0, 0, ALLOW)\n"
+    )
+    found = sandbox_violations(bad)
+    assert len(found) == 8, found
+    ok = (
+        '"""Runs in bubblewrap (bwrap), under seccomp."""\n'
+        "from services.sandbox import ToolPool, VerifierPool\n"
+        "# prctl and setrlimit are the sandbox's\n"
+    )
+    assert sandbox_violations(ok) == []
+
+
+def test_services_tasks_holds_no_bubblewrap_or_seccomp_code() -> None:
+    files = sorted((ROOT / "services" / "tasks").rglob("*.py"))
+    assert len(files) > 20  # the scan really covers the package
+    problems = {}
+    for p in files:
+        if v := sandbox_violations(p.read_text()):
+            problems[str(p.relative_to(ROOT))] = v
+    if problems:
+        pytest.fail(f"sandbox walls or sandbox internals in services/tasks: {problems}")

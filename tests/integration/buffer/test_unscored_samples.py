@@ -31,8 +31,8 @@ from services.rollout.metrics import RolloutMetrics
 from services.rollout.worker import RolloutWorker
 from services.runtime.nats_conn import ensure_consumer, ensure_streams
 from services.runtime.publish import publish
+from services.sandbox import VerifierPool
 from services.stack.localdev.nats_server import NatsServer
-from services.tasks.sandbox import VerifierPool
 from services.tasks.scoring import Scorer
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet

@@ -1,6 +1,6 @@
 """A reward that hangs or raises: the sample scores 0, carries the error, and is counted.
 
-Real verifier sandbox processes (services/tasks/sandbox.py), a task
+Real verifier sandbox processes (services/sandbox/pool.py), a task
 whose reward is a custom function by import path, and the rollout worker's
 own scoring step (`RolloutWorker.score`, which sets the sample's
 `verifier_error` from the result and counts
@@ -21,7 +21,7 @@ from proto.messages import PromptTask, SamplingParams
 from services.rollout.app import PromptTaskScorer
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.worker import RolloutWorker
-from services.tasks.sandbox import Reward, VerifierPool
+from services.sandbox import Reward, VerifierPool
 from services.tasks.scoring import Scorer
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet

@@ -46,11 +46,11 @@ from services.rollout.settings import RolloutSettings
 from services.runtime.lifecycle import run_service
 from services.runtime.nats_conn import ensure_streams
 from services.runtime.settings import NatsSettings
+from services.sandbox import ToolPool
 from services.stack.localdev.nats_server import NatsServer
 from services.tasks.episode import TurnOutput
 from services.tasks.episode_spec import EpisodeSpec
 from services.tasks.evaluate import evaluate_dir
-from services.tasks.sandbox import ToolPool
 from services.tasks.spec import TaskSpec
 from services.tasks.taskset import TaskSet
 from tests.harness.engines import EngineStates, serving_engine

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.tasks.sandbox import ToolPool
+from services.sandbox import ToolPool
 from services.tasks.tools import CALL
 from tests.harness.sandbox import TESTS
 

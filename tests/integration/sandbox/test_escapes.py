@@ -3,7 +3,7 @@ reward, trying every way out we know of. Every case must be refused, and each is
 checked on its effect on this host — the file is not there, the listener got
 nothing, the signal never came, no process is left — not on a log line.
 
-The pools are the ones the services use (sandbox.py, in jail.py's bubblewrap),
+The pools are the ones the services use (services/sandbox: pool.py, in jail.py's bubblewrap),
 sized one child each and started once for the module, after a secret was put
 into this process's environment (as the NATS password is in a service's).
 Where the host has no sandbox these tests skip saying why; in CI they fail
@@ -36,11 +36,10 @@ from typing import Any
 
 import pytest
 
-from services.tasks import jail
-from services.tasks.jail import UID_BASE, Limits, mounts
+from services.sandbox import ToolPool, VerifierPool, jail
+from services.sandbox.jail import UID_BASE, Limits, mounts
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
-from services.tasks.sandbox import ToolPool, VerifierPool
 from services.tasks.tools import CALL
 from tests.harness.poll import wait_for
 from tests.harness.sandbox import CONFINED, POD_UID, PodServer, require_sandbox

@@ -4,7 +4,7 @@ path, in bubblewrap and as plain processes (`insecure-allow`).
 
 The plain child of a root service runs its calls as a uid of its own, which
 cannot read a checkout in root's 0700 home; it reaches the code it runs
-through directory fds opened before the switch (sandbox.py), and nothing's
+through directory fds opened before the switch (zygote.py), and nothing's
 permissions are widened: the directory stays 0700 and the test checks it.
 Each layout runs in a service process of its own (a subprocess that imports
 `services` from the copy, not from this checkout).
@@ -34,15 +34,15 @@ root, mode = sys.argv[1], sys.argv[2]
 sys.path.insert(0, root)
 import services
 assert services.__file__.startswith(root + "/"), services.__file__
-from services.tasks import jail
+from services.sandbox import jail
 if mode == "plain":
     jail.probe = lambda: "plain processes for this test"
 from services.tasks import rewards as R
 from services.tasks.episode_spec import FunctionTool
-from services.tasks.jail import Sandbox
+from services.sandbox.jail import Sandbox
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
-from services.tasks.sandbox import ToolPool, VerifierPool
+from services.sandbox import ToolPool, VerifierPool
 from services.tasks.tools import CALL
 
 box = Sandbox(modules=("fw_layout_user",), required_by=() if mode == "plain" else ("test",))

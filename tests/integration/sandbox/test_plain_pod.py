@@ -21,10 +21,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.tasks.jail import python
+from services.sandbox import VerifierPool
+from services.sandbox.jail import python
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
-from services.tasks.sandbox import VerifierPool
 from tests.harness.sandbox import TESTS, PodServer, as_pod
 
 REWARD = "tests.integration.sandbox.escape_fixtures:run_code"

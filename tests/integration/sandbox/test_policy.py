@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from services.runtime.errors import ConfigError
-from services.tasks import jail
+from services.sandbox import jail
 from services.tasks import rewards as R
 from services.tasks.scoring import reward_payload, tool_pool, verifier_pool
 from services.tasks.spec import TaskSpec

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from services.runtime.errors import ConfigError
+from services.sandbox import ToolPool, VerifierPool
 from services.tasks import rewards as R
 from services.tasks.registry import as_fields
 from services.tasks.rewards import CustomReward
-from services.tasks.sandbox import ToolPool, VerifierPool
 from services.tasks.tools import CALL
 from tests.harness.poll import wait_for
 from tests.harness.sandbox import CONFINED, TESTS, require_sandbox
@@ -145,7 +145,7 @@ def test_stopping_the_server_kills_its_children(server: SandboxServer) -> None:
 
 LOCAL_SERVICE = """
 import asyncio, sys
-from services.tasks.sandbox import ToolPool
+from services.sandbox import ToolPool
 from services.tasks.tools import CALL
 from tests.harness.sandbox import CONFINED
 PY = {"type": "python", "tag": "python", "description": ""}

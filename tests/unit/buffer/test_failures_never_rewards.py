@@ -35,9 +35,9 @@ from services.buffer.core import Assembler, BufferState, Verdict, min_scored, ze
 from services.engine_api.engine_client import GenerateResult
 from services.rollout.core import Origin, make_group, make_sample
 from services.rollout.worker import ENV_ERROR
+from services.sandbox import Reward, VerifierPool
 from services.tasks.judge import JUDGE_REASONS, JudgeReward, with_verdicts
 from services.tasks.judge import Verdict as JudgeVerdict
-from services.tasks.sandbox import Reward, VerifierPool
 from services.trainer.core.batching import response_positions
 from services.trainer.settings import LossConfig
 from services.trainer.trainer import Trainer

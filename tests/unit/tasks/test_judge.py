@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
+from services.sandbox import Reward
 from services.tasks import judge as j
-from services.tasks.calls import Reward
 from services.tasks.registry import REWARDS
 from services.tasks.spec import TaskSpec
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.tasks.sandbox import VerifierPool
+from services.sandbox import VerifierPool
 from tests.harness.sandbox import TESTS
 
 SLOW = "tests.unit.tasks.slow_import"

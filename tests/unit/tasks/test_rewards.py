@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from services.sandbox import VerifierPool, resolve, to_reward
 from services.tasks import rewards as R
 from services.tasks.reasoning_gym import reasoning_gym_score
-from services.tasks.sandbox import VerifierPool, resolve, to_reward
 from services.tasks.scoring import reward_payload
 from services.tasks.spec import TaskSpec
 from tests.harness.sandbox import TESTS

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tasks import seccomp
+from services.sandbox import seccomp
 
 HEADERS = {
     "x86_64": Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
+from services.sandbox.pool import _pure
+from services.sandbox.protocol import checked
+from services.sandbox.zygote import _Options
 from services.tasks import rewards as R
-from services.tasks.sandbox import _Options, _pure, checked
 from services.tasks.tools import CALL
 
 EXACT = {"fn": "exact_match", "extract": "first_line"}

@@ -1,7 +1,7 @@
 """Where a sandbox child runs: bubblewrap, an unprivileged uid, rlimits, seccomp.
 
 Rewards and tools run text the policy wrote, and a policy under RL is an
-optimiser: any way out that pays, it finds. So their processes (sandbox.py's
+optimiser: any way out that pays, it finds. So their processes (pool.py's
 pools) start inside walls that Linux gives and a small, well-kept tool sets
 up — bubblewrap (Debian's `bubblewrap`, what Flatpak runs every app in) —
 rather than inside Python, where an audit hook can be stepped around (ctypes,
@@ -17,7 +17,7 @@ open. What a child gets:
   tool modules): no /proc, no /data, no working directory, no repository;
 - one writable place, a private /tmp (a size-limited tmpfs), wiped after
   every call, its own metadata (mode, extended attributes, times) put back,
-  and dropped whole with the child when it cannot be (sandbox.py);
+  and dropped whole with the child when it cannot be (zygote.py);
 - an empty environment, plus fixed harmless values and what a tool declares;
 - a uid of its own with no capabilities and no_new_privs, and RLIMIT_AS /
   NPROC / FSIZE / NOFILE (and RLIMIT_CPU per call, set by the child);
@@ -44,7 +44,7 @@ per user namespace.
 
 Where the host cannot do this (no bubblewrap, namespaces refused), `probe`
 says why, and the pools refuse to run custom rewards and tools unless the
-run file says `sandbox = "insecure-allow"` for the task (scoring.py); they
+run file says `sandbox = "insecure-allow"` for the task (tasks/scoring.py); they
 then run as plain processes with the same rlimits, an empty environment, a
 private temp directory, a process group killed on a time-out and, under a
 root service, a uid of their own from the first call on. The warm-up imports
@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from services.runtime.errors import ConfigError
-from services.tasks import seccomp
+from services.sandbox import seccomp
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ def child_uid() -> int:
 def child_options(
     limits: Limits, cpu_s: int, *, pidns: bool, audit: bool, uid: int | None = None
 ) -> list[str]:
-    """The child's own command-line options (sandbox.py `_child_main` reads them)."""
+    """The child's own command-line options (zygote.py `_child_main` reads them)."""
     opts = [
         f"--memory={limits.memory_mb}",
         f"--nproc={limits.processes}",
@@ -477,7 +477,7 @@ def boot(entries: list[str]) -> list[str]:
     working directory on sys.path), then the entries its modules were found under."""
     code = (
         f"import sys; sys.path[1:1] = {entries!r}; "
-        "from services.tasks.sandbox import _child_main; _child_main(sys.argv[1:])"
+        "from services.sandbox.zygote import _child_main; _child_main(sys.argv[1:])"
     )
     return [python(), "-I", "-c", code]
 

@@ -1,10 +1,9 @@
 """A call in the sandbox: the function a path names, its result as a `Reward`, the
 environment it declares.
 
-The sandbox's child (sandbox.py) and the code it runs (rewards.py, tools.py)
-both use these, and the child also reads rewards.py and tools.py (which
-requests it may answer without a fork, `sandbox._pure`): so they live here,
-below all three, and sandbox.py re-exports them.
+The sandbox's child (zygote.py) and the code it runs (tasks' rewards.py and
+tools.py) both use these: so they live here, in the sandbox below tasks, and
+the package's face (services/sandbox/__init__.py) exports them.
 """
 
 from __future__ import annotations

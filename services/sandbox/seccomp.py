@@ -32,7 +32,7 @@ the same calls.
 
 Why no library: libseccomp's Python binding is not on PyPI, and the program
 is a few dozen instructions with two argument checks, tested against the
-kernel headers where they are installed (tests/unit/tasks/test_seccomp.py)
+kernel headers where they are installed (tests/unit/sandbox/test_seccomp.py)
 and by the escape battery against a live kernel.
 """
 
