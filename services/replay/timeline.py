@@ -12,8 +12,8 @@ one this module guesses at:
   `started_at` to `finished_at` (the worker stamps `finished_at` after
   scoring, so the two are one slice), waits in the buffer from its group's
   `created_at` until the TrainBatch that carried it (`created_at`), and is
-  trained until the first WeightsPublished of a step at or after that
-  batch's (`published_at`): the trainer records no start of a step, so a
+  trained until the first WeightsPublished that counts that batch's step
+  among its steps done (`published_at`): the trainer records no start of a step, so a
   step is drawn from when both its batch existed and the step before had
   published.
 - weight versions are global instant markers (published, ready); sync's
@@ -167,8 +167,8 @@ def _first_batch(batches: Sequence[TrainBatch]) -> dict[str, TrainBatch]:
 
 
 def _step_ends(published: Sequence[WeightsPublished]) -> tuple[list[int], list[float]]:
-    """(steps, published_at) of the versions, by step: the first publish at or after a
-    step ends it (a trainer may publish every k steps)."""
+    """(steps done, published_at) of the versions, by steps done: the first publish that
+    counts a step ends it (a trainer may publish every k steps)."""
     firsts: dict[int, float] = {}
     for w in published:
         if w.published_at > 0:
@@ -178,9 +178,11 @@ def _step_ends(published: Sequence[WeightsPublished]) -> tuple[list[int], list[f
 
 
 def _trained_at(step: int, steps: list[int], ends: list[float]) -> float | None:
+    """When the batch of `step` (0-based) was trained: the first version published after
+    it (WeightsPublished.step counts the steps done, so batch k is in step k + 1's)."""
     import bisect
 
-    i = bisect.bisect_left(steps, step)
+    i = bisect.bisect_left(steps, step + 1)
     return ends[i] if i < len(steps) else None
 
 
@@ -241,7 +243,7 @@ def _nested(parts: list[Slice], start: float, end: float) -> tuple[Slice, ...]:
 
 def _train_steps(rec: Records, steps: list[int], ends: list[float]) -> list[Slice]:
     """A slice per step: from when its batch existed and the step before had published, to
-    the first publish at or after it (module doc)."""
+    the first publish that counts it (module doc)."""
     out: list[Slice] = []
     prev_end = 0.0
     for b in sorted({b.step: b for b in reversed(rec.batches)}.values(), key=lambda b: b.step):

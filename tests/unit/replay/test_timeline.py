@@ -57,7 +57,7 @@ def records() -> Records:
     g1 = group("g1", 4.0, sample("g1", 0, queued=0.5, started=1.5, finished=4.0,
                                  engine="engine-1"), worker="rollout-1")  # fmt: skip
     batch = TrainBatch(run=RUN, batch_id="b0", step=0, groups=(g0,), created_at=T + 5.0)
-    pub = WeightsPublished(run=RUN, version=1, step=0, uri="file:///w/v1", sha256="0" * 64,
+    pub = WeightsPublished(run=RUN, version=1, step=1, uri="file:///w/v1", sha256="0" * 64,
                            size_bytes=10, published_at=T + 10.0)  # fmt: skip
     ready = WeightsReady(run=RUN, version=1, engines=("engine-0",), ready_at=T + 11.0)
     dead = DeadLetter(run=RUN, reason="stale", error="v0 older than the bound", subject="s",
