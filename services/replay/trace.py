@@ -61,8 +61,26 @@ def main(argv: list[str], hooks: Hooks | None = None) -> int:
     return 0
 
 
+class NatsLost(FlywheelError, RuntimeError):
+    """The run's NATS stopped answering while the trace read it: a live run that just ended
+    takes its embedded nats-server with it (seen on `flywheel demo` between its stages)."""
+
+
 async def read_records(rec: RecordedRun, url: str) -> Records:
-    """Every SampleGroup, TrainBatch, WeightsPublished/Ready and DeadLetter the run holds."""
+    """Every SampleGroup, TrainBatch, WeightsPublished/Ready and DeadLetter the run holds;
+    NatsLost (one line, not a traceback) if its NATS goes away meanwhile."""
+    from nats.errors import Error as NatsError
+
+    try:
+        return await _read_records(rec, url)
+    except NatsError as e:
+        raise NatsLost(
+            f"the NATS at {url} stopped answering while the run was read ({type(e).__name__}); "
+            "if the run just ended, run `flywheel trace` again: it reads the stopped run's store"
+        ) from e
+
+
+async def _read_records(rec: RecordedRun, url: str) -> Records:
     from proto.codec import decode, decode_any
     from proto.errors import ProtocolError
     from proto.messages import (
@@ -115,9 +133,10 @@ async def _messages(js: Any, run: str, what: str) -> Any:
 
 
 def write(doc: dict[str, Any], out: Path) -> None:
-    """The JSON, compact (a 100k-sample run is hundreds of MB indented), written whole."""
+    """The JSON, compact (indented it would be twice the size), written whole: a reader of
+    `out` never sees half a file. Encoded in one `dumps` (C, one shot), which measured 2.4x
+    faster than `json.dump`'s chunked writes on a 30k-sample trace (bench/results_trace.md)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(doc, f, separators=(",", ":"))
+    tmp.write_text(json.dumps(doc, separators=(",", ":")))
     tmp.replace(out)
