@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "services.cli:replay_main",
         "a recorded run read back: re-train on its batches, re-score or export its samples",
     ),
+    "trace": (
+        "services.cli:trace_main",
+        "a run's recorded streams as a timeline (Perfetto / Chrome trace JSON)",
+    ),
     "init-model": (
         "services.trainer.cli:init_model_main",
         "a tiny Qwen2 for a run file's task (BPE on its text + SFT warm start)",
@@ -81,6 +85,16 @@ def replay_main(argv: list[str]) -> int:
     from services.stack.replaying import open_store, trainer_process
 
     return main(argv, Hooks(open_store, trainer_process, task_finder))
+
+
+def trace_main(argv: list[str]) -> int:
+    """`flywheel trace` (the replay package's), with the stack's opener of a stopped run's
+    NATS store (services/stack/replaying.py)."""
+    from services.replay.source import Hooks
+    from services.replay.trace import main
+    from services.stack.replaying import open_store
+
+    return main(argv, Hooks(open_store=open_store))
 
 
 def _usage() -> str:
