@@ -28,13 +28,17 @@ from services.tasks.rewards import CustomReward
 from tests.harness.sandbox import TESTS, PodServer, as_pod
 
 REWARD = "tests.integration.sandbox.escape_fixtures:run_code"
+# A uid of this module's own: test_escapes_pod.py runs as the pod's uid on another of make
+# test's workers at the same time, and a uid's processes share RLIMIT_NPROC (its forks
+# failed with EAGAIN there) and its SysV objects (what this module counts).
+UID = 10002
 SCORE = "services.tasks.rewards:score"
 IPC_RMID = 0
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[PodServer]:
-    s = PodServer(env={"PATH": "/nonexistent"})  # no bwrap: plain processes
+    s = PodServer(env={"PATH": "/nonexistent"}, uid=UID)  # no bwrap: plain processes
     yield s
     s.close()
 
@@ -65,7 +69,7 @@ def test_a_calls_ipc_objects_and_shared_memory_are_gone_for_the_next(server: Pod
     name = f"fw{random.randrange(1 << 32):08x}"
     # The uid's own object from before any call (another program of the pod's uid).
     shmget = f"import ctypes; print(ctypes.CDLL(None).shmget({key + 9}, 4096, 0o1600))"
-    made = subprocess.run(as_pod([python(), "-c", shmget]), capture_output=True, text=True)
+    made = subprocess.run(as_pod([python(), "-c", shmget], UID), capture_output=True, text=True)
     ident = int(made.stdout)
     assert ident >= 0
     libc = ctypes.CDLL(None, use_errno=True)
