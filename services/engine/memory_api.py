@@ -44,18 +44,15 @@ log = logging.getLogger(__name__)
 MAX_THREADS = 1024  # a bound for a typo, not for a machine
 
 
-def _tags(state: EngineState, body: Any) -> list[str]:
-    """The request's tags, or the release's default set (FastAPI's 422 for a wrong shape)."""
+def _tags(state: EngineState, body: Any) -> list[str] | web.Response:
+    """The request's tags, the release's default set, or the 422 FastAPI's validation
+    answers for a wrong shape before SGLang's handler runs."""
     tags = body.get("tags") if isinstance(body, dict) else None
     if tags is None or tags == []:
         return list(state.caps.default_memory_tags)
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise _Unprocessable("tags must be a list of strings or null")
+        return web.json_response({"detail": "tags must be a list of strings or null"}, status=422)
     return tags
-
-
-class _Unprocessable(Exception):
-    """A body FastAPI's validation refuses (422) before SGLang's handler runs."""
 
 
 def _dies(request: web.Request, state: EngineState, why: str) -> web.Response:
@@ -71,10 +68,9 @@ def _dies(request: web.Request, state: EngineState, why: str) -> web.Response:
 async def release_memory_occupation(
     request: web.Request, state: EngineState, body: Any
 ) -> web.Response:
-    try:
-        tags = _tags(state, body)
-    except _Unprocessable as e:
-        return web.json_response({"detail": str(e)}, status=422)
+    tags = _tags(state, body)
+    if isinstance(tags, web.Response):
+        return tags
     sched = state.scheduler
     load = await asyncio.wrap_future(sched.run(sched.load))  # one consistent snapshot
     refused = state.caps.release_refused(
@@ -92,10 +88,9 @@ async def release_memory_occupation(
 async def resume_memory_occupation(
     request: web.Request, state: EngineState, body: Any
 ) -> web.Response:
-    try:
-        tags = _tags(state, body)
-    except _Unprocessable as e:
-        return web.json_response({"detail": str(e)}, status=422)
+    tags = _tags(state, body)
+    if isinstance(tags, web.Response):
+        return tags
     for tag in tags:
         if tag not in state.released:
             return _dies(request, state, f"KeyError: {tag!r}")
