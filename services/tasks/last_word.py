@@ -1,13 +1,16 @@
-"""The task of the real-model demo: name the last word of a list, as a bare word.
+"""The task of the real-model demo: name the last word of a list.
 
 "What is the last word in this list: chair, ladder, fish?" -> "fish".
 SmolLM2-135M-Instruct answers in a sentence ('The last word in this list
-is "fish."') and picks the wrong word about half the time, so the exact
-scorer (the built-in `exact_match`: the first line, stripped, must be the
-word) gives it 0.00 on held-out lists; GRPO teaches it the bare answer and
-the right word (bench/results_demo_real.md: how this task, its prompt,
-reward and learning rate were chosen by measurement, and what failed:
-the model has almost no arithmetic in a bare answer beyond 1-digit sums).
+is "fish."') and, on lists of 7 to 12 nouns, names the wrong word about
+three times in four. `names_the_word` scores a reply right when it names
+the answer and no other of the task's nouns, in a sentence or bare: one
+part, so there is no shaped credit for the policy to settle on below the
+answer. `brevity_credit` is the earlier demo's shaped part (the bare word
+by exact_match, a sentence paid less the longer it is), which left one run
+in three on "The last word: X"; the LoRA and distillation examples still
+use it. bench/results_demo_real.md: how the task, its prompt, reward and
+learning rate were chosen by measurement, and what failed.
 
 Splits are disjoint by construction: a list's split is decided by a hash
 of the list itself (10% test, 10% validation, 80% train), so a held-out
@@ -104,3 +107,19 @@ def brevity_credit(completion: str, answer: str | None, *, top: float = 0.5) -> 
 def _first_line(text: str) -> str:
     """What the exact_match part compares (its first_line extraction, normalised)."""
     return re.sub(r"\s+", " ", text.split("\n", 1)[0].strip()).strip("$ ").rstrip(".").strip()
+
+
+_NOUN_SET = frozenset(NOUNS)
+
+
+def names_the_word(completion: str, answer: str | None) -> float:
+    """1 when the reply names the answer and no other noun of the task, else 0.
+
+    The reply may say it in a sentence ('The last word in this list is
+    fish.') or bare ('fish'); echoing the list, or hedging between two of
+    its words, names more than one and scores 0.
+    """
+    if answer is None:
+        return 0.0
+    named = {w.lower() for w in _WORD.findall(completion)} & _NOUN_SET
+    return 1.0 if named == {answer} else 0.0

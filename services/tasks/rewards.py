@@ -417,7 +417,9 @@ WARM = "services.tasks.rewards:warm"
 
 # Flywheel's own function rewards that read the completion only as text (no eval, no
 # state kept): trusted as the text-only built-ins are (`pure`).
-TEXT_ONLY_FUNCTIONS = frozenset({"services.tasks.last_word:brevity_credit"})
+TEXT_ONLY_FUNCTIONS = frozenset(
+    {"services.tasks.last_word:brevity_credit", "services.tasks.last_word:names_the_word"}
+)
 
 
 def pure(parts: list[dict[str, Any]]) -> bool:

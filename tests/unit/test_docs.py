@@ -145,3 +145,19 @@ def test_the_readme_s_run_file_is_one_the_services_accept(
     tasks = load_settings(BufferSettings, config).task_set()
     tasks.check(data=True)
     sys.modules.pop("my_reward", None)
+
+
+def test_the_readme_s_demo_real_figure_is_the_seeds_the_bench_recorded() -> None:
+    """The README's `make demo-real` figure is the median and range of the seeded runs of
+    the committed run file that bench/demo_real_seeds.py wrote into the results (section 7's
+    table), computed by the bench's own `headline`: a new series changes both or the test
+    fails."""
+    sys.path.insert(0, str(REPO))
+    from bench.demo_real_seeds import headline, parse_table
+
+    results = (REPO / "bench" / "results_demo_real.md").read_text()
+    section = results.split("## 7.", 1)[1]
+    runs = parse_table(section)
+    assert len(runs) >= 8, "section 7 holds the 8 seeds' table"
+    readme = (REPO / "README.md").read_text().replace("**", "")
+    assert headline(runs) in " ".join(readme.split()), headline(runs)
