@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer and Flywheel on the same run, back to back, one plot (issue #35, item 4).
 
     .venv/bin/python bench/learning_side_by_side.py -c configs/demo-real.toml \
-        --seconds 900 --target 0.7                      # both, 900 s each, Flywheel first
+        --seconds 900 --target 0.7 --seeds 0 1          # both, 900 s each, Flywheel first
     .venv/bin/python bench/learning_side_by_side.py -c configs/examples/ticket-routing.toml \
         --seconds 1200 --target 0.5 --first trl
     .venv/bin/python bench/learning_side_by_side.py --seconds 60 --out-dir runs/sbs-smoke  # smoke
@@ -41,9 +41,10 @@ both ways: *evaluated* (when the run could know it had reached it) and
 *trained* (when it had): Flywheel's evaluations run beside training at idle
 priority and TRL's stop training while they run, so the two differ by
 different amounts on each side. Written to
-DIR: side_by_side.png (both curves in one plot), side_by_side.json (every
-point and figure), side_by_side.md (the table for bench/results_learning.md),
-the runs' own files under DIR/flywheel and DIR/trl.
+DIR: side_by_side.md (the tables for bench/results_learning.md: one per seed,
+then each ratio's median over the seeds), side_by_side.json (every point and
+figure), and per seed DIR/seed-N: side_by_side.png (both curves in one plot)
+and the runs' own files under flywheel/ and trl/.
 
 Figures: trained samples/s (samples in optimizer steps / budget seconds;
 Flywheel's buffer trains only groups with a reward spread, TRL trains every
@@ -88,9 +89,16 @@ class Side:
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     seconds: float | None = None  # RL seconds the rates are over (None: the budget)
+    # of those, the seconds training stood still for its own evaluations (TRL's; Flywheel's
+    # run beside the training, so none of its seconds are taken out)
+    eval_seconds: float = 0.0
 
     def per_s(self, budget: float) -> float:
         return self.samples / (self.seconds or budget)
+
+    def per_training_s(self, budget: float) -> float:
+        """Trained samples per second of training: evaluations excluded on both sides."""
+        return self.samples / max((self.seconds or budget) - self.eval_seconds, 1e-9)
 
     def signal_per_s(self, budget: float) -> float:
         return self.per_s(budget) * self.signal_fraction
@@ -240,6 +248,7 @@ def run_trl(config: Path, model: Path, out: Path, seconds: float, threads: int, 
     # TRL checks the budget at a step's end, so its last step may end past it: its rates
     # are over its own RL seconds (evaluations included, as Flywheel's), not the budget
     side.seconds = max(float(s["rl_seconds"]), 1e-9)
+    side.eval_seconds = float(s["eval_seconds"])
     side.generated_per_s = side.samples / side.seconds
     if side.seconds > seconds:
         side.notes.append(f"its last step ended at {side.seconds:.0f} s (budget {seconds:.0f} s)")
@@ -284,15 +293,17 @@ def report(sides: list[Side], budget: float, target: float | None, command: str)
         return "not reached" if x is None else format(x, spec)
 
     lines = [f"`{command}`", "",
-             "| | steps | trained samples/s | with signal/s | generated samples/s | "
-             "validation first → last | time to target s, evaluated / trained | load 1-min |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| | steps | trained samples/s | per s of training | with signal/s | "
+             "generated samples/s | validation first → last | "
+             "time to target s, evaluated / trained | load 1-min |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in (fw, trl):
         acc = f"{s.curve[0][1]:.3f} → {s.curve[-1][1]:.3f}" if s.curve else "—"
         ttt = (f"{f(s.time_to(target))} / {f(s.time_to(target, trained=True))}"
                if target is not None else "—")  # fmt: skip
         gen = f(s.generated_per_s, ".2f") if s.generated_per_s is not None else "—"
         lines.append(f"| {s.name} | {s.steps} | {s.per_s(budget):.2f} | "
+                     f"{s.per_training_s(budget):.2f} | "
                      f"{s.signal_per_s(budget):.2f} | {gen} | {acc} | {ttt} | "
                      f"{s.load[0]:.1f} → {s.load[1]:.1f} |")  # fmt: skip
 
@@ -301,13 +312,53 @@ def report(sides: list[Side], budget: float, target: float | None, command: str)
 
     lines += ["",
               f"Flywheel / TRL: trained samples/s {ratio(fw.per_s(budget), trl.per_s(budget))} "
-              f"(target ≥ 1.3x), with signal/s "
+              f"(target ≥ 1.3x), per second of training "
+              f"{ratio(fw.per_training_s(budget), trl.per_training_s(budget))} "
+              f"(target ≥ 1.0x), with signal/s "
               f"{ratio(fw.signal_per_s(budget), trl.signal_per_s(budget))}, time to target "
               f"{ratio(to(fw, False), to(trl, False))} evaluated, "
               f"{ratio(to(fw, True), to(trl, True))} trained (target ≤ 0.7x). "
               f"Budget {budget:.0f} s each."]  # fmt: skip
     for s in (fw, trl):
         lines += [f"- {s.name}: {n}" for n in s.notes]
+    return "\n".join(lines) + "\n"
+
+
+def quotient(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def ratios(sides: list[Side], budget: float, target: float | None) -> dict[str, float | None]:
+    """Flywheel / TRL on each figure the issue sets a target for."""
+    fw, trl = sides if sides[0].name == "Flywheel" else sides[::-1]
+
+    def to(s: Side, trained: bool) -> float | None:
+        return s.time_to(target, trained) if target is not None else None
+
+    return {
+        "trained samples/s": quotient(fw.per_s(budget), trl.per_s(budget)),
+        "per second of training": quotient(fw.per_training_s(budget), trl.per_training_s(budget)),
+        "time to target, evaluated": quotient(to(fw, False), to(trl, False)),
+        "time to target, trained": quotient(to(fw, True), to(trl, True)),
+    }
+
+
+TARGETS = {"trained samples/s": "≥ 1.3x", "per second of training": "≥ 1.0x",
+           "time to target, evaluated": "≤ 0.7x", "time to target, trained": "—"}  # fmt: skip
+
+
+def across_seeds(per_seed: dict[int, dict[str, float | None]]) -> str:
+    """One line per ratio: its median over the seeds and each seed's, so one lucky seed
+    cannot stand for the run file (a ratio a seed could not measure, e.g. a side that never
+    reached the target, is shown as — and left out of the median)."""
+    lines = ["| Flywheel / TRL | median | " + " | ".join(f"seed {k}" for k in per_seed)
+             + " | target |", "|---|---|" + "---|" * len(per_seed) + "---|"]  # fmt: skip
+    for name, target in TARGETS.items():
+        got = [r[name] for r in per_seed.values()]
+        known = [x for x in got if x is not None]
+        med = f"{statistics.median(known):.2f}x" if known else "—"
+        cells = " | ".join("—" if x is None else f"{x:.2f}x" for x in got)
+        lines.append(f"| {name} | {med} | {cells} | {target} |")
     return "\n".join(lines) + "\n"
 
 
@@ -319,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, help="validation pass@1 for time to target")
     p.add_argument("--first", choices=("flywheel", "trl"), default="flywheel")
     p.add_argument("--trl-threads", type=int, help="TRL's torch threads (default: Flywheel's)")
-    p.add_argument("--seed", type=int, default=0, help="both runs' seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="each seed runs both sides, one after the other (DIR/seed-N); "
+                   "the ratios are given per seed and as their median")  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "side-by-side")
     args = p.parse_args(argv)
     from services.runtime.errors import ConfigError
@@ -334,26 +387,38 @@ def main(argv: list[str] | None = None) -> int:
     if missing := trl_missing():  # before a 15-minute Flywheel side, not after it
         print(missing, file=sys.stderr)
         return 2
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    runs = {
-        "flywheel": lambda: run_flywheel(args.config, model, args.out_dir, args.seconds, args.seed),
-        "trl": lambda: run_trl(args.config, model, args.out_dir, args.seconds, threads, args.seed),
-    }
-    order = [args.first, *(k for k in runs if k != args.first)]
-    sides = [runs[k]() for k in order]
     command = "bench/learning_side_by_side.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    png = plot(sides, args.target, f"{model.name}, {args.config.name}: TRL and Flywheel",
-               args.out_dir / "side_by_side.png")  # fmt: skip
-    md = report(sides, args.seconds, args.target, command.strip())
+    sections, per_seed, docs, ok = [f"`{command.strip()}`", ""], {}, [], True
+    for seed in args.seeds:
+        out = args.out_dir / f"seed-{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        order = [args.first, *(k for k in ("flywheel", "trl") if k != args.first)]
+        sides = [
+            run_flywheel(args.config, model, out, args.seconds, seed)
+            if k == "flywheel"
+            else run_trl(args.config, model, out, args.seconds, threads, seed)
+            for k in order
+        ]
+        ok = ok and all(s.ok for s in sides)
+        png = plot(sides, args.target, f"{model.name}, {args.config.name}, seed {seed}: "
+                   "TRL and Flywheel", out / "side_by_side.png")  # fmt: skip
+        sections += [f"### seed {seed} ({png.relative_to(args.out_dir)})", "",
+                     report(sides, args.seconds, args.target, command.strip())]  # fmt: skip
+        per_seed[seed] = ratios(sides, args.seconds, args.target)
+        load = statistics.median([x for s in sides for x in s.load])
+        docs.append({"seed": seed, "order": order, "sides": [asdict(s) for s in sides],
+                     "ratios": per_seed[seed], "load_median": load})  # fmt: skip
+        print(sections[-1], end="", flush=True)
+    md = "\n".join([*sections, across_seeds(per_seed)])
     (args.out_dir / "side_by_side.md").write_text(md)
     doc = {"command": command.strip(), "config": str(args.config), "model": str(model),
            "seconds": args.seconds, "target": args.target, "trl_threads": threads,
-           "order": order, "sides": [asdict(s) for s in sides],
-           "load_median": statistics.median([x for s in sides for x in s.load])}  # fmt: skip
+           "seeds": docs}  # fmt: skip
     (args.out_dir / "side_by_side.json").write_text(json.dumps(doc, indent=2))
-    print(md, end="")
-    print(f"side_by_side: {png}, {args.out_dir / 'side_by_side.json'}", flush=True)
-    return 0 if all(s.ok for s in sides) else 1
+    print(across_seeds(per_seed), end="")
+    print(f"side_by_side: {args.out_dir / 'side_by_side.md'}, "
+          f"{args.out_dir / 'side_by_side.json'}", flush=True)  # fmt: skip
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
