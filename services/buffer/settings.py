@@ -43,7 +43,7 @@ class BufferSettings(TaskServiceSettings):
         "the staleness bound's free slots are expected to take (services/buffer/admission.py); "
         "a number fixes it, and groups beyond the bound are then generated and dropped stale: "
         "the slowest, so the longest replies (measured: a fixed 0.5 at max_staleness 0 trained "
-        "replies 15% shorter than it generated, KS p = 0.01; learned: no stale drop, "
+        "replies 15% shorter than it generated, KS p = 0.0115; learned: no stale drop, "
         "bench/results_staleness_lengths.md).",
     )
     max_oversample: float = Field(
