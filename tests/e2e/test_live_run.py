@@ -2,7 +2,8 @@
 
 The run is `flywheel up -c run.toml` as a subprocess (embedded nats-server,
 one CPU engine with its rollout worker, sync, trainer, buffer) on a tiny
-random model with small steps, started once for the module. Against it:
+random model with small steps, started once for the module (its engine slowed:
+ENGINE_SLEEP_S below). Against it:
 
 - every service's /metrics passes `promtool check metrics`;
 - a real Prometheus (Debian's binary, loopback, 1 s scrape interval, the
