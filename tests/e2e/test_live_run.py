@@ -2,7 +2,8 @@
 
 The run is `flywheel up -c run.toml` as a subprocess (embedded nats-server,
 one CPU engine with its rollout worker, sync, trainer, buffer) on a tiny
-random model with small steps, started once for the module. Against it:
+random model with small steps, started once for the module (its engine slowed:
+ENGINE_SLEEP_S below). Against it:
 
 - every service's /metrics passes `promtool check metrics`;
 - a real Prometheus (Debian's binary, loopback, 1 s scrape interval, the
@@ -40,6 +41,7 @@ from tests.deploy.deploy_support import DASHBOARDS, RULES, run, tool
 from tests.harness import REPO
 from tests.harness.poll import wait_for
 from tests.harness.ports import free_port
+from tests.harness.probe import post_json
 from tests.harness.prometheus import Prometheus
 from tests.harness.up import QUIET_ENV, UpRun, flywheel, start, stop
 
@@ -48,6 +50,12 @@ pytestmark = pytest.mark.slow
 SERVICES = ("buffer", "rollout-0", "sync", "trainer")
 METRICS_LINE = re.compile(r"(\w+): metrics and health on (http://[\d.]+:\d+)")
 RATE_INTERVAL = "30s"  # what Grafana's $__rate_interval becomes at a 1 s scrape interval
+# The run's engine sleeps this long after each decode step (SGLang's /slow_down). Nothing
+# here reads how fast the loop turns, only that it does (two steps, a ready version, dead
+# letters in a 30 s window), yet at full speed the tiny model's loop trained ~5 steps a
+# second for the module's minute, each a version written, announced and loaded: the
+# module's largest cost, spent on steps nobody looked at.
+ENGINE_SLEEP_S = 0.2
 
 FILTER = '''
 def every_third(group):
@@ -136,6 +144,8 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     up = UpRun(config, run_dir, "--quiet", env=env, cwd=tmp).start()
     try:
         up.wait_ready(150)
+        engine = up.procs()["engine-0"]["ready_url"].rsplit("/", 1)[0]
+        post_json(f"{engine}/slow_down", {"forward_sleep_time": ENGINE_SLEEP_S})
         targets = wait_for(
             lambda: (u := metrics_urls(run_dir / "logs")) and len(u) == len(SERVICES) and u,
             10, "metrics URLs in the logs",

@@ -34,12 +34,14 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def config(d: Path, name: str, reward: str, **task: str) -> Path:
+def config(d: Path, name: str, reward: str, *, services: tuple[str, ...] = (), **task: str) -> Path:
+    """The run file; `services`: `[stack] services` (none given: up's default, all five)."""
     source = {"type": "jsonl", "path": str(d / "train.jsonl"), "prompt_field": "q",
               "answer_field": "a"}  # fmt: skip
+    only = {"services": list(services)} if services else {}
     text = run_file(
         name,
-        stack={"run_dir": d / f"run-{name}", "model": d / "model", "engines": 1},
+        stack={"run_dir": d / f"run-{name}", "model": d / "model", "engines": 1, **only},
         buffer={"max_new_tokens": 8},
     )
     text += "\n[task]\nsource = " + "{ " + ", ".join(f'{k} = "{v}"' for k, v in source.items())
@@ -88,6 +90,14 @@ def test_a_bad_run_file_is_exit_2_in_one_line(task: Path) -> None:
     assert r.returncode == 2 and "-k >= 2" in r.stderr, r.stderr
 
 
+# What the up tests below start: NATS and the buffer. What they read is whether the check's
+# line comes before NATS, the first thing up starts; nothing after it. A Ctrl-C while up
+# starts its services ends the run only once they are all ready, so with up's five services
+# each of the three runs started an engine, its worker, sync and the trainer (torch in
+# four processes) that nothing read.
+UP_SERVICES = ("buffer",)
+
+
 def up_until_nats(task: Path, cfg: Path, *args: str) -> str:
     """`flywheel up` until it has started NATS (after any check), then Ctrl-C; its console."""
     log = task / f"{cfg.stem}-up.log"
@@ -101,16 +111,16 @@ def up_until_nats(task: Path, cfg: Path, *args: str) -> str:
 
 
 def test_up_prints_the_verdict_before_it_starts_anything(task: Path) -> None:
-    out = up_until_nats(task, config(task, "up", "exact_match"))
+    out = up_until_nats(task, config(task, "up", "exact_match", services=UP_SERVICES))
     check = next(x for x in out.splitlines() if x.startswith("flywheel up: check ("))
     assert "WARNING: no reply of 256 was correct" in check
     assert out.index(check) < out.index("embedded nats-server")
 
 
 def test_up_skips_the_check_when_told(task: Path) -> None:
-    assert "flywheel up: check" not in up_until_nats(task, config(task, "flag", "exact_match"),
-                                                     "--no-check")  # fmt: skip
-    cfg = config(task, "key", "exact_match")
+    flag = config(task, "flag", "exact_match", services=UP_SERVICES)
+    assert "flywheel up: check" not in up_until_nats(task, flag, "--no-check")
+    cfg = config(task, "key", "exact_match", services=UP_SERVICES)
     cfg.write_text(cfg.read_text().replace("[stack]\n", "[stack]\ncheck = false\n"))
     assert "check = false" in cfg.read_text()
     assert "flywheel up: check" not in up_until_nats(task, cfg)
