@@ -51,7 +51,7 @@ def _healthy(base_url: str, process: subprocess.Popen[bytes], log: Path) -> bool
         return False
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")  # one server for the package: its start is most of the time
 def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("tinker") / "server.log"

@@ -13,8 +13,6 @@ import pytest
 
 from tests.integration.tinker.conftest import Server
 
-pytestmark = pytest.mark.slow  # the server subprocess (torch, transformers) it shares
-
 HEADERS = {"X-API-Key": "tml-flywheel-test"}
 
 

@@ -12,10 +12,6 @@ import pytest
 
 from tests.integration.tinker.conftest import MAX_TOKENS, Server
 
-# Two processes (server, SDK) each importing torch and transformers, and the SDK's
-# futures polled over HTTP: tens of CPU seconds in all, more than a make-test budget.
-pytestmark = pytest.mark.slow
-
 TEXT = "the cat sat on the mat"
 
 
@@ -75,7 +71,7 @@ def test_sample_returns_num_samples_sequences_with_true_logprobs(
     training = service_client.create_lora_training_client(
         base_model=tinker_server.model_name, rank=4, seed=2
     ).result(timeout=60)
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=60)
     prompt = _tokens(tinker_server, "the cat")
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7, stop=[])
     result = sampler.sample(types.ModelInput.from_ints(prompt), 3, params).result(timeout=60)
@@ -104,13 +100,13 @@ def test_a_sampler_keeps_the_weights_it_was_saved_with(
         base_model=tinker_server.model_name, rank=4, seed=3
     ).result(timeout=60)
     tokens = _tokens(tinker_server)
-    before = training.save_weights_and_get_sampling_client()
+    before = training.save_weights_and_get_sampling_client().result(timeout=60)
     prompt = types.ModelInput.from_ints(tokens)
     lp0 = before.compute_logprobs(prompt).result(timeout=60)
     for _ in range(3):
         training.forward_backward([_datum(tokens)], "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
-    after = training.save_weights_and_get_sampling_client()
+    after = training.save_weights_and_get_sampling_client().result(timeout=60)
     assert before.compute_logprobs(prompt).result(timeout=60) == lp0  # its snapshot
     lp1 = after.compute_logprobs(prompt).result(timeout=60)
     assert sum(lp1[1:]) > sum(lp0[1:])  # the trained one: the text is likelier
@@ -199,7 +195,7 @@ def test_bad_inputs_fail_alone_with_a_clear_error(
         msg = error_of(bad.forward_backward([_datum(long_tokens)], "cross_entropy"))
         assert f"limit of {MAX_TOKENS}" in msg and "max_tokens" in msg
         # Too many samples at once.
-        sampler = bad.save_weights_and_get_sampling_client()
+        sampler = bad.save_weights_and_get_sampling_client().result(timeout=60)
         params = types.SamplingParams(max_tokens=2)
         msg = error_of(sampler.sample(types.ModelInput.from_ints(tokens), 100, params))
         assert "num_samples" in msg and "max_num_samples" in msg
