@@ -514,6 +514,10 @@ def build_app(svc: Service) -> web.Application:
 
 def create_service(settings: TinkerSettings) -> Service:
     assert settings.model is not None  # the CLI resolves it first
+    if settings.num_threads:
+        import torch
+
+        torch.set_num_threads(settings.num_threads)
     model_dir = Path(settings.model)
     return Service(settings, AdapterModel(model_dir, settings.lora_alpha, settings.seed), model_dir)
 

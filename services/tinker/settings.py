@@ -45,4 +45,11 @@ class TinkerSettings(ServiceSettings):
     max_sample_tokens: int = Field(
         1024, ge=1, description="Largest max_tokens a sample request may ask."
     )
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads for the model; 0 keeps torch's default "
+        "(one per core). 1 suits a tiny model on a busy machine, where a thread team only "
+        "waits on the other processes' cores.",
+    )
     seed: int = Field(0, description="Seed of the sampler's generator when a request has none.")

@@ -59,6 +59,9 @@ def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         **os.environ,
         "FLYWHEEL_TINKER_MAX_TOKENS": str(MAX_TOKENS),
         "FLYWHEEL_TINKER_MAX_NUM_SAMPLES": str(MAX_NUM_SAMPLES),
+        # The tiny model's matmuls are too small for a thread team: on a shared box its
+        # threads spin on cores the SDK's process and others hold (seconds per step).
+        "FLYWHEEL_TINKER_NUM_THREADS": "1",
     }
     cmd = [sys.executable, "-m", "services.tinker", "--model", str(tiny_model), "--port", str(port)]
     with log.open("wb") as out:

@@ -212,3 +212,38 @@ def test_bad_inputs_fail_alone_with_a_clear_error(
         assert math.isfinite(_loss(bad, data))
     finally:
         other.close("success").result(timeout=30)
+
+
+def test_importance_sampling_on_the_samplers_own_logprobs(
+    service_client: Any, tinker_server: Server
+) -> None:
+    """The RL loss on a sample: with the sampler's logprobs equal to the trainer's, the
+    ratio is 1 and the loss is -Σ advantages; a step on a positive advantage makes the
+    sampled tokens likelier."""
+    from tinker import types
+
+    training = service_client.create_lora_training_client(
+        base_model=tinker_server.model_name, rank=4, seed=4
+    ).result(timeout=60)
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = _tokens(tinker_server, "the cat")
+    params = types.SamplingParams(max_tokens=5, seed=3, stop=[])
+    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result(60).sequences[0]
+    tokens = prompt + list(seq.tokens)
+    n = len(tokens) - 1
+    sampled_lp = [0.0] * (len(prompt) - 1) + list(seq.logprobs or [])
+    advantages = [0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
+            "logprobs": np.asarray(sampled_lp, dtype=np.float32),
+            "advantages": np.asarray(advantages, dtype=np.float32),
+        },
+    )
+    assert len(sampled_lp) == n
+    out = training.forward_backward([datum], "importance_sampling").result(timeout=60)
+    assert out.metrics["loss:sum"] == pytest.approx(-len(seq.tokens), rel=1e-4)
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    after = training.forward([datum], "importance_sampling").result(timeout=60)
+    assert after.metrics["loss:sum"] < out.metrics["loss:sum"]  # ratios above 1 now
