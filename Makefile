@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf,lora]'
+	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf,lora,tinker]'
 	touch $(STAMP)
 
 # bubblewrap for the sandbox, promtool/prometheus for tests/deploy (Debian

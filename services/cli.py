@@ -53,6 +53,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("services.buffer.cli:main", "run the buffer (dataset, admission, batches)"),
     "trainer": ("services.trainer.cli:main", "run the RL trainer service"),
     "sync": ("services.sync.cli:main", "run the weight-sync service"),
+    "tinker": (
+        "services.tinker.cli:main",
+        "serve the Tinker training API (LoRA sessions) for the tinker SDK's base_url",
+    ),
     "sandbox": (
         "services.sandbox.cli:main",
         "serve sandboxed reward/tool processes over a unix socket (a sidecar)",

@@ -1,0 +1,17 @@
+"""Flywheel's Tinker-compatible training API: loops written against the Tinker SDK run on
+your own machine by changing the client's `base_url` (docs/tinker.md).
+
+Its own process (`flywheel tinker`, `python -m services.tinker`); it imports the
+runtime and the models domain, no other service. Layers:
+
+- `core`      the pure part: requests checked against the losses and the
+  `[tinker]` limits (typed errors naming what is wrong), the request log keyed by
+  (owner, seq_id) that answers a retry once and never runs it twice, sessions;
+- `losses`    the built-in losses per token (cross_entropy, importance_sampling);
+- `model`     one base model with a PEFT LoRA adapter and an AdamW per training
+  client, and the sampler (in this process, this slice);
+- `wire`      the SDK's protobuf messages (forward_backward in, outputs and
+  samples out), through the SDK's own generated module;
+- `app`       the aiohttp adapter: the SDK's `/api/v1` routes and its futures;
+  `cli` the command line, `settings` its `[tinker]` table.
+"""

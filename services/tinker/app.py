@@ -1,0 +1,545 @@
+"""The HTTP adapter: the Tinker SDK's `/api/v1` routes on aiohttp, in front of one model.
+
+The SDK's protocol is futures: a training or sampling POST answers at once with a
+`request_id`, and the client polls `/api/v1/retrieve_future` until the result is
+there (`{"type": "try_again"}` until then; this server holds each poll up to
+`LONG_POLL_S` so a result is seen as soon as it exists). Work runs on one model
+thread in the order it arrived, so a training client's forward_backward,
+optim_step and save come out in its own order, and one client's request never
+interleaves with another's on the shared base model.
+
+Every request is checked (core.py) before it is queued: a bad one fails its own
+future with a `user` error that names what is wrong, and nothing of the model or
+any optimizer moves. A retried POST (same owner and seq_id) is answered with the
+first one's request id from the request log, never run twice.
+
+The request log lives in this process: a restart loses it (and the adapters).
+The durable log on JetStream is issue #47's next step (docs/tinker.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from services.tinker import wire
+from services.tinker.core import (
+    Category,
+    Entry,
+    Limits,
+    Registry,
+    RequestLog,
+    SampleSpec,
+    SamplingSession,
+    State,
+    TinkerUserError,
+    TrainingModel,
+    UnknownName,
+    UnsupportedRoute,
+    check_batch,
+    check_rank,
+    check_sample,
+)
+from services.tinker.model import AdapterModel
+from services.tinker.settings import TinkerSettings
+
+log = logging.getLogger("flywheel.tinker")
+
+LONG_POLL_S = (
+    10.0  # a retrieve_future waits this long for a pending result (the SDK's own timeout is 45 s)
+)
+PROTOBUF = "application/x-protobuf"
+
+
+class Service:
+    """What the handlers share: the model and its thread, the registry and the request log."""
+
+    def __init__(self, settings: TinkerSettings, model: AdapterModel, model_dir: Path) -> None:
+        self.settings = settings
+        self.model = model
+        self.model_dir = model_dir
+        self.base_name = settings.model_name or model_dir.name
+        self.limits = Limits(
+            max_datums=settings.max_datums,
+            max_tokens=settings.max_tokens,
+            vocab_size=model.vocab_size,
+            max_num_samples=settings.max_num_samples,
+            max_sample_tokens=settings.max_sample_tokens,
+            max_rank=settings.max_rank,
+        )
+        self.log = RequestLog()
+        self.registry = Registry()
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="tinker-model")
+        self._finished: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def check_base(self, name: str | None) -> None:
+        if name not in (self.base_name, str(self.model_dir)):
+            raise UnknownName(f"base_model {name!r} is not served here; this server serves "
+                              f"{self.base_name!r}")  # fmt: skip
+
+    def submit(
+        self,
+        entry: Entry,
+        work: Callable[[], Any],
+        then: Callable[[Any], Any] = lambda r: r,
+    ) -> None:
+        """Run `work` on the model thread (queued now, so in arrival order); its result,
+        through `then` on the event loop, completes the entry."""
+        done = self._finished.setdefault(entry.request_id, asyncio.Event())
+
+        def timed() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return work()
+            finally:
+                log.debug("%s %s: %.3f s", entry.kind, entry.request_id, time.perf_counter() - t0)
+
+        queued = asyncio.get_running_loop().run_in_executor(self.thread, timed)
+
+        async def finish() -> None:
+            try:
+                self.log.complete(entry, then(await queued))
+            except TinkerUserError as e:
+                self.log.fail(entry, str(e), Category.USER)
+            except Exception as e:  # a server fault: that request fails, loudly, the rest go on
+                log.exception("request %s (%s) failed", entry.request_id, entry.kind)
+                self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+            finally:
+                done.set()
+
+        task = asyncio.create_task(finish())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def refuse(self, entry: Entry, error: TinkerUserError) -> None:
+        self.log.fail(entry, str(error), Category.USER)
+        self._finished.setdefault(entry.request_id, asyncio.Event()).set()
+
+    async def wait(self, entry: Entry, timeout: float) -> None:
+        done = self._finished.setdefault(entry.request_id, asyncio.Event())
+        if entry.state is State.PENDING:
+            try:
+                await asyncio.wait_for(done.wait(), timeout)
+            except TimeoutError:
+                pass  # still running: the client is told to try again
+
+
+Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
+
+
+def _json_error(status: int, message: str, category: Category = Category.USER) -> web.Response:
+    return web.json_response({"error": message, "category": category.value}, status=status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise TinkerUserError(f"{request.path}: the body is not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise TinkerUserError(f"{request.path}: the body must be a JSON object")
+    return body
+
+
+def _future(entry: Entry, model_id: str | None = None, **extra: Any) -> web.Response:
+    return web.json_response({"request_id": entry.request_id, "model_id": model_id, **extra})
+
+
+def _submitted(svc: Service, entry: Entry, fresh: bool, build: Callable[[], None]) -> None:
+    """Run `build` (check, then submit) for a new request; a check's error fails the
+    request's own future. A retry (not fresh) is answered by the first one's future."""
+    if not fresh:
+        log.info("retried request %s (%s): answered, not run again", entry.request_id, entry.kind)
+        return
+    try:
+        build()
+    except TinkerUserError as e:
+        svc.refuse(entry, e)
+
+
+# -- service routes ----------------------------------------------------------------------
+
+
+async def client_config(request: web.Request, svc: Service) -> web.Response:
+    # API-key auth (no JWT exchange), plain httpx, uncompressed protobuf; the SDK splits
+    # a forward_backward into requests of at most max_datums datums.
+    return web.json_response(
+        {
+            "pjwt_auth_enabled": False,
+            "use_pyqwest_transport": False,
+            "proto_compress_fwdbwd": False,
+            "fwdbwd_max_chunk_len": svc.settings.max_datums,
+        }
+    )
+
+
+async def dynamic_config(request: web.Request, svc: Service) -> web.Response:
+    return web.json_response({"refresh_interval_sec": 300})
+
+
+async def healthz(request: web.Request, svc: Service) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def capabilities(request: web.Request, svc: Service) -> web.Response:
+    model = {
+        "model_name": svc.base_name,
+        "max_context_length": svc.settings.max_tokens,
+        "trainable": True,
+        "sampleable": True,
+    }
+    return web.json_response({"supported_models": [model]})
+
+
+async def create_session(request: web.Request, svc: Service) -> web.Response:
+    await _body(request)
+    session_id = svc.registry.new_session()
+    log.info("session %s created", session_id)
+    return web.json_response({"type": "create_session", "session_id": session_id})
+
+
+async def heartbeat(request: web.Request, svc: Service) -> web.Response:
+    svc.registry.session(str((await _body(request)).get("session_id")))
+    return web.json_response({"type": "session_heartbeat"})
+
+
+async def finish_session(request: web.Request, svc: Service) -> web.Response:
+    # ServiceClient.close: the session's adapters stay until the server restarts (this slice).
+    session_id = request.match_info["session_id"]
+    svc.registry.session(session_id)
+    log.info("session %s finished: %s", session_id, (await _body(request)).get("reason"))
+    return web.json_response({})
+
+
+async def telemetry(request: web.Request, svc: Service) -> web.Response:
+    return web.json_response({"status": "accepted"})  # the SDK's usage events: not kept
+
+
+async def retrieve_future(request: web.Request, svc: Service) -> web.Response:
+    entry = svc.log.get(str((await _body(request)).get("request_id")))
+    await svc.wait(entry, LONG_POLL_S)
+    if entry.state is State.PENDING:
+        return web.json_response(
+            {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
+        )
+    if entry.state is State.FAILED:
+        return web.json_response({"error": entry.error, "category": entry.category.value})
+    if isinstance(entry.result, bytes):
+        return web.Response(body=entry.result, content_type=PROTOBUF)
+    return web.json_response(entry.result)
+
+
+# -- training routes ---------------------------------------------------------------------
+
+
+async def create_model(request: web.Request, svc: Service) -> web.Response:
+    body = await _body(request)
+    session_id = str(body.get("session_id"))
+    seq = int(body.get("model_seq_id", 0))
+    svc.registry.session(session_id)
+    model_id = Registry.model_id_for(session_id, seq)
+    entry, fresh = svc.log.open(session_id, "create_model", seq)
+
+    def build() -> None:
+        svc.check_base(body.get("base_model"))
+        lora = body.get("lora_config") or {}
+        rank = int(lora.get("rank", 0))
+        check_rank(rank, svc.limits)
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise TinkerUserError(f"optimizer_config type {optimizer!r}: only 'adamw' is served")
+        if model_id in svc.registry.models:
+            raise TinkerUserError(f"model {model_id!r} exists (model_seq_id {seq} reused)")
+
+        def work() -> None:
+            svc.model.add_adapter(
+                model_id,
+                rank,
+                lora.get("seed"),
+                bool(lora.get("train_attn", True)),
+                bool(lora.get("train_mlp", True)),
+                bool(lora.get("train_unembed", True)),
+            )
+
+        def registered(_: None) -> dict[str, Any]:
+            svc.registry.add_model(TrainingModel(model_id, session_id, rank))
+            log.info("model %s: a rank-%d adapter on %s", model_id, rank, svc.base_name)
+            return {"model_id": model_id, "type": "create_model"}
+
+        svc.submit(entry, work, registered)
+
+    _submitted(svc, entry, fresh, build)
+    return _future(entry, model_id)
+
+
+async def get_info(request: web.Request, svc: Service) -> web.Response:
+    model = svc.registry.model(str((await _body(request)).get("model_id")))
+    return web.json_response(
+        {
+            "type": "get_info",
+            "model_id": model.model_id,
+            "model_data": {
+                "arch": svc.model.base.config.model_type,
+                "model_name": svc.base_name,
+                # A local directory: the SDK's get_tokenizer loads it without a hub.
+                "tokenizer_id": str(svc.model_dir),
+            },
+            "is_lora": True,
+            "lora_rank": model.rank,
+            "model_name": svc.base_name,
+        }
+    )
+
+
+async def forward_backward(request: web.Request, svc: Service) -> web.Response:
+    if request.headers.get("Content-Encoding", "identity") != "identity":
+        raise TinkerUserError("compressed forward_backward bodies are not accepted")
+    req = wire.read_forward_backward(await request.read())
+    svc.registry.model(req.model_id)
+    entry, fresh = svc.log.open(req.model_id, "train", req.seq_id)
+
+    def build() -> None:
+        check_batch(req.loss, req.data, svc.limits)
+
+        def work() -> bytes:
+            outputs, metrics = svc.model.forward_backward(
+                req.model_id, req.loss, req.data, backward=not req.forward_only
+            )
+            return wire.write_forward_backward_output(outputs, metrics)
+
+        svc.submit(entry, work)
+
+    _submitted(svc, entry, fresh, build)
+    return _future(entry, req.model_id)
+
+
+async def optim_step(request: web.Request, svc: Service) -> web.Response:
+    body = await _body(request)
+    model = svc.registry.model(str(body.get("model_id")))
+    entry, fresh = svc.log.open(model.model_id, "train", body.get("seq_id"))
+
+    def build() -> None:
+        if "adam_params" not in body:
+            raise TinkerUserError("optim_step without adam_params: only Adam(W) is served")
+        adam = {k: float(v) for k, v in body["adam_params"].items()}
+        if adam.get("learning_rate", 1e-4) < 0:
+            raise TinkerUserError(f"learning_rate must be >= 0, got {adam['learning_rate']}")
+
+        def stepped(metrics: dict[str, float]) -> dict[str, Any]:
+            model.steps += 1
+            return {"metrics": metrics}
+
+        svc.submit(entry, lambda: svc.model.optim_step(model.model_id, adam), stepped)
+
+    _submitted(svc, entry, fresh, build)
+    return _future(entry, model.model_id)
+
+
+async def save_weights_for_sampler(request: web.Request, svc: Service) -> web.Response:
+    body = await _body(request)
+    model = svc.registry.model(str(body.get("model_id")))
+    entry, fresh = svc.log.open(model.model_id, "train", body.get("seq_id"))
+
+    def build() -> None:
+        if body.get("kind", "snapshot") != "snapshot":
+            raise UnsupportedRoute(f"save_weights_for_sampler kind {body.get('kind')!r}: "
+                                   "only 'snapshot' is served")  # fmt: skip
+        name = body.get("path")
+        if name is not None:  # a named checkpoint, sampled later through its path
+            key = f"tinker://{model.model_id}/sampler_weights/{name}"
+            result = {"path": key, "type": "save_weights_for_sampler"}
+        else:
+            seq = body.get("sampling_session_seq_id")
+            key = f"{model.session_id}:sample:{seq}"
+            result = {"sampling_session_id": key, "type": "save_weights_for_sampler"}
+
+        def saved(_: None) -> dict[str, Any]:
+            svc.registry.add_sampler(SamplingSession(key, model.session_id, model.model_id, key))
+            return result
+
+        svc.submit(entry, lambda: svc.model.snapshot(model.model_id, key), saved)
+
+    _submitted(svc, entry, fresh, build)
+    return _future(entry, model.model_id)
+
+
+# -- sampling routes ---------------------------------------------------------------------
+
+
+async def create_sampling_session(request: web.Request, svc: Service) -> web.Response:
+    body = await _body(request)
+    session_id = str(body.get("session_id"))
+    svc.registry.session(session_id)
+    sid = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
+    path = body.get("model_path")
+    if path is not None:
+        saved = svc.registry.sampler(str(path))  # a named save of this server's
+        svc.registry.add_sampler(SamplingSession(sid, session_id, saved.model_id, saved.snapshot))
+    else:
+        svc.check_base(body.get("base_model"))
+        svc.registry.add_sampler(SamplingSession(sid, session_id, None, None))
+    return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
+
+
+_UNSERVED_SAMPLE_OPTIONS = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+
+
+def _sample_spec(body: dict[str, Any]) -> SampleSpec:
+    for key in _UNSERVED_SAMPLE_OPTIONS:
+        if body.get(key):
+            raise UnsupportedRoute(f"sample option {key} is not served yet")
+    for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
+        if body.get(key) is not None:
+            raise UnsupportedRoute(f"sample option {key} is not served yet")
+    tokens: list[int] = []
+    for chunk in (body.get("prompt") or {}).get("chunks") or []:
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise TinkerUserError(f"prompt chunk {chunk.get('type')!r}: token chunks only")
+        tokens.extend(int(t) for t in chunk.get("tokens") or [])
+    params = body.get("sampling_params") or {}
+    stop = params.get("stop")
+    stop_tokens: tuple[int, ...] | None = None
+    stop_strings: tuple[str, ...] = ()
+    if isinstance(stop, str):
+        stop_strings = (stop,)
+    elif isinstance(stop, list):
+        if all(isinstance(s, int) for s in stop):
+            stop_tokens = tuple(stop)
+        else:
+            stop_strings = tuple(str(s) for s in stop)
+    return SampleSpec(
+        prompt=tuple(tokens),
+        num_samples=int(body.get("num_samples", 1)),
+        max_tokens=int(params.get("max_tokens") or 16),
+        temperature=float(params.get("temperature", 1.0)),
+        top_k=int(params.get("top_k", -1)),
+        top_p=float(params.get("top_p", 1.0)),
+        seed=params.get("seed"),
+        stop_tokens=stop_tokens,
+        stop_strings=stop_strings,
+        prompt_logprobs=bool(body.get("prompt_logprobs")),
+    )
+
+
+async def asample(request: web.Request, svc: Service) -> web.Response:
+    body = await _body(request)
+    sid = body.get("sampling_session_id")
+    if sid is not None:
+        sampler = svc.registry.sampler(str(sid))
+        snapshot = sampler.snapshot
+    elif body.get("model_path") is not None:
+        sid, snapshot = None, svc.registry.sampler(str(body["model_path"])).snapshot
+    else:
+        svc.check_base(body.get("base_model"))
+        sid, snapshot = None, None
+    entry, fresh = svc.log.open(str(sid), "sample", body.get("seq_id") if sid else None)
+    n = int(body.get("num_samples", 1))
+
+    def build() -> None:
+        spec = _sample_spec(body)
+        check_sample(spec, svc.limits)
+
+        def work() -> bytes:
+            seqs, prompt_lp = svc.model.sample(snapshot, spec)
+            return wire.write_sample_response(seqs, prompt_lp)
+
+        svc.submit(entry, work)
+
+    _submitted(svc, entry, fresh, build)
+    ids = [f"{entry.request_id}:{i}" for i in range(max(n, 0))]
+    return _future(entry, None, sample_sequence_ids=ids)
+
+
+# -- the app -----------------------------------------------------------------------------
+
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("POST", "/api/v1/client/config", client_config),
+    ("POST", "/api/v1/client/dynamic_config", dynamic_config),
+    ("GET", "/api/v1/healthz", healthz),
+    ("GET", "/api/v1/get_server_capabilities", capabilities),
+    ("POST", "/api/v1/create_session", create_session),
+    ("POST", "/api/v1/session_heartbeat", heartbeat),
+    ("POST", "/api/v1/sessions/{session_id}/finish", finish_session),
+    ("POST", "/api/v1/telemetry", telemetry),
+    ("POST", "/api/v1/retrieve_future", retrieve_future),
+    ("POST", "/api/v1/create_model", create_model),
+    ("POST", "/api/v1/get_info", get_info),
+    ("POST", "/api/v1/forward_backward", forward_backward),
+    ("POST", "/api/v1/optim_step", optim_step),
+    ("POST", "/api/v1/save_weights_for_sampler", save_weights_for_sampler),
+    ("POST", "/api/v1/create_sampling_session", create_sampling_session),
+    ("POST", "/api/v1/asample", asample),
+]
+# Without a key: what the SDK asks before it has authenticated anything.
+OPEN_PATHS = frozenset({"/api/v1/client/config", "/api/v1/healthz"})
+
+
+def _wrap(handler: Handler, svc: Service) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        key = svc.settings.api_key
+        if key is not None and request.path not in OPEN_PATHS:
+            if request.headers.get("X-API-Key") != key.get_secret_value():
+                return _json_error(401, "missing or wrong X-API-Key")
+        try:
+            return await handler(request, svc)
+        except UnknownName as e:
+            return _json_error(404, str(e))
+        except TinkerUserError as e:
+            return _json_error(400, str(e))
+
+    return handle
+
+
+async def _unserved(request: web.Request) -> web.Response:
+    # A 400, not a 404/5xx: the SDK retries 5xx forever and this will not change by retrying.
+    return _json_error(400, f"{request.method} {request.path} is not served by this Flywheel "
+                            "Tinker server yet (docs/tinker.md lists what is)")  # fmt: skip
+
+
+def build_app(svc: Service) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, _wrap(handler, svc))
+    app.router.add_route("*", "/api/v1/{tail:.*}", _unserved)
+    return app
+
+
+def create_service(settings: TinkerSettings) -> Service:
+    assert settings.model is not None  # the CLI resolves it first
+    if settings.num_threads:
+        import torch
+
+        torch.set_num_threads(settings.num_threads)
+    model_dir = Path(settings.model)
+    return Service(settings, AdapterModel(model_dir, settings.lora_alpha, settings.seed), model_dir)
+
+
+async def serve(
+    settings: TinkerSettings,
+    stop: asyncio.Event,
+    on_ready: Callable[[int], None] | None = None,
+    create: Callable[[TinkerSettings], Service] = create_service,
+) -> None:
+    """Load the model, serve until `stop` is set. `on_ready(port)` once listening."""
+    svc = await asyncio.to_thread(create, settings)
+    runner = web.AppRunner(build_app(svc), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else settings.port
+    log.info("tinker API for %s on http://%s:%d", svc.base_name, settings.host, port)
+    if on_ready is not None:
+        on_ready(port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        svc.thread.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,312 @@
+"""The pure core of the Tinker-compatible service: what a request is, when it is wrong,
+and the request log that answers a retried request once and never applies it twice.
+
+No HTTP, no torch. The adapter (app.py, wire.py) turns the SDK's JSON and protobuf
+into the types here; the model (model.py) only ever sees requests this module has
+already checked, so a bad request fails before it touches any adapter, and one
+session's bad input cannot leave another's model or optimizer half-changed.
+
+Idempotency follows the SDK: every training request carries the training client's
+`seq_id` (1, 2, 3, ... per model), every sample request its sampling session's
+`seq_id`. The log keys a request by (owner, kind, seq_id): a second POST with the
+same key (the SDK retrying after a lost response) gets the first one's request id
+back and is not run again; the future it polls is the first one's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+# The losses the SDK names (tinker.types.LossFnType), split by what this slice runs.
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling")
+SDK_LOSSES = (*SUPPORTED_LOSSES, "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom")
+
+# loss -> (required loss_fn_inputs, optional ones): each a float or int vector, one
+# entry per model-input token (Tinker's convention: the target of position i is
+# the token the model should predict after seeing tokens[: i + 1]).
+LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cross_entropy": (("target_tokens",), ("weights",)),
+    "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
+}
+
+
+class Category(StrEnum):
+    """The SDK's RequestErrorCategory values: a `user` error is the caller's to fix."""
+
+    USER = "user"
+    SERVER = "server"
+
+
+class TinkerUserError(ValueError):
+    """A request the caller must change; the message says what. Fails that request only."""
+
+    category = Category.USER
+
+
+class UnsupportedLoss(TinkerUserError):
+    def __init__(self, loss: str) -> None:
+        self.loss = loss
+        named = (
+            "one the SDK names but this server does not run yet"
+            if loss in SDK_LOSSES
+            else ("not a loss the SDK names")
+        )
+        super().__init__(f"loss_fn {loss!r} is {named}; supported: {', '.join(SUPPORTED_LOSSES)}")
+
+
+class BadShape(TinkerUserError):
+    def __init__(self, index: int, name: str, expected: str, got: Any) -> None:
+        self.index, self.name = index, name
+        super().__init__(f"datum {index}: loss_fn_inputs[{name!r}] must be {expected}, got {got}")
+
+
+class TooLarge(TinkerUserError):
+    """An oversized batch, datum, sample count or max_tokens: past a `[tinker]` limit."""
+
+    def __init__(self, what: str, value: int, limit: int, key: str) -> None:
+        self.what, self.value, self.limit = what, value, limit
+        super().__init__(f"{what} is {value}, over this server's limit of {limit} ([tinker] {key})")
+
+
+class UnsupportedInput(TinkerUserError):
+    """A model-input chunk (image, audio) or tensor layout this slice does not take."""
+
+
+class UnknownName(TinkerUserError):
+    """A session, model, sampling session, base model or request this server never made."""
+
+
+class UnsupportedRoute(TinkerUserError):
+    """An SDK route this slice does not serve (save_state, load_state, ...)."""
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training example: the model input's tokens and its loss inputs (1-D arrays)."""
+
+    tokens: tuple[int, ...]
+    inputs: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_datums: int
+    max_tokens: int
+    vocab_size: int
+    max_num_samples: int
+    max_sample_tokens: int
+    max_rank: int
+
+
+def check_tokens(tokens: tuple[int, ...] | list[int], limits: Limits, what: str) -> None:
+    if not tokens:
+        raise TinkerUserError(f"{what} is empty")
+    if len(tokens) > limits.max_tokens:
+        raise TooLarge(f"{what}'s length", len(tokens), limits.max_tokens, "max_tokens")
+    bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise TinkerUserError(
+            f"{what} has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}"
+        )
+
+
+def check_batch(loss: str, data: list[Datum], limits: Limits) -> None:
+    """UnsupportedLoss / BadShape / TooLarge / TinkerUserError if the batch cannot be run."""
+    if loss not in LOSS_INPUTS:
+        raise UnsupportedLoss(loss)
+    if not data:
+        raise TinkerUserError("forward_backward with no datums")
+    if len(data) > limits.max_datums:
+        raise TooLarge("the batch's datum count", len(data), limits.max_datums, "max_datums")
+    required, optional = LOSS_INPUTS[loss]
+    for i, d in enumerate(data):
+        check_tokens(d.tokens, limits, f"datum {i}'s model_input")
+        n = len(d.tokens)
+        for name in required:
+            if name not in d.inputs:
+                raise BadShape(i, name, f"given for {loss}", "nothing")
+        unknown = set(d.inputs) - set(required) - set(optional)
+        if unknown:
+            raise BadShape(i, sorted(unknown)[0], f"one of {required + optional}", "an extra key")
+        for name, arr in d.inputs.items():
+            if arr.shape != (n,):
+                raise BadShape(i, name, f"shape [{n}] (the model input's length)", list(arr.shape))
+        targets = d.inputs["target_tokens"]
+        if targets.size and not (0 <= targets.min() and targets.max() < limits.vocab_size):
+            raise BadShape(i, "target_tokens", f"ids in [0, {limits.vocab_size})", "ids outside")
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """A checked sample request."""
+
+    prompt: tuple[int, ...]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop_tokens: tuple[int, ...] | None  # None: stop at EOS; () : never stop early
+    stop_strings: tuple[str, ...]
+    prompt_logprobs: bool
+
+
+def check_sample(spec: SampleSpec, limits: Limits) -> None:
+    check_tokens(spec.prompt, limits, "the prompt")
+    if not 1 <= spec.num_samples <= limits.max_num_samples:
+        if spec.num_samples < 1:
+            raise TinkerUserError(f"num_samples must be at least 1, got {spec.num_samples}")
+        raise TooLarge("num_samples", spec.num_samples, limits.max_num_samples, "max_num_samples")
+    if spec.max_tokens < 1:
+        raise TinkerUserError(
+            f"sampling_params.max_tokens must be at least 1, got {spec.max_tokens}"
+        )
+    if spec.max_tokens > limits.max_sample_tokens:
+        raise TooLarge("max_tokens", spec.max_tokens, limits.max_sample_tokens, "max_sample_tokens")
+    if len(spec.prompt) + spec.max_tokens > limits.max_tokens:
+        raise TooLarge(
+            "prompt + max_tokens",
+            len(spec.prompt) + spec.max_tokens,
+            limits.max_tokens,
+            "max_tokens",
+        )
+    if spec.temperature < 0:
+        raise TinkerUserError(f"temperature must be >= 0, got {spec.temperature}")
+    if not 0 < spec.top_p <= 1:
+        raise TinkerUserError(f"top_p must be in (0, 1], got {spec.top_p}")
+    if spec.top_k == 0 or spec.top_k < -1:
+        raise TinkerUserError(f"top_k must be -1 (no limit) or positive, got {spec.top_k}")
+
+
+def check_rank(rank: int, limits: Limits) -> None:
+    if rank < 1:
+        raise TinkerUserError(f"lora rank must be at least 1, got {rank}")
+    if rank > limits.max_rank:
+        raise TooLarge("lora rank", rank, limits.max_rank, "max_rank")
+
+
+# -- the request log ----------------------------------------------------------------
+
+
+class State(StrEnum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Entry:
+    """One request's fate. `result` is what the adapter sends back (JSON-able or bytes)."""
+
+    request_id: str
+    kind: str
+    owner: str
+    state: State = State.PENDING
+    result: Any = None
+    error: str = ""
+    category: Category = Category.SERVER
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. sample_sequence_ids
+
+
+class RequestLog:
+    """Requests by id, and by (owner, kind, seq_id) so a retry finds its first answer."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._by_key: dict[tuple[str, str, int], str] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, owner: str, kind: str, seq_id: int | None) -> tuple[Entry, bool]:
+        """The entry for this request and whether it is new (False: a retry; do not run it).
+
+        Without a seq_id (a client that sends none) every request is new."""
+        key = (owner, kind, seq_id) if seq_id is not None else None
+        if key is not None and key in self._by_key:
+            return self._entries[self._by_key[key]], False
+        entry = Entry(request_id=f"req-{next(self._ids)}", kind=kind, owner=owner)
+        self._entries[entry.request_id] = entry
+        if key is not None:
+            self._by_key[key] = entry.request_id
+        return entry, True
+
+    def get(self, request_id: str) -> Entry:
+        try:
+            return self._entries[request_id]
+        except KeyError:
+            raise UnknownName(f"no request {request_id!r} on this server") from None
+
+    @staticmethod
+    def complete(entry: Entry, result: Any) -> None:
+        entry.state, entry.result = State.DONE, result
+
+    @staticmethod
+    def fail(entry: Entry, error: str, category: Category) -> None:
+        entry.state, entry.error, entry.category = State.FAILED, error, category
+
+
+# -- sessions and what hangs off them ------------------------------------------------
+
+
+@dataclass
+class TrainingModel:
+    model_id: str
+    session_id: str
+    rank: int
+    steps: int = 0  # optim_steps applied: what a retried optim_step must not add to
+
+
+@dataclass
+class SamplingSession:
+    sampling_session_id: str
+    session_id: str
+    model_id: str | None  # None: the base model
+    snapshot: str | None  # the adapter snapshot's name in the model, None for the base
+
+
+class Registry:
+    """Sessions, their training models and sampling sessions, by the ids the SDK derives."""
+
+    def __init__(self) -> None:
+        self._session_ids = itertools.count(1)
+        self.sessions: dict[str, list[str]] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, SamplingSession] = {}
+
+    def new_session(self) -> str:
+        session_id = f"session-{next(self._session_ids)}"
+        self.sessions[session_id] = []
+        return session_id
+
+    def session(self, session_id: str) -> list[str]:
+        if session_id not in self.sessions:
+            raise UnknownName(f"no session {session_id!r} on this server")
+        return self.sessions[session_id]
+
+    @staticmethod
+    def model_id_for(session_id: str, model_seq_id: int) -> str:
+        """The SDK derives the same id client-side (service_client.py): keep them equal."""
+        return f"{session_id}:train:{model_seq_id}"
+
+    def add_model(self, model: TrainingModel) -> None:
+        self.session(model.session_id).append(model.model_id)
+        self.models[model.model_id] = model
+
+    def model(self, model_id: str) -> TrainingModel:
+        if model_id not in self.models:
+            raise UnknownName(f"no training model {model_id!r} on this server")
+        return self.models[model_id]
+
+    def add_sampler(self, sampler: SamplingSession) -> None:
+        self.session(sampler.session_id)
+        self.samplers[sampler.sampling_session_id] = sampler
+
+    def sampler(self, sampling_session_id: str) -> SamplingSession:
+        if sampling_session_id not in self.samplers:
+            raise UnknownName(f"no sampling session {sampling_session_id!r} on this server")
+        return self.samplers[sampling_session_id]

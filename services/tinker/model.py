@@ -1,0 +1,270 @@
+"""The base model with one PEFT LoRA adapter per training client, and its sampler.
+
+One `AdapterModel` holds the base weights once and every client's adapter beside
+them (PEFT's named adapters on one model): a call activates the caller's adapter,
+and PEFT's `set_adapter` makes only that adapter's parameters trainable, so one
+client's backward pass cannot put gradients on another's. Each adapter has its
+own AdamW (Tinker's Adam: decoupled weight decay, hyperparameters per step).
+
+Every call runs on the service's one model thread (app.py): calls never overlap,
+which is what makes switching the active adapter safe. A sampling client samples
+from a snapshot of its adapter taken at save_weights_for_sampler (the SDK's
+"snapshot" contract: training on after the save does not change what it samples),
+loaded into a scratch adapter of the same shape just before it samples.
+
+This slice samples here, in the service's own process (docs/tinker.md): the
+engines serving the adapters side by side is issue #47's next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from services.tinker import losses
+from services.tinker.core import Datum, SampleSpec, TinkerUserError
+
+if TYPE_CHECKING:
+    import torch
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" or "length", the SDK's StopReason
+
+
+@dataclass
+class _Adapter:
+    name: str  # PEFT's adapter name (model ids hold ':', which PEFT's module names cannot)
+    scratch: str  # the same-shaped adapter a snapshot of this one is sampled through
+    optimizer: Any  # torch.optim.AdamW over this adapter's parameters
+
+
+class AdapterModel:
+    def __init__(self, model_dir: Path, lora_alpha: float, seed: int = 0) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.base.eval()  # no dropout anywhere: the adapters run with dropout 0
+        self.base.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.vocab_size = int(self.base.config.vocab_size)
+        self.eos_ids = _eos_ids(self.base, self.tokenizer)
+        self.lora_alpha = lora_alpha
+        # `cache` in the transformers that renamed it (5.x), `past_key_values` before.
+        forward_params = inspect.signature(self.base.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self.peft: Any = None  # peft.PeftModel once the first adapter exists
+        self._adapters: dict[str, _Adapter] = {}
+        self._snapshots: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        self._names = itertools.count(1)
+        self._seeds = itertools.count(seed)
+
+    # -- adapters ---------------------------------------------------------------------
+
+    def add_adapter(
+        self, model_id: str, rank: int, seed: int | None, attn: bool, mlp: bool, unembed: bool
+    ) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        present = {n.rsplit(".", 1)[-1] for n, _ in self.base.named_modules()}
+        wanted = (ATTN if attn else ()) + (MLP if mlp else ()) + (UNEMBED if unembed else ())
+        targets = [m for m in wanted if m in present]
+        if not targets:
+            raise TinkerUserError(
+                f"lora_config trains none of this model's modules (asked {wanted or 'none'})"
+            )
+        cfg = LoraConfig(
+            r=rank, lora_alpha=self.lora_alpha,  # type: ignore[arg-type]  # PEFT types it int
+            lora_dropout=0.0, target_modules=targets,
+            bias="none", task_type="CAUSAL_LM",
+        )  # fmt: skip
+        n = next(self._names)
+        name, scratch = f"a{n}", f"a{n}_sampler"
+        with warnings.catch_warnings(), torch.random.fork_rng():
+            # A tied head with an adapter of its own is what train_unembed asks for.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            torch.manual_seed(seed if seed is not None else next(self._seeds))
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, cfg, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, cfg)
+            self.peft.add_adapter(scratch, cfg)
+        params = [p for n_, p in self.peft.named_parameters() if f".{name}." in n_]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        self._adapters[model_id] = _Adapter(name, scratch, optimizer)
+
+    def _activate(self, model_id: str) -> Any:
+        adapter = self._adapters[model_id]
+        self.peft.set_adapter(adapter.name)
+        return adapter
+
+    # -- training ---------------------------------------------------------------------
+
+    def forward_backward(
+        self, model_id: str, loss: str, data: list[Datum], backward: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Per datum: the target tokens' logprobs and the per-token loss; the summed loss.
+        With `backward`, the loss's gradients accumulate on the adapter until optim_step."""
+        import torch
+
+        self._activate(model_id)
+        outputs, total = [], 0.0
+        for d in data:
+            ids = torch.tensor([d.tokens])  # [1, N]
+            targets = torch.tensor(d.inputs["target_tokens"], dtype=torch.long)  # [N]
+            with torch.set_grad_enabled(backward):
+                logits = self.peft(input_ids=ids).logits[0].float()  # [N, V]
+                target_lp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+                per_token = losses.elementwise(loss, target_lp, d.inputs)  # [N]
+                datum_loss = per_token.sum()
+                if backward:
+                    datum_loss.backward()
+            outputs.append(
+                {
+                    "logprobs": target_lp.detach().numpy().astype(np.float32),
+                    "elementwise_loss": per_token.detach().numpy().astype(np.float32),
+                }
+            )
+            total += float(datum_loss.detach())
+        return outputs, {"loss:sum": total}
+
+    def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
+        """One AdamW step on the adapter's accumulated gradients, then zero them."""
+        import torch
+
+        opt = self._adapters[model_id].optimizer
+        group = opt.param_groups[0]
+        group["lr"] = adam.get("learning_rate", 1e-4)
+        group["betas"] = (adam.get("beta1", 0.9), adam.get("beta2", 0.95))
+        group["eps"] = adam.get("eps", 1e-12)
+        group["weight_decay"] = adam.get("weight_decay", 0.0)
+        clip = adam.get("grad_clip_norm", 0.0)
+        params = [p for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": float(norm)}
+
+    # -- sampling ---------------------------------------------------------------------
+
+    def snapshot(self, model_id: str, key: str) -> None:
+        """Keep the adapter's weights as they are now, under `key` (a sampling session)."""
+        adapter = self._adapters[model_id]
+        tag = f".{adapter.name}."
+        tensors = {
+            n.replace(tag, f".{adapter.scratch}."): p.detach().clone()
+            for n, p in self.peft.named_parameters()
+            if tag in n
+        }
+        self._snapshots[key] = (adapter.scratch, tensors)
+
+    def _use_snapshot(self, key: str | None) -> contextlib.AbstractContextManager[Any]:
+        import torch
+
+        if key is None:  # the base model
+            return (
+                self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext()
+            )
+        scratch, tensors = self._snapshots[key]
+        params = dict(self.peft.named_parameters())
+        with torch.no_grad():
+            for n, t in tensors.items():
+                params[n].copy_(t)
+        self.peft.set_adapter(scratch)
+        return contextlib.nullcontext()
+
+    def sample(
+        self, snapshot: str | None, spec: SampleSpec
+    ) -> tuple[list[Sequence], list[float] | None]:
+        """`num_samples` continuations of the prompt (with each sampled token's logprob
+        from the raw logits) and, if asked, the prompt's logprobs (NaN at position 0)."""
+        import torch
+
+        model = self.peft if self.peft is not None else self.base
+        seed = spec.seed if spec.seed is not None else next(self._seeds)
+        gen = torch.Generator().manual_seed(seed)
+        n = spec.num_samples
+        from transformers import DynamicCache
+
+        cache = {self._cache_kwarg: DynamicCache()}  # filled in place, step by step
+        with torch.no_grad(), self._use_snapshot(snapshot):
+            out = model(input_ids=torch.tensor([spec.prompt] * n), use_cache=True, **cache)
+            prompt_lp = None
+            if spec.prompt_logprobs:
+                lp = torch.log_softmax(out.logits[0, :-1].float(), -1)  # [P-1, V]
+                nxt = torch.tensor(spec.prompt[1:])[:, None]
+                prompt_lp = [math.nan, *lp.gather(1, nxt)[:, 0].tolist()]
+            seqs = [Sequence([], [], "length") for _ in range(n)]
+            live = list(range(n))
+            logits = out.logits[:, -1].float()  # [n, V]
+            for _ in range(spec.max_tokens):
+                chosen = _pick(logits, spec, gen)  # [n]
+                lp = torch.log_softmax(logits, -1).gather(1, chosen[:, None])[:, 0]
+                for i in list(live):
+                    tok = int(chosen[i])
+                    seqs[i].tokens.append(tok)
+                    seqs[i].logprobs.append(float(lp[i]))
+                    if self._stops(seqs[i].tokens, spec):
+                        seqs[i].stop_reason = "stop"
+                        live.remove(i)
+                if not live:
+                    break
+                out = model(input_ids=chosen[:, None], use_cache=True, **cache)
+                logits = out.logits[:, -1].float()
+        return seqs, prompt_lp
+
+    def _stops(self, tokens: list[int], spec: SampleSpec) -> bool:
+        stop_ids = self.eos_ids if spec.stop_tokens is None else set(spec.stop_tokens)
+        if tokens[-1] in stop_ids:
+            return True
+        if spec.stop_strings:
+            tail = str(self.tokenizer.decode(tokens[-16:]))
+            return any(tail.endswith(s) for s in spec.stop_strings)
+        return False
+
+
+def _pick(logits: torch.Tensor, spec: SampleSpec, gen: torch.Generator) -> torch.Tensor:
+    """The next token per row [n] from logits [n, V]: greedy at temperature 0, else
+    temperature, then top-k, then top-p (nucleus) on the scaled distribution."""
+    import torch
+
+    if spec.temperature == 0:
+        return logits.argmax(-1)
+    scaled = logits / spec.temperature
+    if spec.top_k > 0:
+        kth = torch.topk(scaled, min(spec.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    if spec.top_p < 1:
+        sorted_, order = torch.sort(scaled, descending=True, dim=-1)
+        probs = torch.softmax(sorted_, -1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= spec.top_p
+        sorted_ = sorted_.masked_fill(drop, -math.inf)
+        scaled = torch.full_like(scaled, -math.inf).scatter(-1, order, sorted_)
+    return torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen)[:, 0]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    out = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        out.add(int(tokenizer.eos_token_id))
+    return out

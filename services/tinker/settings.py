@@ -1,0 +1,55 @@
+"""Settings of the Tinker-compatible service (`[tinker]` in the run file, FLYWHEEL_TINKER_* env)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field, SecretStr
+
+from services.runtime.settings import RunPath, ServiceSettings
+
+
+class TinkerSettings(ServiceSettings):
+    """One base model, served to Tinker SDK clients: a LoRA adapter and Adam state per
+    training client, sampling on the adapter'd model in this process (this slice)."""
+
+    section: ClassVar[str] = "tinker"
+
+    model: RunPath | None = Field(None, description="Hugging Face model directory of the base.")
+    model_name: str | None = Field(
+        None,
+        description="The base_model name clients pass to create_lora_training_client "
+        "(default: the model directory's name, e.g. 'SmolLM2-135M-Instruct').",
+    )
+    host: str = Field("127.0.0.1", description="Bind address (loopback unless told otherwise).")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    api_key: SecretStr | None = Field(
+        None,
+        description="If set, every /api/v1 route but healthz and client config requires "
+        "'X-API-Key: <key>' (what the SDK sends from TINKER_API_KEY; it must start 'tml-').",
+    )
+    max_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank a client may ask.")
+    lora_alpha: float = Field(
+        32.0,
+        gt=0,
+        description="lora_alpha of every adapter (the update is scaled by alpha / rank), "
+        "as Tinker fixes it server-side rather than asking the client.",
+    )
+    max_datums: int = Field(
+        256, ge=1, description="Most datums one forward/forward_backward request may carry."
+    )
+    max_tokens: int = Field(
+        4096, ge=2, description="Longest model input (prompt + target) one datum may have."
+    )
+    max_num_samples: int = Field(64, ge=1, description="Most samples one sample request may ask.")
+    max_sample_tokens: int = Field(
+        1024, ge=1, description="Largest max_tokens a sample request may ask."
+    )
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads for the model; 0 keeps torch's default "
+        "(one per core). 1 suits a tiny model on a busy machine, where a thread team only "
+        "waits on the other processes' cores.",
+    )
+    seed: int = Field(0, description="Seed of the sampler's generator when a request has none.")
