@@ -226,12 +226,34 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
                           "nothing would answer it")  # fmt: skip
     if data:
         try:
-            with_model(s)
+            model = with_model(s).model
         except ConfigError as e:
             errors.append(str(e))
+        else:
+            errors += disk_shortfalls(loaded, Path(model))
     for line in dict.fromkeys(errors):  # one service's error names shared keys ([task]) too
         print(f"flywheel up: {line}", file=sys.stderr)
     return EXIT_CONFIG if errors else 0
+
+
+def disk_shortfalls(loaded: dict[str, Any], model: Path) -> list[str]:
+    """Errors where the trainer's disk cannot hold its first step's checkpoint and weights;
+    a warning (printed here) where it cannot hold the steady state (services/stack/diskplan.py).
+    """
+    from services.stack.diskplan import plan_for, shortfalls
+    from services.sync.settings import SyncSettings
+
+    trainer, sync = loaded.get("trainer"), loaded.get("sync")
+    if trainer is None or trainer.lora is not None or trainer.replay:
+        return []  # an adapter's checkpoints are small; a replay writes none of the run's
+    keep_last = sync.keep_last if sync else SyncSettings.model_fields["keep_last"].default
+    plan = plan_for(model, trainer.keep_checkpoints, keep_last)
+    if plan is None:
+        return []
+    errors, warnings = shortfalls(plan, trainer.checkpoint_dir, trainer.weights_root)
+    for line in warnings:
+        print(f"flywheel up: warning: {line}", file=sys.stderr)
+    return errors
 
 
 def lora_mismatches(loaded: dict[str, Any]) -> list[str]:

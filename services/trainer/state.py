@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from services.runtime.diskroom import ensure_room, full_disk, tensor_bytes
 from services.trainer.distributed import DistInfo, barrier
 from services.trainer.stateformat import (
     CheckpointError,
@@ -131,6 +132,12 @@ def snapshot(trainer: Trainer) -> Snapshot:
     )
 
 
+# A checkpoint is the model and AdamW's two moments in fp32 (SmolLM2-135M: 1.6 GB), and
+# keep_checkpoints of them stay while the next is written.
+ROOM_HINT = ("free space there, or point [trainer] checkpoint_dir at a larger disk; "
+             "[trainer] keep_checkpoints of them stay while the next is written")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Staged:
     """A checkpoint written into its temporary directory, not yet the `latest`."""
@@ -157,12 +164,21 @@ def stage_checkpoint(
     step = snap.step if snap else trainer.step
     final = root / _step_name(step)
     tmp = root / f".{final.name}.tmp"
+    state = snap.state if snap else model_optim_state(trainer)
+    rng = snap.rng if snap else rng_state(trainer.generator)
+    need, what = tensor_bytes(state), f"checkpoint {final.name}"
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
+        ensure_room(root, need, what, ROOM_HINT)
         tmp.mkdir(parents=True)
     barrier(info)
-    state = snap.state if snap else model_optim_state(trainer)
-    write_state(tmp, state, snap.rng if snap else rng_state(trainer.generator), info)
+    try:
+        write_state(tmp, state, rng, info)
+    except (OSError, RuntimeError) as e:
+        if not info.distributed:  # its bytes would stay on the full disk; DCP: ranks share tmp
+            shutil.rmtree(tmp, ignore_errors=True)
+        full_disk(e, root, need, what, ROOM_HINT)
+        raise
     if info.is_main:
         doc = {
             "step": step,

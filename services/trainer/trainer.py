@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from services.runtime.diskroom import tensor_bytes
 from services.trainer import lora
 from services.trainer.core.advantages import compute_advantages
 from services.trainer.core.batching import (
@@ -477,7 +478,7 @@ class Trainer:
                 if self.publish_dtype is not None:  # the config names the masters' float32
                     name_dtype(tmp / "config.json", self.publish_dtype)
 
-            manifest = write_weights_dir(out_dir, write, overwrite=overwrite)
+            manifest = write_weights_dir(out_dir, write, overwrite=overwrite, need=tensor_bytes(sd))
         barrier(self.info)
         return manifest
 

@@ -117,7 +117,7 @@ class DeltaWriter:
             def write(tmp: Path) -> None:
                 (tmp / DELTA_FILE).write_bytes(packed)
 
-            write_weights_dir(out, write, overwrite=True)
+            write_weights_dir(out, write, overwrite=True, need=len(packed))
         full = self._snapshot is None or self._since_snapshot + 1 >= self.snapshot_every
         if full or out is None:
             self._snapshot, self._since_snapshot, full = version, 0, True

@@ -39,11 +39,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.runtime.diskroom import ensure_room, full_disk
 from services.runtime.errors import FlywheelError
 
 MANIFEST_NAME = "flywheel-manifest.json"
 FORMAT = "flywheel-weights/1"
 _CHUNK = 1 << 20
+ROOM_HINT = "free space there, or point the weights directory at a larger disk"
 
 
 class WeightsError(FlywheelError, OSError):
@@ -137,18 +139,27 @@ def _fsync_path(path: Path) -> None:
 
 
 def write_weights_dir(
-    target: str | Path, write: Callable[[Path], None], *, overwrite: bool = False
+    target: str | Path,
+    write: Callable[[Path], None],
+    *,
+    overwrite: bool = False,
+    need: int = 0,
 ) -> Manifest:
     """Atomically create `target` with whatever `write(tmp_dir)` puts in it, plus a manifest.
 
     With `overwrite`, an existing target is replaced: the new directory is
     complete before the old one is moved aside (readers of the old path see
-    old-complete or new-complete, never partial).
+    old-complete or new-complete, never partial). `need`: the bytes `write`
+    will put there, if known; a DiskFullError before writing, or when the
+    disk fills meanwhile, instead of the writer's own words.
     """
     target = Path(target)
     if target.exists() and not overwrite:
         raise WeightsExistsError(f"weights directory already exists: {target}", path=target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    what = f"weights {target.name}"
+    if need:
+        ensure_room(target.parent, need, what, ROOM_HINT)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -164,8 +175,10 @@ def write_weights_dir(
             os.rename(target, old)
         os.rename(tmp, target)
         _fsync_path(target.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if need and isinstance(e, OSError | RuntimeError):
+            full_disk(e, target.parent, need, what, ROOM_HINT)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
