@@ -20,8 +20,10 @@ schema major, another type name.
 
 from __future__ import annotations
 
+import atexit
 import json
 import random
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +120,7 @@ def _settings_classes() -> list[type[ServiceSettings]]:
 
 SETTINGS_CLASSES = _settings_classes()
 _TMP = Path(tempfile.mkdtemp(prefix="flywheel-fuzz-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)  # one per importing process
 
 
 def load_run_file(data: bytes) -> None:
