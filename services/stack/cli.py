@@ -196,11 +196,18 @@ SETTINGS = {
 }
 
 
+def settings_class(kind: str) -> Any:
+    """A service's settings class, named in SETTINGS (the stack imports no service)."""
+    import importlib
+
+    module, _, name = SETTINGS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
     """Every service's settings and (with `data`) the task's files and packages, checked
     before anything starts: one report of what is wrong, not a service dying after the
     engines loaded."""
-    import importlib
 
     from services.runtime.errors import EXIT_CONFIG, ConfigError
     from services.runtime.settings import load_settings
@@ -208,9 +215,8 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
     errors = []
     loaded: dict[str, Any] = {}
     for kind in s.services:
-        module, _, name = SETTINGS[kind].partition(":")
         try:
-            loaded[kind] = load_settings(getattr(importlib.import_module(module), name), config)
+            loaded[kind] = load_settings(settings_class(kind), config)
         except ConfigError as e:
             errors.append(str(e).removeprefix("invalid settings:\n").strip())
     if not errors:
@@ -241,12 +247,15 @@ def disk_shortfalls(loaded: dict[str, Any], model: Path) -> list[str]:
     a warning (printed here) where it cannot hold the steady state (services/stack/diskplan.py).
     """
     from services.stack.diskplan import plan_for, shortfalls
-    from services.sync.settings import SyncSettings
 
     trainer, sync = loaded.get("trainer"), loaded.get("sync")
     if trainer is None or trainer.lora is not None or trainer.replay:
         return []  # an adapter's checkpoints are small; a replay writes none of the run's
-    keep_last = sync.keep_last if sync else SyncSettings.model_fields["keep_last"].default
+    # no sync service here: its default, read as preflight reads every service's settings
+    if sync is None:  # not run here: its default (another machine's sync prunes by its own)
+        keep_last = settings_class("sync").model_fields["keep_last"].default
+    else:
+        keep_last = sync.keep_last
     plan = plan_for(model, trainer.keep_checkpoints, keep_last)
     if plan is None:
         return []
