@@ -38,6 +38,9 @@ def test_smollm2_learns_review_sentiment_on_the_defaults(
     # importable (the reward's `configs.examples...` path, in every service and sandbox)
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    # A SmolLM2 checkpoint is 1.6 GB and CI's disk is shared (a long lane that kept them ran
+    # out): one kept, which is all a restart reads (learning does not see this key).
+    monkeypatch.setenv("FLYWHEEL_TRAINER_KEEP_CHECKPOINTS", "1")
     run_dir = tmp_path / "review"
     s = demo(run_dir, "--task", "real", "-c", str(RUN_FILE), "--seed", "0",
              "--rl-seconds", str(RL_SECONDS), "--target-accuracy", "0.9",
