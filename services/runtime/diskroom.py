@@ -78,4 +78,3 @@ def full_disk(err: BaseException, path: Path, need: int, what: str, hint: str = 
     free = free_bytes(path)
     if getattr(err, "errno", None) == errno.ENOSPC or free < need + SLACK_BYTES:
         raise full(path, need, free, what, hint) from err
-
