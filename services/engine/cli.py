@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 from services.engine.settings import EngineSettings
 from services.runtime.errors import ConfigError
-from services.runtime.settings import load_settings, render
+from services.runtime.settings import load_settings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,26 +83,12 @@ async def _amain(settings: EngineSettings) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        settings = settings_from(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(render(settings))
-        return 0
-    if settings.model is None:
-        print("error: no model directory (--model or [engine] model)", file=sys.stderr)
-        return 2
-    from services.models.resolve import resolve_model
+    from services.models.resolve import model_settings
 
-    try:  # a hub id becomes its snapshot in the local cache
-        settings = settings.model_copy(
-            update={"model": resolve_model(settings.model, key="[engine] model")}
-        )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    settings = model_settings(lambda: settings_from(args), print_config=args.print_config,
+                              section="engine")  # fmt: skip
+    if isinstance(settings, int):
+        return settings
     from services.runtime.lifecycle import setup_logging
 
     setup_logging("engine", settings.log_level)

@@ -14,7 +14,10 @@ not a transformers traceback ("Repo id must be in the form 'repo_name'…").
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from services.runtime.errors import ConfigError
 from services.weights.adapter import ADAPTER_CONFIG
@@ -27,6 +30,34 @@ HOW_TO_GET_ONE = (
     "`flywheel import-model FILE.gguf` (a GGUF into a Hugging Face directory), "
     "or `make smollm2` (SmolLM2-135M-Instruct)"
 )
+
+
+S = TypeVar("S", bound=Any)
+
+
+def model_settings(load: Callable[[], S], *, print_config: bool, section: str) -> S | int:
+    """A model-serving service's start (the engine's, tinker's): its settings from `load`,
+    with `model` resolved to a directory; or the exit code, its reason printed: 2 for a bad
+    run file, no model or one that does not resolve, 0 once `print_config` printed them."""
+    from services.runtime.settings import render
+
+    try:
+        settings = load()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if print_config:
+        print(render(settings))
+        return 0
+    if settings.model is None:
+        print(f"error: no model directory (--model or [{section}] model)", file=sys.stderr)
+        return 2
+    try:  # a hub id becomes its snapshot in the local cache
+        model = resolve_model(settings.model, key=f"[{section}] model")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return settings.model_copy(update={"model": model})
 
 
 class ModelNotFoundError(ConfigError):

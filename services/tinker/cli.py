@@ -13,8 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from services.runtime.errors import ConfigError
-from services.runtime.settings import load_settings, render
+from services.runtime.settings import load_settings
 from services.tinker.settings import TinkerSettings
 
 
@@ -49,30 +48,17 @@ def settings_from(args: argparse.Namespace) -> TinkerSettings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        settings = settings_from(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(render(settings))
-        return 0
-    if settings.model is None:
-        print("error: no model directory (--model or [tinker] model)", file=sys.stderr)
-        return 2
+    from services.models.resolve import model_settings
+
+    settings = model_settings(lambda: settings_from(args), print_config=args.print_config,
+                              section="tinker")  # fmt: skip
+    if isinstance(settings, int):
+        return settings
     from services.tinker.wire import sdk_missing
 
     if (why := sdk_missing()) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    from services.models.resolve import resolve_model
-
-    try:  # a hub id becomes its snapshot in the local cache
-        model = resolve_model(settings.model, key="[tinker] model")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    settings = settings.model_copy(update={"model": model})
     from services.runtime.lifecycle import install_signal_handlers, setup_logging
     from services.tinker.app import serve
 
