@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import time
@@ -110,7 +111,9 @@ async def up(
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     goal = Goal(None if local_trainer else steps, target_accuracy, max_seconds)
     try:
-        await sup.start_all()
+        if not await started_unless(sup.start_all(), stop):
+            print("flywheel up: stopped while starting; stopping what has started", flush=True)
+            return 130
         more = "" if verbose or quiet else " (--verbose shows them here)"
         print(f"flywheel up: all services ready; their logs in {run_dir / 'logs'}{more}")
         watcher = asyncio.create_task(sup.watch(stop))
@@ -128,6 +131,23 @@ async def up(
             local_run.forget(run_dir)
             nats.close()
     return 1 if sup.failed else 0
+
+
+async def started_unless(starting: Any, stop: asyncio.Event) -> bool:
+    """Await `starting` (every service started and ready) unless `stop` is set first (Ctrl-C,
+    SIGTERM): then cancel it and return False. Engines of a real model take minutes to load,
+    and a stop asked for meanwhile must not wait for them to be ready."""
+    start = asyncio.ensure_future(starting)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if start.done():
+        start.result()  # its StackError, if one
+        return True
+    start.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await start
+    return False
 
 
 def start_nats(s: StackSettings, run_dir: Path) -> tuple[Any, str]:

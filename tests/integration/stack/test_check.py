@@ -91,10 +91,8 @@ def test_a_bad_run_file_is_exit_2_in_one_line(task: Path) -> None:
 
 
 # What the up tests below start: NATS and the buffer. What they read is whether the check's
-# line comes before NATS, the first thing up starts; nothing after it. A Ctrl-C while up
-# starts its services ends the run only once they are all ready, so with up's five services
-# each of the three runs started an engine, its worker, sync and the trainer (torch in
-# four processes) that nothing read.
+# line comes before NATS, the first thing up starts; nothing after it, so they start no
+# engine, worker, sync or trainer (torch in four processes) that nothing would read.
 UP_SERVICES = ("buffer",)
 
 
@@ -124,3 +122,24 @@ def test_up_skips_the_check_when_told(task: Path) -> None:
     cfg.write_text(cfg.read_text().replace("[stack]\n", "[stack]\ncheck = false\n"))
     assert "check = false" in cfg.read_text()
     assert "flywheel up: check" not in up_until_nats(task, cfg)
+
+
+def test_a_ctrl_c_while_up_starts_stops_what_started_at_once(task: Path) -> None:
+    """Engines of a real model take minutes to load: a Ctrl-C meanwhile ends the run then,
+    not once every service is ready (it did: services start in sessions of their own, so
+    the terminal's Ctrl-C reaches `up` alone, which waited for them all)."""
+    cfg = config(task, "interrupted", "exact_match")  # all five services
+    run_dir = task / "run-interrupted"
+    log = task / "interrupted-up.log"
+    proc = start(["up", "-c", str(cfg), "--no-check"], log)
+    try:
+        wait_for(lambda: (run_dir / "pids.json").is_file(), timeout_s=240,
+                 what="flywheel up to start its first service")  # fmt: skip
+    finally:
+        code = stop(proc, signal.SIGINT)
+    out = log.read_text()
+    assert code == 130, out[-3000:]
+    assert "stopped while starting; stopping what has started" in out, out[-3000:]
+    assert "all services ready" not in out
+    for name, pid in json.loads((run_dir / "pids.json").read_text()).items():
+        assert not Path(f"/proc/{pid}").exists(), f"{name} (pid {pid}) still runs"
