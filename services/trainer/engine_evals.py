@@ -100,6 +100,8 @@ class EngineEvaluations:
             self.recorder.metrics.evals_deferred.inc()
             log.info("trainer: held-out evaluation of v%d deferred: %s", step, self.budget.line())
             return
+        if step > 0 and not last and self.budget.over():  # it runs: the figure aged
+            log.info("trainer: held-out evaluation of v%d runs: %s", step, self.budget.age_line())
         trained = step > 0  # step 0 is the user's own directory: never pruned, never "best"
         if trained:
             weights = await asyncio.to_thread(self._link_copy, weights)

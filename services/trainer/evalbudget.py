@@ -40,8 +40,10 @@ class EvalBudget:
     """The running cost of the evaluations beside the loop (module docstring). Pure: the
     loop tells it when steps end and evaluations start and end, in seconds it measured."""
 
-    def __init__(self, max_share: float | None) -> None:
+    def __init__(self, max_share: float | None, max_age_s: float | None = None) -> None:
         self.max_share = max_share
+        self.max_age_s = max_age_s  # RL seconds a figure may age before one runs anyway
+        self.rl_at_start = 0.0  # RL seconds when the newest evaluation started (step 0's: 0)
         self.alone: deque[float] = deque(maxlen=WINDOW)
         self.beside: list[float] = []
         self.rl_s = 0.0
@@ -53,6 +55,7 @@ class EvalBudget:
     def started(self, step: int) -> None:
         """An evaluation of version `step` began (step 0: the initial policy's)."""
         self.running = step > 0
+        self.rl_at_start = self.rl_s
         self._touch()
 
     def ended(self) -> None:
@@ -108,8 +111,22 @@ class EvalBudget:
 
     def defers(self, step: int, last: bool = False) -> bool:
         """Whether the evaluation of version `step`, falling due now, is deferred: over
-        budget, and neither the initial policy's (step 0) nor the run's `last` step's."""
-        return step > 0 and not last and self.over()
+        budget, and neither the initial policy's (step 0) nor the run's `last` step's, nor
+        due when the newest evaluation started `max_age_s` RL seconds ago or more."""
+        return step > 0 and not last and self.over() and not self.aged()
+
+    def aged(self) -> bool:
+        """Whether the newest evaluation started `max_age_s` or more RL seconds ago: the
+        status line's figure is that old, and the next due version runs whatever it costs.
+        On 2 cores a run of ticket routing trained 45 steps (6 minutes) past its last
+        figure with every evaluation deferred (bench/results_learning.md, the panel)."""
+        return self.max_age_s is not None and self.rl_s - self.rl_at_start >= self.max_age_s
+
+    def age_line(self) -> str:
+        """Why an evaluation over budget runs: the log's line."""
+        age = self.rl_s - self.rl_at_start
+        return (f"the newest evaluation started {age:.0f} s of RL ago, over [trainer] "
+                f"eval_max_age_s ({self.max_age_s:g} s); {self.line()}")  # fmt: skip
 
     def line(self) -> str:
         """'evaluations cost 31 s of 400 s of RL (7.8%), over eval_max_share 5%', or what

@@ -112,6 +112,8 @@ class Evaluations:
         if self.budget.defers(step, last):
             self._defer(step)
             return
+        if step > 0 and not last and self.budget.over():  # it runs: the figure aged
+            log.info("trainer: held-out evaluation of v%d runs: %s", step, self.budget.age_line())
         if trained:
             weights = await asyncio.to_thread(self._link_copy, step, weights)
         due = Due(step, weights, elapsed, owned=trained)

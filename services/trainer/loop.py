@@ -67,7 +67,8 @@ class RLLoop:
         self.publisher = Publisher(ctx, s, trainer, self.recorder.metrics)
         self.heldout = HeldOut(s)  # its rows load now: a missing split fails at start-up
         self.heldout.loaded_models = self.recorder.metrics.eval_models_loaded
-        budget = EvalBudget(s.eval_max_share)  # due evaluations deferred while over it
+        # due evaluations deferred while over eval_max_share, until the figure is too old
+        budget = EvalBudget(s.eval_max_share, s.eval_max_age_s)
         self.evals: Evaluations | EngineEvaluations
         if s.eval_on == "engines":  # sync runs them on the engines; results come back here
             self.evals = EngineEvaluations(ctx, self.recorder, s.checkpoint_dir, self.step_now,

@@ -441,6 +441,13 @@ class TrainerSettings(TaskServiceSettings):
         "of the RL seconds so far. The step-0 evaluation and a run's last step's are never "
         "deferred. 1.0 or None: evaluate at every eval_every (docs/learning.md).",
     )
+    eval_max_age_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="A due evaluation runs, whatever eval_max_share says, once the newest "
+        "one started this many seconds of RL ago: the status line's held-out figure is never "
+        "older than this plus one evaluation. None: eval_max_share alone decides.",
+    )
     eval_on: Literal["engines", "trainer"] = Field(
         "trainer",
         description="Who generates the held-out evaluations: 'engines' asks sync to run each "

@@ -117,6 +117,32 @@ def test_step_0_and_the_last_step_are_never_deferred() -> None:
     assert not b.defers(10, last=True)
 
 
+def test_a_figure_too_old_runs_the_next_due_evaluation_whatever_it_costs() -> None:
+    """Over budget (10.1% of 89 s against 0.1%), deferred while the newest evaluation (v5,
+    started at 50 s of RL) is under max_age_s old; the first due version at or past it runs,
+    and the clock starts again from that one."""
+    b = EvalBudget(0.001, max_age_s=60)
+    t = run(b, 0.0, [0.0, 10, 10, 10, 10, 10])
+    b.started(5)  # at 50 s of RL
+    t = run(b, t, [16])
+    b.ended()
+    t = run(b, t, [13, 10])  # 89 s: 39 s after it started
+    assert b.over() and not b.aged() and b.defers(10)
+    t = run(b, t, [10, 10])  # 109 s: 59 s
+    assert b.defers(12)
+    t = run(b, t, [1])  # 110 s: 60 s
+    assert b.aged() and not b.defers(13)
+    assert "started 60 s of RL ago, over [trainer] eval_max_age_s (60 s)" in b.age_line()
+    b.started(13)
+    run(b, t, [10])
+    assert not b.aged() and b.defers(14)
+    assert one_evaluation(0.001).defers(10)  # no max_age_s: the share alone decides
+
+
+def test_the_default_age_bound_is_ten_minutes_of_rl() -> None:
+    assert TrainerSettings.model_fields["eval_max_age_s"].default == 600.0
+
+
 def test_an_evaluation_is_deferred_again_until_the_cost_fits() -> None:
     """Over budget, evaluations are spread out: alone steps grow the RL seconds until
     9 s is within 5% of them (9 / 0.05 = 180 s: 10 more gaps of 10 s from 89 s)."""
