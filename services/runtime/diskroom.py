@@ -4,7 +4,7 @@ A full disk otherwise shows up as whatever the writer says mid-file: torch's
 zip writer `unexpected pos 509875968 vs 509875920`, safetensors `I/O error`,
 a torn temporary directory left behind. Each writer that knows its size asks
 `ensure_room` first, and turns a failure it meets anyway (another process
-filled the disk meanwhile) into the same `DiskFullError` with `full_disk`.
+filled the disk meanwhile) into the same `DiskFullError` (`full_disk`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def existing(path: Path) -> Path:
+    """`path`, or its nearest existing parent: where a directory not yet made will live."""
+    return next((p for p in [path, *path.parents] if p.exists()), Path.cwd())
+
+
 def free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
-    for p in [path, *path.parents]:
-        if p.exists():
-            return shutil.disk_usage(p).free
-    return shutil.disk_usage(Path.cwd()).free
+    """Free bytes on the filesystem that holds `path` (or will, once it is made)."""
+    return shutil.disk_usage(existing(path)).free
 
 
 def ensure_room(path: Path, need: int, what: str, hint: str = "") -> None:
@@ -71,10 +73,13 @@ def full(path: Path, need: int, free: int, what: str, hint: str = "") -> DiskFul
     return DiskFullError(msg + (f" ({hint})" if hint else ""), path=path, need=need, free=free)
 
 
-def full_disk(err: BaseException, path: Path, need: int, what: str, hint: str = "") -> None:
-    """Raise DiskFullError from `err` when the disk under `path` is what failed: ENOSPC, or
-    a writer's own error (torch's zip writer says nothing of errno) with less free than
-    `need`. Otherwise return, and the caller re-raises `err`."""
+def full_disk(
+    err: BaseException, path: Path, need: int, what: str, hint: str = ""
+) -> DiskFullError | None:
+    """The DiskFullError to raise from `err` when the disk under `path` is what failed, else
+    None: ENOSPC, a writer that says so in words (safetensors: "No space left on device (os
+    error 28)", not an OSError), or one that says nothing of it (torch's zip writer) with
+    less free than `need`. Ask before removing what the failed write left: it is counted."""
     free = free_bytes(path)
-    if getattr(err, "errno", None) == errno.ENOSPC or free < need + SLACK_BYTES:
-        raise full(path, need, free, what, hint) from err
+    said = getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
+    return full(path, need, free, what, hint) if said or free < need + SLACK_BYTES else None

@@ -228,7 +228,6 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
     """Every service's settings and (with `data`) the task's files and packages, checked
     before anything starts: one report of what is wrong, not a service dying after the
     engines loaded."""
-
     from services.runtime.errors import EXIT_CONFIG, ConfigError
     from services.runtime.settings import load_settings
 
@@ -271,8 +270,7 @@ def disk_shortfalls(loaded: dict[str, Any], model: Path) -> list[str]:
     trainer, sync = loaded.get("trainer"), loaded.get("sync")
     if trainer is None or trainer.lora is not None or trainer.replay:
         return []  # an adapter's checkpoints are small; a replay writes none of the run's
-    # no sync service here: its default, read as preflight reads every service's settings
-    if sync is None:  # not run here: its default (another machine's sync prunes by its own)
+    if sync is None:  # not run here: its default, read through the settings table
         keep_last = settings_class("sync").model_fields["keep_last"].default
     else:
         keep_last = sync.keep_last

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.runtime.diskroom import free_bytes, human
+from services.runtime.diskroom import existing, free_bytes, human
 
 # bytes an element takes in a model directory's stored dtype (config.json's dtype)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -59,27 +59,19 @@ def plan_for(model_dir: Path, keep_checkpoints: int, keep_versions: int) -> Disk
     return DiskPlan(params * CHECKPOINT_BYTES_PER_PARAM, stored, keep_checkpoints, keep_versions)
 
 
-def _device(path: Path) -> int:
-    for p in [path, *path.parents]:
-        if p.exists():
-            return os.stat(p).st_dev
-    return os.stat(Path.cwd()).st_dev
-
-
 def shortfalls(
     plan: DiskPlan, checkpoint_dir: Path, weights_root: Path
 ) -> tuple[list[str], list[str]]:
     """(errors, warnings): where the first step's files, or the steady state's, do not fit
     (the two directories on one filesystem: together)."""
-    dirs = [(checkpoint_dir, "[trainer] checkpoint_dir"), (weights_root, "[trainer] weights_root")]
-    if _device(checkpoint_dir) == _device(weights_root):
-        dirs = [(checkpoint_dir, "[trainer] checkpoint_dir and weights_root")]
+    (first_ckpt, first_w), (steady_ckpt, steady_w) = plan.first(), plan.steady()
+    needs = [(checkpoint_dir, "[trainer] checkpoint_dir", first_ckpt, steady_ckpt),
+             (weights_root, "[trainer] weights_root", first_w, steady_w)]  # fmt: skip
+    if os.stat(existing(checkpoint_dir)).st_dev == os.stat(existing(weights_root)).st_dev:
+        needs = [(checkpoint_dir, "[trainer] checkpoint_dir and weights_root",
+                  first_ckpt + first_w, steady_ckpt + steady_w)]  # fmt: skip
     errors, warnings = [], []
-    for path, key in dirs:
-        index = None if len(dirs) == 1 else dirs.index((path, key))
-        first, steady = (
-            sum(x) if index is None else x[index] for x in (plan.first(), plan.steady())
-        )
+    for path, key, first, steady in needs:
         free = free_bytes(path)
         where = f"{key} ({path}) has {human(free)} free"
         if free < first:

@@ -174,10 +174,12 @@ def stage_checkpoint(
     barrier(info)
     try:
         write_state(tmp, state, rng, info)
-    except (OSError, RuntimeError) as e:
+    except Exception as e:
+        disk = full_disk(e, root, need, what, ROOM_HINT)
         if not info.distributed:  # its bytes would stay on the full disk; DCP: ranks share tmp
             shutil.rmtree(tmp, ignore_errors=True)
-        full_disk(e, root, need, what, ROOM_HINT)
+        if disk is not None:
+            raise disk from e
         raise
     if info.is_main:
         doc = {

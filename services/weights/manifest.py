@@ -176,9 +176,10 @@ def write_weights_dir(
         os.rename(tmp, target)
         _fsync_path(target.parent)
     except BaseException as e:
+        disk = full_disk(e, target.parent, need, what, ROOM_HINT) if need else None
         shutil.rmtree(tmp, ignore_errors=True)
-        if need and isinstance(e, OSError | RuntimeError):
-            full_disk(e, target.parent, need, what, ROOM_HINT)
+        if disk is not None and isinstance(e, Exception):
+            raise disk from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
