@@ -122,9 +122,12 @@ def beside_share(rows: list[dict[str, Any]]) -> float | None:
     takes from the steps (and the engine) beside it. The step-0 evaluation runs before
     the first step and is left out, as are steps with no timestamp."""
     trained = [r for r in rows if "batch_id" in r and "time" in r]
-    timed = [r for r in rows if "eval_s" in r and "time" in r]
-    windows = [(r["time"] - r["eval_s"], r["time"]) for r in timed if r.get("step", 0) > 0]
-    first = [(r["time"] - r["eval_s"], r["time"]) for r in timed if r.get("step", 0) == 0]
+    # an evaluation's span: its pass@1 row's `eval_s`, or its pass@k row's `eval_k_s` (the
+    # whole evaluation, samples included: evaluating.py)
+    timed = [(r, r.get("eval_k_s", r.get("eval_s"))) for r in rows if "time" in r]
+    timed = [(r, s) for r, s in timed if s is not None]
+    windows = [(r["time"] - s, r["time"]) for r, s in timed if r.get("step", 0) > 0]
+    first = [(r["time"] - s, r["time"]) for r, s in timed if r.get("step", 0) == 0]
     if len(trained) < 4:
         return None
     gaps = [(a["time"], b["time"]) for a, b in itertools.pairwise(trained)]

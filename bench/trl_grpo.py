@@ -205,8 +205,10 @@ def make_callback(hp: dict[str, Any], tasks: Any, seconds: float, target: float 
     from services.tasks.evaluate import Evaluator
 
     per_step = hp["prompts_per_step"] * hp["samples_per_prompt"]
-    # The validation split, as Flywheel's trainer: these evaluations stop the run.
-    evaluator = Evaluator(tasks, split="validation").__enter__()  # one pool (Bench.close)
+    # The validation split, as Flywheel's trainer: these evaluations stop the run. Greedy
+    # pass@1 only: the one figure read here (and the one Flywheel's trainer writes first,
+    # before its pass@k samples): TRL's training waits for no samples it does not use.
+    evaluator = Evaluator(tasks, split="validation", greedy_only=True).__enter__()
 
     class Bench(TrainerCallback):
         def __init__(self) -> None:

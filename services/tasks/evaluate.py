@@ -26,8 +26,9 @@ ends at EOS or `eval.max_new_tokens`.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,17 +81,26 @@ class EvalReport:
 
     def metrics(self) -> dict[str, float]:
         """The metrics.jsonl fields: eval_accuracy (pass@1), eval_pass_at_k, per task."""
+        return self.pass_at_1_metrics() | self.pass_at_k_metrics()
+
+    def pass_at_1_metrics(self) -> dict[str, float]:
+        """eval_accuracy (greedy pass@1), eval_mean_reward and each task's pass@1."""
         out: dict[str, float] = {
             "eval_accuracy": self.pass_at_1,
             "eval_mean_reward": self._mean("mean_reward") or 0.0,
         }
+        if len(self.tasks) > 1:
+            out |= {f"eval/{name}/pass@1": t.pass_at_1 for name, t in self.tasks.items()}
+        return out
+
+    def pass_at_k_metrics(self) -> dict[str, float]:
+        """eval_pass_at_k and each task's pass@k ({} before the samples are drawn)."""
+        out: dict[str, float] = {}
         if self.pass_at_k is not None:
             out["eval_pass_at_k"] = self.pass_at_k
         if len(self.tasks) > 1:
-            for name, t in self.tasks.items():
-                out[f"eval/{name}/pass@1"] = t.pass_at_1
-                if t.pass_at_k is not None:
-                    out[f"eval/{name}/pass@{t.k}"] = t.pass_at_k
+            out |= {f"eval/{name}/pass@{t.k}": t.pass_at_k
+                    for name, t in self.tasks.items() if t.pass_at_k is not None}  # fmt: skip
         return out
 
 
@@ -104,8 +114,12 @@ def generate(
     temperature: float = 1.0,
     batch_size: int = 64,
     seed: int = 0,
+    halt: threading.Event | None = None,
 ) -> list[list[tuple[str, int]]]:
     """k completions per prompt as (text, generated tokens up to and with EOS); k = 1: greedy.
+
+    `halt`, once set, ends the generation at the next token and raises `Halted` (a thread
+    cannot be cancelled, and a process waits for its pool's threads before it exits).
 
     k > 1 samples through a generator of its own, seeded with `seed`, and leaves torch's
     default generator alone (`SampleWith`): this runs on a thread beside the trainer's
@@ -119,7 +133,11 @@ def generate(
     pad = eos if pad is None else pad
     was_training = model.training
     model.eval()
-    sampler = None
+    sampler, stopping = None, None
+    if halt is not None:
+        from transformers import StoppingCriteriaList
+
+        stopping = StoppingCriteriaList([HaltOn(halt)])
     if k > 1:
         generator = torch.Generator(device=device).manual_seed(seed)
         sampler = LogitsProcessorList([SampleWith(temperature, generator)])
@@ -143,13 +161,32 @@ def generate(
                     eos_token_id=eos,
                     do_sample=False,  # k > 1: the sampler leaves one token for greedy to pick
                     logits_processor=sampler,
+                    stopping_criteria=stopping,
                 )
+            if halt is not None and halt.is_set():
+                raise Halted("generation halted: the evaluation was called off")
             new = gen[:, width:].tolist()  # [B·k, new]
             for j in range(len(chunk)):
                 out.append([_cut(tokenizer, new[j * k + s], eos) for s in range(k)])
     finally:
         model.train(was_training)
     return out
+
+
+class Halted(RuntimeError):
+    """A generation ended early by its `halt` event; its completions are not returned."""
+
+
+class HaltOn:
+    """A stopping criterion that ends every row once `event` is set."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
 
 
 class SampleWith:
@@ -179,8 +216,14 @@ Complete = Callable[..., Awaitable[Completions]]
 prompt as (text, generated tokens up to and with EOS); k = 1 is greedy."""
 
 
-def hf_complete(model: Any, tokenizer: Any, offload: Offload = asyncio.to_thread) -> Complete:
-    """`generate` on a model of this process, run by `offload` (off the event loop)."""
+def hf_complete(
+    model: Any,
+    tokenizer: Any,
+    offload: Offload = asyncio.to_thread,
+    halt: threading.Event | None = None,
+) -> Complete:
+    """`generate` on a model of this process, run by `offload` (off the event loop);
+    `halt` ends a generation early (`generate`)."""
 
     async def complete(
         ids: list[list[int]],
@@ -192,7 +235,7 @@ def hf_complete(model: Any, tokenizer: Any, offload: Offload = asyncio.to_thread
     ) -> Completions:
         return await offload(
             generate, model, tokenizer, ids, max_new_tokens=max_new_tokens, k=k,
-            temperature=temperature, seed=seed,
+            temperature=temperature, seed=seed, halt=halt,
         )  # fmt: skip
 
     return complete
@@ -235,6 +278,28 @@ async def _score(
     )
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """One task's held-out rows of a split, formatted and tokenized as the worker does."""
+
+    rows: list[Any]
+    formatted: list[Any]
+    ids: list[list[int]]
+
+
+def _rows(tokenizer: Any, task: LoadedTask, size: int | None, split: Split) -> _Rows:
+    spec = task.spec
+    rows = task.held_out(split)[: size or spec.eval.size]
+    formatted = [format_row(spec, r) for _, r in rows]
+    ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
+    return _Rows(rows, formatted, ids)
+
+
+def samples_k(task: LoadedTask) -> bool:
+    """Whether the task's evaluation draws pass@k samples (eval.k > 1; episodes: never)."""
+    return task.spec.eval.k > 1 and task.spec.episode is None
+
+
 async def evaluate_task(
     model: Any,
     tokenizer: Any,
@@ -253,41 +318,52 @@ async def evaluate_task(
     at low CPU priority, services/runtime/threads.py). `complete`: where the completions
     come from (default: `model` here, `hf_complete`; an engine: engine_eval.py)."""
     complete = complete or hf_complete(model, tokenizer, offload)
+    held = _rows(tokenizer, task, size, split)
     spec, e = task.spec, task.spec.eval
-    rows = task.held_out(split)[: size or e.size]
-    formatted = [format_row(spec, r) for _, r in rows]
-    ids = [encode(tokenizer, p, m, spec.chat_template) for p, m in formatted]
-
     if spec.episode is not None:
         if model is None:
             raise ConfigError(
                 f"[task] {task.name}: a task with [task.episode] is evaluated by a model of "
                 "the evaluating process ([trainer] eval_on = 'trainer'), not on the engines"
             )
-        greedy = await episode_completions(model, tokenizer, spec.episode, ids, e, scorer, offload)
+        greedy = await episode_completions(
+            model, tokenizer, spec.episode, held.ids, e, scorer, offload
+        )
     else:
-        greedy = await complete(ids, max_new_tokens=e.max_new_tokens, seed=seed)
-    scored = [rs[0] for rs in await _score(scorer, task.name, rows, greedy, split)]
-    n = max(len(rows), 1)
+        greedy = await complete(held.ids, max_new_tokens=e.max_new_tokens, seed=seed)
+    scored = [rs[0] for rs in await _score(scorer, task.name, held.rows, greedy, split)]
+    n = max(len(held.rows), 1)
     result = TaskEval(
-        total=len(rows),
+        total=len(held.rows),
         pass_at_1=sum(correct(spec, r) for r in scored) / n,
         mean_reward=sum(r.reward for r in scored) / n,
         examples=tuple(
             (readable(p, m), g[0][0], r.answer)
-            for (p, m), g, (_, r) in list(zip(formatted, greedy, rows, strict=True))[:5]
+            for (p, m), g, (_, r) in list(zip(held.formatted, greedy, held.rows, strict=True))[:5]
         ),
     )
-    if e.k == 1 or spec.episode is not None or greedy_only:  # episodes: greedy pass@1 only
+    if greedy_only or not samples_k(task):
         return result
+    return await _pass_at_k(task, scorer, result, held, seed, split, complete)
+
+
+async def _pass_at_k(
+    task: LoadedTask,
+    scorer: Scorer,
+    greedy: TaskEval,
+    held: _Rows,
+    seed: int,
+    split: Split,
+    complete: Complete,
+) -> TaskEval:
+    """`greedy` with the task's pass@k added: eval.k samples per row, solved when any is."""
+    e = task.spec.eval
     sampled = await complete(
-        ids, k=e.k, temperature=e.temperature, seed=seed, max_new_tokens=e.max_new_tokens
+        held.ids, k=e.k, temperature=e.temperature, seed=seed, max_new_tokens=e.max_new_tokens
     )
-    scored_k = await _score(scorer, task.name, rows, sampled, split)
-    solved = [any(correct(spec, r) for r in rs) for rs in scored_k]
-    return TaskEval(
-        result.total, result.pass_at_1, result.mean_reward, e.k, sum(solved) / n, result.examples
-    )
+    scored_k = await _score(scorer, task.name, held.rows, sampled, split)
+    solved = [any(correct(task.spec, r) for r in rs) for rs in scored_k]
+    return replace(greedy, k=e.k, pass_at_k=sum(solved) / max(len(held.rows), 1))
 
 
 async def evaluate(
@@ -323,6 +399,28 @@ async def evaluate(
         },
         split,
     )
+
+
+async def add_pass_at_k(
+    tokenizer: Any,
+    loaded: dict[str, LoadedTask],
+    scorer: Scorer,
+    report: EvalReport,
+    complete: Complete,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+) -> EvalReport:
+    """A greedy-only `report` (`evaluate(..., greedy_only=True)`) with the pass@k of every
+    task that samples (`samples_k`) added: the same figures `evaluate` gives in one call,
+    for a caller that publishes pass@1 before drawing the samples (the trainer)."""
+    tasks = dict(report.tasks)
+    for name, greedy in report.tasks.items():
+        task = loaded[name]
+        if samples_k(task):
+            held = _rows(tokenizer, task, size, report.split)
+            tasks[name] = await _pass_at_k(task, scorer, greedy, held, seed, report.split, complete)
+    return EvalReport(tasks, report.split)
 
 
 def report_split(loaded: dict[str, LoadedTask]) -> Split:

@@ -30,6 +30,20 @@ other in version order, so the choice among the versions evaluated is the
 same whatever the timing; which due versions get evaluated does depend on
 timing once an evaluation outlasts `eval_every` steps.
 
+Greedy pass@1 first. That row is written, the gauges set and the best
+weights chosen as soon as the greedy generations are scored; a task with
+`eval.k > 1` then draws its k samples per row (k times the generations)
+and the version gets a second row with `eval_pass_at_k` and `eval_k_s`
+(the whole evaluation's seconds). pass@1 is the figure a run's target and
+the best weights are judged on, so a user learns it without waiting for
+the samples (on the review task's file, k = 4: a fifth of the generations).
+The newest figure comes first: when a newer version falls due while an
+older one's samples are drawn (or a run is told to stop), those samples
+are called off (their generation ends at its next token, the row is left
+out, logged; the console warns once) and the newer version's pass@1
+starts. So pass@k is measured only while the evaluations keep up; a run
+that ends by itself still gets its last version's.
+
 A version's directory may be pruned by sync while it is evaluated (sync
 keeps only the last few): each evaluation first hard-links the directory
 into `<checkpoint_dir>/.eval/` (no bytes copied on one filesystem), reads
@@ -41,11 +55,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.tasks.evaluate import EvalReport, Halted
 from services.trainer.evalbudget import EvalBudget
 from services.trainer.heldout import HeldOut, eval_line
 from services.trainer.metrics import Recorder
@@ -54,6 +70,7 @@ from services.weights.best import keep_if_best, link_or_copy
 log = logging.getLogger(__name__)
 
 STAGE_DIR = ".eval"
+STOPPING = "the run is stopping"
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,9 @@ class Evaluations:
         self.running: asyncio.Task[None] | None = None
         self.pending: Due | None = None
         self.failure: BaseException | None = None
+        self.sampling = False  # the evaluation in flight wrote its pass@1 and draws pass@k
+        self.halt = threading.Event()
+        self.why_called_off = ""
         self.skipped = 0
         self.deferred = 0
         self.told: set[str] = set()  # kinds of "not run" the console was told of (once each)
@@ -123,6 +143,8 @@ class Evaluations:
         if self.pending is not None:
             self._skip(self.pending, newer=step)
         self.pending = due
+        if self.sampling:  # the newest version's pass@1 before an older one's pass@k
+            self._call_off(f"v{step} is due")
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -135,6 +157,8 @@ class Evaluations:
         if not finish_pending and self.pending is not None:
             pending, self.pending = self.pending, None
             self._skip(pending, newer=None)
+        if not finish_pending and self.sampling:
+            self._call_off(STOPPING)
         while self.running is not None:
             await asyncio.wait({self.running})
             await asyncio.sleep(0)  # its done-callback runs (and may start the pending one)
@@ -151,6 +175,7 @@ class Evaluations:
     # ---- one evaluation ------------------------------------------------------
 
     def _start(self, due: Due) -> None:
+        self.halt = threading.Event()  # this evaluation's own: set, it ends its generation
         self.recorder.metrics.eval_in_flight.set(1)
         self.budget.started(due.step)
         task = asyncio.create_task(self._run(due), name=f"evaluate-v{due.step}")
@@ -180,13 +205,50 @@ class Evaluations:
             self._discard(due)
 
     async def _evaluate(self, due: Due) -> None:
-        started = time.perf_counter()
-        report = await self.heldout.run(due.weights)
+        started, halt = time.perf_counter(), self.halt
+
+        async def pass_at_1(report: EvalReport) -> None:
+            await self._pass_at_1(due, report, time.perf_counter() - started)
+            self.sampling = self.heldout.draws_samples
+            if self.sampling and self.pending is not None:  # fell due during the greedy pass
+                self._call_off(f"v{self.pending.step} is due")
+
+        try:
+            report = await self.heldout.run(due.weights, pass_at_1, halt)
+        except Halted:
+            report = None
+        finally:
+            self.sampling = False
+        if report is None or (halt.is_set() and self.heldout.draws_samples):
+            self._called_off(due.step)
+        elif report.pass_at_k is not None:
+            self._pass_at_k(due, report, time.perf_counter() - started)
+
+    def _call_off(self, why: str) -> None:
+        """End the pass@k samples in flight (their generation stops at its next token)."""
+        if not self.halt.is_set():
+            self.why_called_off = why
+            self.halt.set()
+
+    def _called_off(self, step: int) -> None:
+        line = f"held-out pass@k of v{step} called off: {self.why_called_off}"
+        if self._first("called off") and self.why_called_off != STOPPING:
+            log.warning(
+                "trainer: %s. pass@1 of each due version comes first, its pass@k only while no "
+                "newer version waits: for more pass@k figures raise [trainer] eval_every or "
+                "make the samples cheaper ([task.eval] k, size, max_new_tokens)",
+                line,
+            )
+        log.info("trainer: %s", line)
+
+    async def _pass_at_1(self, due: Due, report: EvalReport, took: float) -> None:
+        """The version's row, the gauges and the best-weights choice, as soon as greedy
+        pass@1 is known (before any pass@k samples are drawn)."""
         row: dict[str, Any] = {
             "step": due.step,
             "time": time.time(),
             "elapsed": due.elapsed,
-            "eval_s": time.perf_counter() - started,
+            "eval_s": took,
             "eval_lag_steps": self.trainer_step() - due.step,
             "eval_cost_share": self.budget.share,  # the running estimate (evalbudget.py)
             "evals_deferred": self.deferred,
@@ -203,6 +265,25 @@ class Evaluations:
             row["eval_s"],
             row["eval_lag_steps"],
             eval_line(row),
+        )
+
+    def _pass_at_k(self, due: Due, report: EvalReport, took: float) -> None:
+        """The version's pass@k, a row of its own (`eval_k_s`: the whole evaluation's seconds,
+        pass@1's included), written when its samples are scored."""
+        row: dict[str, Any] = {
+            "step": due.step,
+            "time": time.time(),
+            "elapsed": due.elapsed,
+            "eval_k_s": took,
+        }
+        self.recorder.sampled(report, row)
+        self.recorder.write(row)
+        log.info(
+            "trainer: held-out pass@%d of v%d (%.1fs in all): %.3f",
+            report.k,
+            due.step,
+            took,
+            row["eval_pass_at_k"],
         )
 
     # ---- the link copies ---------------------------------------------------------
@@ -231,7 +312,7 @@ class Evaluations:
     def _skip(self, due: Due, newer: int | None) -> None:
         self.skipped += 1
         self.recorder.metrics.evals_skipped.inc()
-        why = f"v{newer} is newer" if newer is not None else "the run is stopping"
+        why = f"v{newer} is newer" if newer is not None else STOPPING
         if newer is not None and self._first("skipped"):
             log.warning("trainer: %s", skipped_line(due.step, newer))
         log.info("trainer: held-out evaluation of v%d skipped: %s", due.step, why)

@@ -12,7 +12,9 @@ weights directory and runs the one evaluation function
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,14 @@ from proto.messages import TrainBatch
 from services.runtime.errors import ConfigError
 from services.runtime.threads import niced_pool, offload_to
 from services.sandbox import ToolPool, VerifierPool
-from services.tasks.evaluate import EvalReport, evaluate, load_model
+from services.tasks.evaluate import (
+    EvalReport,
+    add_pass_at_k,
+    evaluate,
+    hf_complete,
+    load_model,
+    samples_k,
+)
 from services.tasks.scoring import Scorer, tool_pool, verifier_pool
 from services.trainer.settings import TrainerSettings
 
@@ -48,6 +57,10 @@ class HeldOut:
                         "whose held-out episodes run with a model of the evaluating process: "
                         "set eval_on = 'trainer'"
                     )
+        # whether an evaluation draws pass@k samples after its pass@1 (a task with eval.k > 1)
+        self.draws_samples = any(
+            samples_k(t) for t in self.loaded.values() if t.held_out("validation")
+        )
         self.remote = s.sandbox_socket
         self.loaded_models: Any = None  # a counter of model copies loaded (the trainer's metric)
         # the model load and generation: one thread at eval_nice, never the training step's
@@ -72,15 +85,32 @@ class HeldOut:
             await self.tools.close()
         self.cpu.shutdown(wait=False)  # an evaluation cancelled mid-generate ends alone
 
-    async def run(self, path: Path) -> EvalReport:
+    async def run(
+        self,
+        path: Path,
+        pass_at_1: Callable[[EvalReport], Awaitable[None]],
+        halt: threading.Event | None = None,
+    ) -> EvalReport:
+        """Evaluate the weights at `path`: greedy pass@1 first, handed to `pass_at_1` the
+        moment it is known (it is the figure that chooses the best weights and meets a run's
+        target), then the pass@k samples of the tasks that draw them (k x as many
+        generations: a user would otherwise learn the figure that matters that much later).
+        `halt`, once set, ends a generation in flight at its next token: it raises `Halted`
+        (services/tasks/evaluate.py)."""
         assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
         model, tok = await self.offload(load_model, path)
         if self.loaded_models is not None:
             self.loaded_models.inc()
         scorer = Scorer(self.tasks, self.pool, self.tools)
-        return await evaluate(
-            model, tok, self.loaded, scorer, split="validation", offload=self.offload
-        )
+        complete = hf_complete(model, tok, self.offload, halt=halt)
+        report = await evaluate(
+            model, tok, self.loaded, scorer, split="validation", greedy_only=True,
+            offload=self.offload, complete=complete,
+        )  # fmt: skip
+        await pass_at_1(report)
+        if not self.draws_samples:
+            return report
+        return await add_pass_at_k(tok, self.loaded, scorer, report, complete)
 
 
 def reward_parts(batch: TrainBatch) -> dict[str, float]:

@@ -236,6 +236,12 @@ class Recorder:
         m.eval_version.set(int(row["step"]))
         m.eval_at.set(time.time())
 
+    def sampled(self, report: EvalReport, row: dict[str, Any]) -> None:
+        """The pass@k an evaluation added after its pass@1 row, into its own row and gauge."""
+        row.update(report.pass_at_k_metrics())
+        if report.pass_at_k is not None:
+            self.metrics.gauges["eval_pass_at_k"].set(report.pass_at_k)
+
     def write(self, row: dict[str, Any]) -> None:
         """To every configured logger (the metrics file, TensorBoard, W&B)."""
         self.loggers.write(row)

@@ -123,3 +123,15 @@ def test_the_best_weights_are_the_best_evaluated_version(finished: Path) -> None
     best = json.loads((finished / "checkpoints" / "best.json").read_text())
     assert best["step"] == want and best["accuracy"] == top, (best, evals)
     assert (finished / "checkpoints" / "best" / "config.json").is_file()
+
+
+def test_pass_at_1_is_written_before_its_samples_are_drawn(finished: Path) -> None:
+    """A pass@k row (k = 4) follows its version's pass@1 row; an older version's samples
+    give way to a newer due version's pass@1, but the run's last version gets its pass@k."""
+    got = rows(finished)
+    for i, r in enumerate(got):
+        if "eval_pass_at_k" in r:
+            (first,) = [j for j, t in enumerate(got) if "eval_accuracy" in t
+                        and t["step"] == r["step"]]  # fmt: skip
+            assert first < i and r["eval_k_s"] >= got[first]["eval_s"], (r, got[first])
+    assert [r["step"] for r in got if "eval_pass_at_k" in r][-1] == STEPS

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.runtime.threads import thread_nice
-from services.tasks.evaluate import TaskEval, evaluate_dir
+from services.tasks.evaluate import EvalReport, TaskEval, evaluate_dir
 from services.trainer.heldout import HeldOut
 from services.trainer.settings import TrainerSettings
 
@@ -29,7 +29,7 @@ def test_heldout_generates_on_a_thread_at_eval_nice(tiny_model_dir: Path, nice: 
 
     async def body() -> tuple[TaskEval, int, int]:
         async with HeldOut(s) as h:
-            (task,) = (await h.run(tiny_model_dir)).tasks.values()
+            (task,) = (await h.run(tiny_model_dir, ignore)).tasks.values()
             return task, await h.offload(thread_nice), thread_nice()
 
     got, worker, loop_thread = asyncio.run(body())
@@ -43,3 +43,32 @@ def test_heldout_generates_on_a_thread_at_eval_nice(tiny_model_dir: Path, nice: 
         plain.examples,
     )
     assert got.total == 8 and got.examples
+
+
+async def ignore(report: EvalReport) -> None:
+    return None
+
+
+def test_pass_at_1_is_known_before_the_samples_are_drawn(tiny_model_dir: Path) -> None:
+    """A task with eval.k > 1: `run` hands over the greedy figures (no pass@k yet) before
+    it draws the k samples, and ends with the figures of one whole evaluation."""
+    task = {**TASK, "eval": {**TASK["eval"], "k": 3, "temperature": 1.0}}
+    s = TrainerSettings(run="heldout-k", task=task, eval_every=1, eval_on="trainer")
+    seen: list[EvalReport] = []
+
+    async def first(report: EvalReport) -> None:
+        seen.append(report)
+
+    async def body() -> EvalReport:
+        async with HeldOut(s) as h:
+            return await h.run(tiny_model_dir, first)
+
+    final = asyncio.run(body())
+    (greedy,) = seen
+    assert greedy.pass_at_k is None and greedy.k == 1
+    assert "eval_pass_at_k" not in greedy.metrics()
+    assert final.k == 3 and final.pass_at_k is not None
+    whole = evaluate_dir(tiny_model_dir, s.task_set(), split="validation")
+    assert (final.pass_at_1, final.pass_at_k) == (whole.pass_at_1, whole.pass_at_k)
+    assert greedy.pass_at_1 == whole.pass_at_1
+    assert final.pass_at_k_metrics() == {"eval_pass_at_k": whole.pass_at_k}
