@@ -146,6 +146,7 @@ class BufferService:
         # the training set's distinct prompts: every row of every task's train split
         self.prompt_total = sum(len(t.train) for t in self.task_maker.order.tasks)
         self._said_solved = False  # "the whole training set is solved", said once
+        self._said_stale = False  # a fixed oversample's stale drops, said once
         self.done: RunDone | None = None  # set when it is and on_solved = "stop"
         self.pending_seqs: dict[str, int] = {}  # group id -> SAMPLES stream sequence
         self.metrics = BufferMetrics(ctx.registry)
@@ -281,11 +282,30 @@ class BufferService:
         if verdict != Verdict.UNSCORED:
             self._observe_prompt(group)
             self.window.add(scored_part(group))
+        if verdict == Verdict.STALE:
+            self._stale_with_fixed_oversample()
         self.stall.observe(group, trainable=verdict == Verdict.ACCEPTED)
         line = self.stall.stalled(self.s.groups_per_step, self._retiring())
         if line is not None:
             self.metrics.stalls.inc()
             log.warning("buffer: %s", line)
+
+    def _stale_with_fixed_oversample(self) -> None:
+        """A fixed `oversample` dispatches beyond the staleness bound's slots, and the groups
+        that arrive last, the longest replies, are the ones dropped: said once a run, on the
+        first stale drop (the learned default paces dispatch: admission.py)."""
+        if self.s.oversample is None or self._said_stale:
+            return
+        self._said_stale = True
+        log.warning(
+            "buffer: a group arrived too late for its step and was dropped as stale: [buffer] "
+            "oversample = %s (fixed) dispatches more than the staleness bound lets train, and "
+            "the slowest groups, those with the longest replies, are the ones dropped (measured: "
+            "trained replies 15%% shorter than generated, bench/results_staleness_lengths.md). "
+            "Unset [buffer] oversample to pace dispatch by the bound (the default); the status "
+            "line counts stale drops",
+            self.s.oversample,
+        )
 
     def _retires(self) -> bool:
         return self.curriculum.enabled and self.curriculum.retire_after > 0

@@ -222,6 +222,10 @@ async def _scenario(tmp_path: Path, url: str, k: int) -> None:
     dead = [decode(d, DeadLetter) for d in await read_all(js, stream_name(RUN, "DLQ"))]
     dropped = {decode(d.payload, SampleGroup).group_id: d.reason for d in dead}
     assert set(dropped.values()) <= {"zero_variance", "stale"}
+    # a fixed oversample's stale drops are said (the longest replies are the ones dropped),
+    # once per buffer process; without one, nothing is said
+    said = log.read_text().count("was dropped as stale: [buffer] oversample = 0.5 (fixed)")
+    assert said == 0 if "stale" not in dropped.values() else 1 <= said <= 2, said
     assert not set(dropped) & set(batched)
     # Every group the rollout side published was batched or dead-lettered with a reason
     # (except those still pending in the buffer when the run stopped).
