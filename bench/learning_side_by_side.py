@@ -23,10 +23,11 @@ machine one after the other, each given the same wall-clock budget:
 
 - Flywheel: `flywheel up -c <the run file, with this run's paths>` (its
   engines, workers, buffer, trainer and sync as the run file places them);
-  this script notes when each metrics row lands. Its clock starts when the
-  trainer starts its RL (the first row's `elapsed` before that row landed:
-  the step-0 evaluation runs beside the first steps, so its row is not the
-  first) and the stack is stopped (SIGINT) after `--seconds` on that clock.
+  each metrics row is placed at its `time` (when the trainer wrote it). Its
+  clock starts when the trainer starts its RL (a trained row's `time` less
+  its `elapsed`; an evaluation's row carries the `elapsed` of the version it
+  measured, and the step-0 evaluation runs beside the first steps) and the
+  stack is stopped (SIGINT) after `--seconds` on that clock.
 - TRL: bench/trl_grpo.py in a subprocess, one process, `--trl-threads`
   torch threads (default: the threads the Flywheel run uses, engines ×
   engine_threads + the trainer's cpu_threads); its clock starts after its
@@ -171,23 +172,27 @@ def run_flywheel(config: Path, model: Path, out: Path, seconds: float, seed: int
     log = (out / "flywheel.log").open("w")
     proc = subprocess.Popen(cmd, cwd=Path.cwd(), env=env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
+    # RL's start, on the wall clock: a trained row's `time` less its `elapsed` (an evaluation's
+    # row has the `elapsed` of the version it measured, not its own: it cannot tell)
     seen, t0, rows = 0, None, []
     while proc.poll() is None:
         time.sleep(0.5)
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
-        now = time.monotonic()
         for line in lines[seen:]:
             if line.strip():
                 row = json.loads(line)
-                t0 = now - float(row.get("elapsed", 0.0)) if t0 is None else t0  # RL's start
-                rows.append((now - t0, row))
+                if t0 is None and "batch_id" in row:
+                    t0 = float(row["time"]) - float(row["elapsed"])
+                rows.append(row)
         seen = len(lines)
-        if t0 is not None and now - t0 >= seconds:
+        if t0 is not None and time.time() - t0 >= seconds:
             break
     stop(proc)
     log.close()
     side.wall_s, side.load = time.monotonic() - t_wall, (load0, os.getloadavg()[0])
-    kept = [(t, r) for t, r in rows if t <= seconds]
+    # each row placed when it was written (its `time`): an evaluation's when its result was known
+    kept = [(float(r["time"]) - t0, r) for r in rows if t0 is not None]
+    kept = [(t, r) for t, r in kept if t <= seconds]
     side.curve = [(round(t, 1), float(r["eval_accuracy"]), int(r["step"]), round(r["elapsed"], 1))
                   for t, r in kept if "eval_accuracy" in r]  # fmt: skip
     trained = [r for _, r in kept if "samples" in r]
