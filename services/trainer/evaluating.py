@@ -41,7 +41,10 @@ The newest figure comes first: when a newer version falls due while an
 older one's samples are drawn (or a run is told to stop), those samples
 are called off (their generation ends at its next token, the row is left
 out, logged; the console warns once) and the newer version's pass@1
-starts. So pass@k is measured only while the evaluations keep up; a run
+starts at once, on its own thread (`eval_greedy_nice`): the called-off
+generation, at nice 19 on busy cores, can take tens of seconds to reach
+its next token (measured: v10's pass@1 started 31 s after v10 was due on
+the review task while v0's samples wound down). So pass@k is measured only while the evaluations keep up; a run
 that ends by itself still gets its last version's.
 
 A version's directory may be pruned by sync while it is evaluated (sync
@@ -57,7 +60,7 @@ import logging
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,17 @@ class Due:
     owned: bool  # `weights` is this module's link copy, removed after
 
 
+@dataclass
+class Flight:
+    """The evaluation in flight: its version, and what calls its samples off."""
+
+    due: Due
+    halt: threading.Event = field(default_factory=threading.Event)  # set: generation ends
+    task: asyncio.Task[None] | None = None
+    sampling: bool = False  # its pass@1 row is written and it draws the pass@k samples
+    why: str = ""  # why its samples were called off
+
+
 class Evaluations:
     """The held-out evaluations of one run, at most one in flight (module docstring)."""
 
@@ -99,12 +113,9 @@ class Evaluations:
         self.stage = checkpoint_dir / STAGE_DIR
         self.checkpoint_dir = checkpoint_dir
         self.trainer_step = trainer_step  # () -> the trainer's step now (for the lag)
-        self.running: asyncio.Task[None] | None = None
+        self.flight: Flight | None = None
         self.pending: Due | None = None
         self.failure: BaseException | None = None
-        self.sampling = False  # the evaluation in flight wrote its pass@1 and draws pass@k
-        self.halt = threading.Event()
-        self.why_called_off = ""
         self.skipped = 0
         self.deferred = 0
         self.told: set[str] = set()  # kinds of "not run" the console was told of (once each)
@@ -112,7 +123,7 @@ class Evaluations:
 
     @property
     def in_flight(self) -> bool:
-        return self.running is not None
+        return self.flight is not None
 
     def stepped(self, at: float) -> None:
         """A trained step ended at `at` (time.perf_counter()): the cost estimate moves on."""
@@ -137,14 +148,14 @@ class Evaluations:
         if trained:
             weights = await asyncio.to_thread(self._link_copy, step, weights)
         due = Due(step, weights, elapsed, owned=trained)
-        if self.running is None:
+        if self.flight is None:
             self._start(due)
             return
         if self.pending is not None:
             self._skip(self.pending, newer=step)
         self.pending = due
-        if self.sampling:  # the newest version's pass@1 before an older one's pass@k
-            self._call_off(f"v{step} is due")
+        if self.flight.sampling:  # the newest version's pass@1 before an older one's pass@k
+            self._give_way(self.flight)
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -153,14 +164,17 @@ class Evaluations:
 
     async def close(self, finish_pending: bool) -> None:
         """Wait for the evaluation in flight; then the pending one too when `finish_pending`
-        (a run that ended by itself), else it is skipped (a run told to stop)."""
+        (a run that ended by itself), else it is skipped (a run told to stop) and pass@k
+        samples in flight are called off, not waited for."""
         if not finish_pending and self.pending is not None:
             pending, self.pending = self.pending, None
             self._skip(pending, newer=None)
-        if not finish_pending and self.sampling:
-            self._call_off(STOPPING)
-        while self.running is not None:
-            await asyncio.wait({self.running})
+        flight = self.flight
+        if not finish_pending and flight is not None and flight.sampling:
+            self._call_off(flight, STOPPING)
+            self._detach(flight)  # its thread ends at the next token, alone
+        while self.flight is not None and self.flight.task is not None:
+            await asyncio.wait({self.flight.task})
             await asyncio.sleep(0)  # its done-callback runs (and may start the pending one)
         self.raise_failure()
 
@@ -169,70 +183,86 @@ class Evaluations:
         if self.pending is not None:
             self._discard(self.pending)
             self.pending = None
-        if self.running is not None:
-            self.running.cancel()
+        if self.flight is not None and self.flight.task is not None:
+            self.flight.halt.set()
+            self.flight.task.cancel()
 
     # ---- one evaluation ------------------------------------------------------
 
     def _start(self, due: Due) -> None:
-        self.halt = threading.Event()  # this evaluation's own: set, it ends its generation
         self.recorder.metrics.eval_in_flight.set(1)
         self.budget.started(due.step)
-        task = asyncio.create_task(self._run(due), name=f"evaluate-v{due.step}")
-        task.add_done_callback(self._finished)
-        self.running = task
+        flight = Flight(due)
+        flight.task = asyncio.create_task(self._run(flight), name=f"evaluate-v{due.step}")
+        flight.task.add_done_callback(lambda task: self._finished(flight, task))
+        self.flight = flight
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
+    def _detach(self, flight: Flight) -> None:
+        """No longer the evaluation in flight (its samples were called off): the next one
+        need not wait for its generation to reach its next token, which at nice 19 on busy
+        cores can take tens of seconds; it ends alone and writes nothing more."""
+        if self.flight is flight:
+            self.flight = None
+            self.budget.ended()
+            self.recorder.metrics.eval_in_flight.set(0)
+
+    def _finished(self, flight: Flight, task: asyncio.Task[None]) -> None:
         """An evaluation ended: its failure kept for the loop to raise, or the next one on."""
-        self.running = None
-        self.budget.ended()
-        self.recorder.metrics.eval_in_flight.set(0)
-        if task.cancelled():
-            return
-        failure = task.exception()
+        current = self.flight is flight
+        self._detach(flight)
+        failure = None if task.cancelled() else task.exception()
         if failure is not None:  # raised in the loop by the next submit() or close()
             log.error("trainer: held-out evaluation failed: %r", failure)
             self.failure = failure
             return
-        if self.pending is not None:
+        if current and not task.cancelled() and self.pending is not None:
             due, self.pending = self.pending, None
             self._start(due)
 
-    async def _run(self, due: Due) -> None:
-        try:
-            await self._evaluate(due)
-        finally:
-            self._discard(due)
+    def _give_way(self, flight: Flight) -> None:
+        """A newer version is due while `flight` draws its samples: those are called off and
+        the newer version's evaluation starts now."""
+        assert self.pending is not None
+        self._call_off(flight, f"v{self.pending.step} is due")
+        self._detach(flight)
+        due, self.pending = self.pending, None
+        self._start(due)
 
-    async def _evaluate(self, due: Due) -> None:
-        started, halt = time.perf_counter(), self.halt
+    async def _run(self, flight: Flight) -> None:
+        try:
+            await self._evaluate(flight)
+        finally:
+            self._discard(flight.due)
+
+    async def _evaluate(self, flight: Flight) -> None:
+        started, due = time.perf_counter(), flight.due
 
         async def pass_at_1(report: EvalReport) -> None:
             await self._pass_at_1(due, report, time.perf_counter() - started)
-            self.sampling = self.heldout.draws_samples
-            if self.sampling and self.pending is not None:  # fell due during the greedy pass
-                self._call_off(f"v{self.pending.step} is due")
+            flight.sampling = self.heldout.draws_samples
+            if flight.sampling and self.pending is not None and self.flight is flight:
+                self._give_way(flight)  # fell due during the greedy pass
 
         try:
-            report = await self.heldout.run(due.weights, pass_at_1, halt)
+            report = await self.heldout.run(due.weights, pass_at_1, flight.halt)
         except Halted:
             report = None
         finally:
-            self.sampling = False
-        if report is None or (halt.is_set() and self.heldout.draws_samples):
-            self._called_off(due.step)
+            flight.sampling = False
+        if report is None or (flight.halt.is_set() and self.heldout.draws_samples):
+            self._called_off(due.step, flight.why)
         elif report.pass_at_k is not None:
             self._pass_at_k(due, report, time.perf_counter() - started)
 
-    def _call_off(self, why: str) -> None:
-        """End the pass@k samples in flight (their generation stops at its next token)."""
-        if not self.halt.is_set():
-            self.why_called_off = why
-            self.halt.set()
+    def _call_off(self, flight: Flight, why: str) -> None:
+        """End `flight`'s pass@k samples (their generation stops at its next token)."""
+        if not flight.halt.is_set():
+            flight.why = why
+            flight.halt.set()
 
-    def _called_off(self, step: int) -> None:
-        line = f"held-out pass@k of v{step} called off: {self.why_called_off}"
-        if self._first("called off") and self.why_called_off != STOPPING:
+    def _called_off(self, step: int, why: str) -> None:
+        line = f"held-out pass@k of v{step} called off: {why}"
+        if why != STOPPING and self._first("called off"):
             log.warning(
                 "trainer: %s. pass@1 of each due version comes first, its pass@k only while no "
                 "newer version waits: for more pass@k figures raise [trainer] eval_every or "

@@ -63,7 +63,10 @@ class HeldOut:
         )
         self.remote = s.sandbox_socket
         self.loaded_models: Any = None  # a counter of model copies loaded (the trainer's metric)
-        # the model load and generation: one thread at eval_nice, never the training step's
+        # the model load and greedy pass: a thread at eval_greedy_nice; the pass@k samples:
+        # one at eval_nice; never the training step's
+        self.greedy_cpu = niced_pool(s.eval_greedy_nice, "heldout-greedy")
+        self.greedy_offload = offload_to(self.greedy_cpu)
         self.cpu = niced_pool(s.eval_nice, "heldout")
         self.offload = offload_to(self.cpu)
         self.pool: VerifierPool | None = None
@@ -83,7 +86,8 @@ class HeldOut:
             await self.pool.close()
         if self.tools is not None:
             await self.tools.close()
-        self.cpu.shutdown(wait=False)  # an evaluation cancelled mid-generate ends alone
+        for pool in (self.greedy_cpu, self.cpu):
+            pool.shutdown(wait=False)  # an evaluation cancelled mid-generate ends alone
 
     async def run(
         self,
@@ -98,19 +102,20 @@ class HeldOut:
         `halt`, once set, ends a generation in flight at its next token: it raises `Halted`
         (services/tasks/evaluate.py)."""
         assert self.pool is not None, "HeldOut used outside `async with` or with eval_every = 0"
-        model, tok = await self.offload(load_model, path)
+        model, tok = await self.greedy_offload(load_model, path)
         if self.loaded_models is not None:
             self.loaded_models.inc()
         scorer = Scorer(self.tasks, self.pool, self.tools)
-        complete = hf_complete(model, tok, self.offload, halt=halt)
         report = await evaluate(
             model, tok, self.loaded, scorer, split="validation", greedy_only=True,
-            offload=self.offload, complete=complete,
+            offload=self.greedy_offload,
+            complete=hf_complete(model, tok, self.greedy_offload, halt=halt),
         )  # fmt: skip
         await pass_at_1(report)
         if not self.draws_samples:
             return report
-        return await add_pass_at_k(tok, self.loaded, scorer, report, complete)
+        samples = hf_complete(model, tok, self.offload, halt=halt)
+        return await add_pass_at_k(tok, self.loaded, scorer, report, samples)
 
 
 def reward_parts(batch: TrainBatch) -> dict[str, float]:

@@ -454,8 +454,8 @@ class TrainerSettings(TaskServiceSettings):
         "due version on an engine serving exactly that version (held there until it ran; "
         "each answer's version checked), and records the result it sends back: no model "
         "copy in the trainer, the result known seconds after the version is on an engine. "
-        "'trainer' loads the version here and generates on a thread at eval_nice (the path "
-        "before; tasks with [task.episode] need it).",
+        "'trainer' loads the version here and generates on threads at eval_greedy_nice and "
+        "eval_nice (the path before; tasks with [task.episode] need it).",
     )
     eval_result_timeout_s: float = Field(
         300.0,
@@ -467,10 +467,20 @@ class TrainerSettings(TaskServiceSettings):
         19,
         ge=0,
         le=19,
-        description="CPU priority (Linux nice) of the thread that loads and generates for the "
-        "held-out evaluations: 19 runs them in the time the cores are idle, so on a busy "
-        "CPU they take longer instead of slowing the steps and engines beside them; 0: the "
-        "same priority as training (evaluations finish sooner, the steps beside slow down).",
+        description="CPU priority (Linux nice) of the thread that draws the held-out "
+        "evaluations' pass@k samples (eval.k > 1: k times the greedy pass's generations): 19 "
+        "runs them in the time the cores are idle, so on a busy CPU they take longer instead "
+        "of slowing the steps and engines beside them; 0: the same priority as training.",
+    )
+    eval_greedy_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="CPU priority (Linux nice) of the thread that loads a version and runs its "
+        "greedy pass@1, the figure its best-weights choice and a run's target are judged on: "
+        "0 (the training's own) so that it is known seconds after the version, at the cost of "
+        "one greedy pass over [task.eval] size prompts beside the steps (eval_max_share "
+        "bounds it); 19: it waits for idle cores like the samples.",
     )
     sandbox_socket: RunPath | None = Field(
         None,

@@ -37,22 +37,28 @@ def evaluate(
     s: TrainerSettings, model: Path, tmp_path: Path, then: str = "end"
 ) -> tuple[list[dict[str, Any]], float, bool]:
     """Submit the step-0 evaluation, and once its pass@1 row is written: close as a run
-    that ended by itself ("end"), as one told to stop ("stop"), or submit v1 and then end
-    ("newer"). Returns (rows, seconds the close took, whether v0's samples were halted)."""
+    that ended by itself ("end"), as one told to stop ("stop"), or submit v1 and stop once
+    v1's pass@1 row is written too ("newer"). Returns (rows, seconds the close took,
+    whether v0's samples were halted)."""
     recorder = Recorder(CollectorRegistry(), s)
 
     async def body() -> tuple[float, bool]:
         async with HeldOut(s) as heldout:
             evals = Evaluations(heldout, recorder, tmp_path / "ckpt", lambda: 1)
             await evals.submit(0, model, 0.0)
-            v0 = evals.halt
-            while then != "end" and not evals.sampling:
+            v0 = evals.flight
+            assert v0 is not None
+            while then != "end" and not v0.sampling:
                 await asyncio.sleep(0.05)
-            if then == "newer":
+            if then == "newer":  # v1 starts at once; its own samples are called off at the end
                 await evals.submit(1, model, 5.0)
+                v1 = evals.flight
+                assert v1 is not None and v1 is not v0
+                while not v1.sampling:
+                    await asyncio.sleep(0.05)
             t = time.perf_counter()
-            await evals.close(finish_pending=then != "stop")
-            return time.perf_counter() - t, v0.is_set()
+            await evals.close(finish_pending=then == "end")
+            return time.perf_counter() - t, v0.halt.is_set()
 
     took, halted = asyncio.run(body())
     recorder.close()
@@ -92,6 +98,6 @@ def test_a_newer_version_s_pass_at_1_goes_before_an_older_one_s_samples(
     caplog.set_level(logging.INFO, logger="services.trainer.evaluating")
     s = settings(tmp_path, 64, 8, 64)
     rows, _, halted = evaluate(s, tiny_model_dir, tmp_path, "newer")
-    assert halted and kinds(rows) == [(0, "pass@1"), (1, "pass@1"), (1, "pass@k")]
+    assert halted and kinds(rows) == [(0, "pass@1"), (1, "pass@1")]
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "pass@k of v0 called off: v1 is due" in warned[0], warned

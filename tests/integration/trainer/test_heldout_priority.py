@@ -1,6 +1,7 @@
-"""The trainer's held-out evaluation loads and generates on its own thread at `eval_nice`
-(services/trainer/heldout.py): same figures as an evaluation at the caller's priority,
-the work on a thread the kernel reports at nice 19, the event loop's thread untouched."""
+"""The trainer's held-out evaluation loads and generates on threads of its own, the greedy
+pass at `eval_greedy_nice` and the pass@k samples at `eval_nice` (services/trainer/
+heldout.py): same figures as an evaluation at the caller's priority, the work on threads the
+kernel reports at those nice values, the event loop's thread untouched."""
 
 from __future__ import annotations
 
@@ -20,20 +21,22 @@ TASK = {
 }
 
 
-@pytest.mark.parametrize("nice", [19, 0])
-def test_heldout_generates_on_a_thread_at_eval_nice(tiny_model_dir: Path, nice: int) -> None:
-    s = TrainerSettings(
-        run="heldout-nice", task=TASK, eval_every=1, eval_nice=nice, eval_on="trainer"
-    )
+@pytest.mark.parametrize(("nice", "greedy_nice"), [(19, 0), (0, 19)])
+def test_heldout_generates_on_threads_at_eval_nice_and_eval_greedy_nice(
+    tiny_model_dir: Path, nice: int, greedy_nice: int
+) -> None:
+    s = TrainerSettings(run="heldout-nice", task=TASK, eval_every=1, eval_nice=nice,
+                        eval_greedy_nice=greedy_nice, eval_on="trainer")  # fmt: skip
     caller = thread_nice()
 
-    async def body() -> tuple[TaskEval, int, int]:
+    async def body() -> tuple[TaskEval, int, int, int]:
         async with HeldOut(s) as h:
             (task,) = (await h.run(tiny_model_dir, ignore)).tasks.values()
-            return task, await h.offload(thread_nice), thread_nice()
+            niced = await h.offload(thread_nice), await h.greedy_offload(thread_nice)
+            return task, *niced, thread_nice()
 
-    got, worker, loop_thread = asyncio.run(body())
-    assert worker == max(nice, caller)
+    got, worker, greedy_worker, loop_thread = asyncio.run(body())
+    assert worker == max(nice, caller) and greedy_worker == max(greedy_nice, caller)
     assert loop_thread == caller
     (plain,) = evaluate_dir(tiny_model_dir, s.task_set(), split="validation").tasks.values()
     # greedy, so the same completions and figures: the priority changes the timing only
