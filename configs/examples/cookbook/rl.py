@@ -10,8 +10,7 @@ task is Flywheel's review-sentiment example (configs/examples/review_sentiment.p
 data in configs/examples/data/): is a product review positive or negative? The reward is
 that example's `sentiment_reward` (1 when the reply names the right sentiment and not
 the other), the prompt its run file's (review-sentiment.toml), so the cookbook's loop
-and `flywheel up` train the same task. Run it from the repository root (the reward is
-imported as `configs.examples.review_sentiment`).
+and `flywheel up` train the same task.
 
 As in sl.py: `model_name` is the model directory the server serves (the cookbook loads
 a directory's tokenizer locally: no hub), and the renderer is one the cookbook ships
@@ -27,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -37,6 +37,9 @@ from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
 from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
+# `python configs/examples/cookbook/rl.py` puts this directory on sys.path, not the
+# repository root, which the review example's module is imported from.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from configs.examples.review_sentiment import sentiment_reward
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "reviews-train.jsonl"
@@ -92,7 +95,7 @@ class ReviewDatasetBuilder(RLDatasetBuilder):
     model_name_for_tokenizer: str
     renderer_name: str
     batch_size: int = 4
-    group_size: int = 8
+    group_size: int = 4
     data_path: str = str(DATA)
     seed: int = 0
 
@@ -114,10 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-path", default="/tmp/flywheel-cookbook-rl")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=4, help="reviews (groups) per step")
-    p.add_argument("--group-size", type=int, default=8, help="replies per review")
+    p.add_argument("--group-size", type=int, default=4, help="replies per review")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--learning-rate", type=float, default=2e-4)
+    p.add_argument("--learning-rate", type=float, default=4e-4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
