@@ -136,7 +136,7 @@ def test_cookbook_rl_loop_runs_its_steps_on_the_tiny_model(
 def test_cookbook_rl_reward_rises_on_smollm2(tmp_path: Path) -> None:
     model = models_dir() / "SmolLM2-135M-Instruct"
     assert (model / "config.json").exists(), f"{model}: run `make smollm2` first"
-    with _server(model, tmp_path / "server.log", 0) as url:
+    with _server(model, tmp_path / "server.log", 1) as url:  # one thread: docs/tinker.md
         log_path = tmp_path / "rl"
         proc = _run("rl.py", url, model, log_path, "--steps", "12", timeout=1200)
     _finished(proc, log_path)
