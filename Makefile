@@ -35,7 +35,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf,lora,tinker]'
+	$(PY) -m pip install -q -e '.[dev,math,reasoning,datasets,gguf,lora,tinker,cookbook]'
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1  # pyproject.toml's cookbook extra says why
 	touch $(STAMP)
 
 # bubblewrap for the sandbox, promtool/prometheus for tests/deploy (Debian

@@ -10,6 +10,8 @@ runtime and the models domain, no other service. Layers:
 - `losses`    the built-in losses per token (cross_entropy, importance_sampling);
 - `model`     one base model with a PEFT LoRA adapter and an AdamW per training
   client, and the sampler (in this process, this slice);
+- `batching`  sample requests that differ only in their count, generated as one batch
+  (tinker-cookbook's RL loop sends a group's replies one request each);
 - `wire`      the SDK's protobuf messages (forward_backward in, outputs and
   samples out), through the SDK's own generated module;
 - `app`       the aiohttp adapter: the SDK's `/api/v1` routes and its futures;

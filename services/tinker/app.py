@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from services.tinker import wire
+from services.tinker.batching import Batch, SampleBatches
 from services.tinker.core import (
     Category,
     Entry,
@@ -77,6 +78,7 @@ class Service:
         self.log = RequestLog()
         self.registry = Registry()
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="tinker-model")
+        self.batches: SampleBatches[Entry] = SampleBatches(settings.max_num_samples)
         self._finished: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -114,6 +116,39 @@ class Service:
                 self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
             finally:
                 done.set()
+
+        task = asyncio.create_task(finish())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def submit_batch(self, snapshot: str | None, batch: Batch[Entry]) -> None:
+        """Generate `batch` (batching.py) on the model thread in its turn; each request in
+        it is answered with its own rows, and a failure fails them all."""
+
+        def work() -> list[bytes]:
+            spec = self.batches.take(snapshot, batch)  # closed: the members are final
+            seqs, prompt_lp = self.model.sample(snapshot, spec)
+            if len(batch.members) > 1:
+                log.debug("%d sample requests as one batch of %d", len(batch.members), len(seqs))
+            return [wire.write_sample_response(seqs[rows], prompt_lp) for _, rows in batch.slices()]
+
+        queued = asyncio.get_running_loop().run_in_executor(self.thread, work)
+
+        async def finish() -> None:
+            try:
+                results = await queued
+                for (entry, _), result in zip(batch.members, results, strict=True):
+                    self.log.complete(entry, result)
+            except TinkerUserError as e:
+                for entry, _ in batch.members:
+                    self.log.fail(entry, str(e), Category.USER)
+            except Exception as e:  # a server fault: these requests fail, loudly
+                log.exception("sample batch of %d requests failed", len(batch.members))
+                for entry, _ in batch.members:
+                    self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+            finally:
+                for entry, _ in batch.members:
+                    self._finished.setdefault(entry.request_id, asyncio.Event()).set()
 
         task = asyncio.create_task(finish())
         self._tasks.add(task)
@@ -446,12 +481,11 @@ async def asample(request: web.Request, svc: Service) -> web.Response:
     def build() -> None:
         spec = _sample_spec(body)
         check_sample(spec, svc.limits)
-
-        def work() -> bytes:
-            seqs, prompt_lp = svc.model.sample(snapshot, spec)
-            return wire.write_sample_response(seqs, prompt_lp)
-
-        svc.submit(entry, work)
+        # Joins an open batch of the same prompt and parameters (batching.py: the
+        # cookbook sends a group's replies as one request each), or opens one.
+        batch = svc.batches.add(snapshot, spec, entry)
+        if batch is not None:
+            svc.submit_batch(snapshot, batch)
 
     _submitted(svc, entry, fresh, build)
     ids = [f"{entry.request_id}:{i}" for i in range(max(n, 0))]
