@@ -10,8 +10,12 @@ runtime and the models domain, no other service. Layers:
 - `losses`    the built-in losses per token (cross_entropy, importance_sampling);
 - `model`     one base model with a PEFT LoRA adapter and an AdamW per training
   client, and the sampler (in this process, this slice);
+- `state`     saved training states on disk (`[tinker] state_dir`): adapter,
+  AdamW state and step count under a tinker:// path, written whole or not at all;
 - `wire`      the SDK's protobuf messages (forward_backward in, outputs and
   samples out), through the SDK's own generated module;
 - `app`       the aiohttp adapter: the SDK's `/api/v1` routes and its futures;
+  `state_routes` save_state / load_state / create_training_client_from_state and
+  the checkpoint listing; `routing` what both share (body, future, retries);
   `cli` the command line, `settings` its `[tinker]` table.
 """

@@ -48,7 +48,12 @@ from services.tinker.core import (
     check_sample,
 )
 from services.tinker.model import AdapterModel
+from services.tinker.routing import future_response as _future
+from services.tinker.routing import read_body as _body
+from services.tinker.routing import run_if_fresh as _submitted
 from services.tinker.settings import TinkerSettings
+from services.tinker.state import StateStore
+from services.tinker.state_routes import STATE_ROUTES
 
 log = logging.getLogger("flywheel.tinker")
 
@@ -76,6 +81,7 @@ class Service:
         )
         self.log = RequestLog()
         self.registry = Registry()
+        self.store = StateStore(Path(settings.state_dir))
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="tinker-model")
         self._finished: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -137,32 +143,6 @@ Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
 
 def _json_error(status: int, message: str, category: Category = Category.USER) -> web.Response:
     return web.json_response({"error": message, "category": category.value}, status=status)
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise TinkerUserError(f"{request.path}: the body is not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise TinkerUserError(f"{request.path}: the body must be a JSON object")
-    return body
-
-
-def _future(entry: Entry, model_id: str | None = None, **extra: Any) -> web.Response:
-    return web.json_response({"request_id": entry.request_id, "model_id": model_id, **extra})
-
-
-def _submitted(svc: Service, entry: Entry, fresh: bool, build: Callable[[], None]) -> None:
-    """Run `build` (check, then submit) for a new request; a check's error fails the
-    request's own future. A retry (not fresh) is answered by the first one's future."""
-    if not fresh:
-        log.info("retried request %s (%s): answered, not run again", entry.request_id, entry.kind)
-        return
-    try:
-        build()
-    except TinkerUserError as e:
-        svc.refuse(entry, e)
 
 
 # -- service routes ----------------------------------------------------------------------
@@ -506,7 +486,7 @@ async def _unserved(request: web.Request) -> web.Response:
 
 def build_app(svc: Service) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    for method, path, handler in ROUTES:
+    for method, path, handler in [*ROUTES, *STATE_ROUTES]:
         app.router.add_route(method, path, _wrap(handler, svc))
     app.router.add_route("*", "/api/v1/{tail:.*}", _unserved)
     return app

@@ -16,6 +16,7 @@ back and is not run again; the future it polls is the first one's.
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -273,13 +274,16 @@ class Registry:
     """Sessions, their training models and sampling sessions, by the ids the SDK derives."""
 
     def __init__(self) -> None:
+        # A token per server start in every session id, so a training run's id (and the
+        # tinker:// paths of its saved states) never repeats after a restart.
+        self._boot = secrets.token_hex(3)
         self._session_ids = itertools.count(1)
         self.sessions: dict[str, list[str]] = {}
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplingSession] = {}
 
     def new_session(self) -> str:
-        session_id = f"session-{next(self._session_ids)}"
+        session_id = f"session-{self._boot}-{next(self._session_ids)}"
         self.sessions[session_id] = []
         return session_id
 
