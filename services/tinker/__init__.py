@@ -7,7 +7,8 @@ runtime and the models domain, no other service. Layers:
 - `core`      the pure part: requests checked against the losses and the
   `[tinker]` limits (typed errors naming what is wrong), the request log keyed by
   (owner, seq_id) that answers a retry once and never runs it twice, sessions;
-- `losses`    the built-in losses per token (cross_entropy, importance_sampling);
+- `losses`    the built-in losses per token (cross_entropy, importance_sampling,
+  ppo, cispo, dro) and their loss_fn_config;
 - `model`     one base model with a PEFT LoRA adapter and an AdamW per training
   client, and the sampler (in this process, this slice);
 - `state`     saved training states on disk (`[tinker] state_dir`): adapter,

@@ -46,6 +46,7 @@ from services.tinker.core import (
     check_batch,
     check_rank,
     check_sample,
+    loss_config,
 )
 from services.tinker.model import AdapterModel
 from services.tinker.routing import future_response as _future
@@ -287,11 +288,12 @@ async def forward_backward(request: web.Request, svc: Service) -> web.Response:
     entry, fresh = svc.log.open(req.model_id, "train", req.seq_id)
 
     def build() -> None:
-        check_batch(req.loss, req.data, svc.limits)
+        check_batch(req.loss, req.data, svc.limits, req.config)
+        config = loss_config(req.loss, req.config)
 
         def work() -> bytes:
             outputs, metrics = svc.model.forward_backward(
-                req.model_id, req.loss, req.data, backward=not req.forward_only
+                req.model_id, req.loss, req.data, not req.forward_only, config
             )
             return wire.write_forward_backward_output(outputs, metrics)
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-# The losses the SDK names (tinker.types.LossFnType), split by what this slice runs.
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling")
-SDK_LOSSES = (*SUPPORTED_LOSSES, "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom")
+# The losses the SDK names (tinker.types.LossFnType), split by what this server runs.
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+SDK_LOSSES = (*SUPPORTED_LOSSES, "gspo", "stable_reinforce", "custom")
 
 # loss -> (required loss_fn_inputs, optional ones): each a float or int vector, one
 # entry per model-input token (Tinker's convention: the target of position i is
@@ -33,6 +33,20 @@ SDK_LOSSES = (*SUPPORTED_LOSSES, "ppo", "cispo", "dro", "gspo", "stable_reinforc
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cross_entropy": (("target_tokens",), ("weights",)),
     "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
+    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
+    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "dro": (("target_tokens", "logprobs", "advantages"), ()),
+}
+
+# loss -> its loss_fn_config keys and their defaults (None: the caller must give it),
+# as Tinker's loss docs define them: PPO clips the ratio to [0.8, 1.2] (epsilon 0.2),
+# CISPO to [0, 4] (no lower bound); DRO's beta has no documented default.
+LOSS_CONFIG: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": None},
 }
 
 
@@ -58,6 +72,16 @@ class UnsupportedLoss(TinkerUserError):
             else ("not a loss the SDK names")
         )
         super().__init__(f"loss_fn {loss!r} is {named}; supported: {', '.join(SUPPORTED_LOSSES)}")
+
+
+class BadLossConfig(TinkerUserError):
+    """A loss_fn_config key the loss does not take, a value that is not a number, a
+    required key missing, or clip thresholds out of order."""
+
+    def __init__(self, loss: str, message: str) -> None:
+        self.loss = loss
+        keys = ", ".join(LOSS_CONFIG[loss]) or "none"
+        super().__init__(f"loss_fn_config for {loss!r}: {message} (its keys: {keys})")
 
 
 class BadShape(TinkerUserError):
@@ -116,10 +140,36 @@ def check_tokens(tokens: tuple[int, ...] | list[int], limits: Limits, what: str)
         )
 
 
-def check_batch(loss: str, data: list[Datum], limits: Limits) -> None:
-    """UnsupportedLoss / BadShape / TooLarge / TinkerUserError if the batch cannot be run."""
+def loss_config(loss: str, given: dict[str, float | str] | None) -> dict[str, float]:
+    """The loss's config: `given` over its defaults; BadLossConfig if it cannot be run."""
+    known = LOSS_CONFIG[loss]
+    given = given or {}
+    for key, value in given.items():
+        if key not in known:
+            raise BadLossConfig(loss, f"{key!r} is not one of its keys")
+        if isinstance(value, str) or not np.isfinite(value):
+            raise BadLossConfig(loss, f"{key!r} must be a finite number, got {value!r}")
+    config: dict[str, float] = {}
+    for key, default in known.items():
+        chosen = given.get(key, default)  # a str was refused above
+        if chosen is None:
+            raise BadLossConfig(loss, f"{key!r} is required")
+        config[key] = float(chosen)
+    low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if low is not None and high is not None and not 0 <= low <= high:
+        raise BadLossConfig(loss, f"needs 0 <= clip_low_threshold <= clip_high_threshold, "
+                                  f"got {low} and {high}")  # fmt: skip
+    return config
+
+
+def check_batch(
+    loss: str, data: list[Datum], limits: Limits, config: dict[str, float | str] | None = None
+) -> None:
+    """UnsupportedLoss / BadLossConfig / BadShape / TooLarge / TinkerUserError if the
+    batch cannot be run."""
     if loss not in LOSS_INPUTS:
         raise UnsupportedLoss(loss)
+    loss_config(loss, config)
     if not data:
         raise TinkerUserError("forward_backward with no datums")
     if len(data) > limits.max_datums:

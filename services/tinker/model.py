@@ -173,7 +173,12 @@ class AdapterModel:
     # -- training ---------------------------------------------------------------------
 
     def forward_backward(
-        self, model_id: str, loss: str, data: list[Datum], backward: bool
+        self,
+        model_id: str,
+        loss: str,
+        data: list[Datum],
+        backward: bool,
+        config: dict[str, float] | None = None,
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per datum: the target tokens' logprobs and the per-token loss; the summed loss.
         With `backward`, the loss's gradients accumulate on the adapter until optim_step."""
@@ -187,7 +192,7 @@ class AdapterModel:
             with torch.set_grad_enabled(backward):
                 logits = self.peft(input_ids=ids).logits[0].float()  # [N, V]
                 target_lp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
-                per_token = losses.elementwise(loss, target_lp, d.inputs)  # [N]
+                per_token = losses.elementwise(loss, target_lp, d.inputs, config)  # [N]
                 datum_loss = per_token.sum()
                 if backward:
                     datum_loss.backward()
