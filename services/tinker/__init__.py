@@ -7,13 +7,18 @@ runtime and the models domain, no other service. Layers:
 - `core`      the pure part: requests checked against the losses and the
   `[tinker]` limits (typed errors naming what is wrong), the request log keyed by
   (owner, seq_id) that answers a retry once and never runs it twice, sessions;
-- `losses`    the built-in losses per token (cross_entropy, importance_sampling);
+- `losses`    the built-in losses per token (cross_entropy, importance_sampling,
+  ppo, cispo, dro) and their loss_fn_config;
 - `model`     one base model with a PEFT LoRA adapter and an AdamW per training
   client, and the sampler (in this process, this slice);
 - `batching`  sample requests that differ only in their count, generated as one batch
   (tinker-cookbook's RL loop sends a group's replies one request each);
+- `state`     saved training states on disk (`[tinker] state_dir`): adapter,
+  AdamW state and step count under a tinker:// path, written whole or not at all;
 - `wire`      the SDK's protobuf messages (forward_backward in, outputs and
   samples out), through the SDK's own generated module;
 - `app`       the aiohttp adapter: the SDK's `/api/v1` routes and its futures;
+  `state_routes` save_state / load_state / create_training_client_from_state and
+  the checkpoint listing; `routing` what both share (body, future, retries);
   `cli` the command line, `settings` its `[tinker]` table.
 """

@@ -47,9 +47,15 @@ from services.tinker.core import (
     check_batch,
     check_rank,
     check_sample,
+    loss_config,
 )
 from services.tinker.model import AdapterModel
+from services.tinker.routing import future_response as _future
+from services.tinker.routing import read_body as _body
+from services.tinker.routing import run_if_fresh as _submitted
 from services.tinker.settings import TinkerSettings
+from services.tinker.state import StateStore
+from services.tinker.state_routes import STATE_ROUTES
 
 log = logging.getLogger("flywheel.tinker")
 
@@ -77,6 +83,7 @@ class Service:
         )
         self.log = RequestLog()
         self.registry = Registry()
+        self.store = StateStore(Path(settings.state_dir))
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="tinker-model")
         self.batches: SampleBatches[Entry] = SampleBatches(settings.max_num_samples)
         self._finished: dict[str, asyncio.Event] = {}
@@ -172,32 +179,6 @@ Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
 
 def _json_error(status: int, message: str, category: Category = Category.USER) -> web.Response:
     return web.json_response({"error": message, "category": category.value}, status=status)
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise TinkerUserError(f"{request.path}: the body is not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise TinkerUserError(f"{request.path}: the body must be a JSON object")
-    return body
-
-
-def _future(entry: Entry, model_id: str | None = None, **extra: Any) -> web.Response:
-    return web.json_response({"request_id": entry.request_id, "model_id": model_id, **extra})
-
-
-def _submitted(svc: Service, entry: Entry, fresh: bool, build: Callable[[], None]) -> None:
-    """Run `build` (check, then submit) for a new request; a check's error fails the
-    request's own future. A retry (not fresh) is answered by the first one's future."""
-    if not fresh:
-        log.info("retried request %s (%s): answered, not run again", entry.request_id, entry.kind)
-        return
-    try:
-        build()
-    except TinkerUserError as e:
-        svc.refuse(entry, e)
 
 
 # -- service routes ----------------------------------------------------------------------
@@ -342,11 +323,12 @@ async def forward_backward(request: web.Request, svc: Service) -> web.Response:
     entry, fresh = svc.log.open(req.model_id, "train", req.seq_id)
 
     def build() -> None:
-        check_batch(req.loss, req.data, svc.limits)
+        check_batch(req.loss, req.data, svc.limits, req.config)
+        config = loss_config(req.loss, req.config)
 
         def work() -> bytes:
             outputs, metrics = svc.model.forward_backward(
-                req.model_id, req.loss, req.data, backward=not req.forward_only
+                req.model_id, req.loss, req.data, not req.forward_only, config
             )
             return wire.write_forward_backward_output(outputs, metrics)
 
@@ -540,7 +522,7 @@ async def _unserved(request: web.Request) -> web.Response:
 
 def build_app(svc: Service) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    for method, path, handler in ROUTES:
+    for method, path, handler in [*ROUTES, *STATE_ROUTES]:
         app.router.add_route(method, path, _wrap(handler, svc))
     app.router.add_route("*", "/api/v1/{tail:.*}", _unserved)
     return app

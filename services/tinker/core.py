@@ -16,15 +16,16 @@ back and is not run again; the future it polls is the first one's.
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import numpy as np
 
-# The losses the SDK names (tinker.types.LossFnType), split by what this slice runs.
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling")
-SDK_LOSSES = (*SUPPORTED_LOSSES, "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom")
+# The losses the SDK names (tinker.types.LossFnType), split by what this server runs.
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+SDK_LOSSES = (*SUPPORTED_LOSSES, "gspo", "stable_reinforce", "custom")
 
 # loss -> (required loss_fn_inputs, optional ones): each a float or int vector, one
 # entry per model-input token (Tinker's convention: the target of position i is
@@ -32,6 +33,20 @@ SDK_LOSSES = (*SUPPORTED_LOSSES, "ppo", "cispo", "dro", "gspo", "stable_reinforc
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cross_entropy": (("target_tokens",), ("weights",)),
     "importance_sampling": (("target_tokens", "logprobs", "advantages"), ()),
+    "ppo": (("target_tokens", "logprobs", "advantages"), ()),
+    "cispo": (("target_tokens", "logprobs", "advantages"), ()),
+    "dro": (("target_tokens", "logprobs", "advantages"), ()),
+}
+
+# loss -> its loss_fn_config keys and their defaults (None: the caller must give it),
+# as Tinker's loss docs define them: PPO clips the ratio to [0.8, 1.2] (epsilon 0.2),
+# CISPO to [0, 4] (no lower bound); DRO's beta has no documented default.
+LOSS_CONFIG: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": None},
 }
 
 
@@ -57,6 +72,16 @@ class UnsupportedLoss(TinkerUserError):
             else ("not a loss the SDK names")
         )
         super().__init__(f"loss_fn {loss!r} is {named}; supported: {', '.join(SUPPORTED_LOSSES)}")
+
+
+class BadLossConfig(TinkerUserError):
+    """A loss_fn_config key the loss does not take, a value that is not a number, a
+    required key missing, or clip thresholds out of order."""
+
+    def __init__(self, loss: str, message: str) -> None:
+        self.loss = loss
+        keys = ", ".join(LOSS_CONFIG[loss]) or "none"
+        super().__init__(f"loss_fn_config for {loss!r}: {message} (its keys: {keys})")
 
 
 class BadShape(TinkerUserError):
@@ -115,10 +140,36 @@ def check_tokens(tokens: tuple[int, ...] | list[int], limits: Limits, what: str)
         )
 
 
-def check_batch(loss: str, data: list[Datum], limits: Limits) -> None:
-    """UnsupportedLoss / BadShape / TooLarge / TinkerUserError if the batch cannot be run."""
+def loss_config(loss: str, given: dict[str, float | str] | None) -> dict[str, float]:
+    """The loss's config: `given` over its defaults; BadLossConfig if it cannot be run."""
+    known = LOSS_CONFIG[loss]
+    given = given or {}
+    for key, value in given.items():
+        if key not in known:
+            raise BadLossConfig(loss, f"{key!r} is not one of its keys")
+        if isinstance(value, str) or not np.isfinite(value):
+            raise BadLossConfig(loss, f"{key!r} must be a finite number, got {value!r}")
+    config: dict[str, float] = {}
+    for key, default in known.items():
+        chosen = given.get(key, default)  # a str was refused above
+        if chosen is None:
+            raise BadLossConfig(loss, f"{key!r} is required")
+        config[key] = float(chosen)
+    low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if low is not None and high is not None and not 0 <= low <= high:
+        raise BadLossConfig(loss, f"needs 0 <= clip_low_threshold <= clip_high_threshold, "
+                                  f"got {low} and {high}")  # fmt: skip
+    return config
+
+
+def check_batch(
+    loss: str, data: list[Datum], limits: Limits, config: dict[str, float | str] | None = None
+) -> None:
+    """UnsupportedLoss / BadLossConfig / BadShape / TooLarge / TinkerUserError if the
+    batch cannot be run."""
     if loss not in LOSS_INPUTS:
         raise UnsupportedLoss(loss)
+    loss_config(loss, config)
     if not data:
         raise TinkerUserError("forward_backward with no datums")
     if len(data) > limits.max_datums:
@@ -273,13 +324,16 @@ class Registry:
     """Sessions, their training models and sampling sessions, by the ids the SDK derives."""
 
     def __init__(self) -> None:
+        # A token per server start in every session id, so a training run's id (and the
+        # tinker:// paths of its saved states) never repeats after a restart.
+        self._boot = secrets.token_hex(3)
         self._session_ids = itertools.count(1)
         self.sessions: dict[str, list[str]] = {}
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplingSession] = {}
 
     def new_session(self) -> str:
-        session_id = f"session-{next(self._session_ids)}"
+        session_id = f"session-{self._boot}-{next(self._session_ids)}"
         self.sessions[session_id] = []
         return session_id
 

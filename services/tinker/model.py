@@ -52,6 +52,8 @@ class _Adapter:
     name: str  # PEFT's adapter name (model ids hold ':', which PEFT's module names cannot)
     scratch: str  # the same-shaped adapter a snapshot of this one is sampled through
     optimizer: Any  # torch.optim.AdamW over this adapter's parameters
+    lora: tuple[int, bool, bool, bool]  # rank, attn, mlp, unembed: what a saved state records
+    steps: int = 0  # optim_steps applied (counted here, on the model thread, for save_state)
 
 
 class AdapterModel:
@@ -107,9 +109,61 @@ class AdapterModel:
             else:
                 self.peft.add_adapter(name, cfg)
             self.peft.add_adapter(scratch, cfg)
+        self._adapters[model_id] = _Adapter(
+            name, scratch, self._new_optimizer(name), (rank, attn, mlp, unembed)
+        )
+
+    def _new_optimizer(self, name: str) -> Any:
+        import torch
+
+        # named_parameters' order is fixed by the LoRA shape: a saved optimizer state
+        # (keyed by position) lines up with any adapter of the same shape.
         params = [p for n_, p in self.peft.named_parameters() if f".{name}." in n_]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
-        self._adapters[model_id] = _Adapter(name, scratch, optimizer)
+        return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+
+    def lora_shape(self, model_id: str) -> tuple[int, bool, bool, bool]:
+        return self._adapters[model_id].lora
+
+    def export_state(self, model_id: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+        """Copies of the adapter's tensors (named without the adapter's name) and of its
+        optimizer's state_dict, and its step count, as they are now (save_state)."""
+        import copy
+
+        adapter = self._adapters[model_id]
+        tag = f".{adapter.name}."
+        tensors = {
+            n.replace(tag, "."): p.detach().clone()
+            for n, p in self.peft.named_parameters()
+            if tag in n
+        }
+        return tensors, copy.deepcopy(adapter.optimizer.state_dict()), adapter.steps
+
+    def import_state(
+        self,
+        model_id: str,
+        tensors: dict[str, torch.Tensor],
+        optimizer: dict[str, Any] | None,
+        steps: int,
+    ) -> None:
+        """Load a saved state's tensors into the adapter; its optimizer state too, or
+        (None) a fresh AdamW, as load_state without the optimizer means."""
+        import torch
+
+        adapter = self._adapters[model_id]
+        tag = f".{adapter.name}."
+        params = {n.replace(tag, "."): p for n, p in self.peft.named_parameters() if tag in n}
+        if set(params) != set(tensors):
+            missing = sorted(set(params) ^ set(tensors))[:3]
+            raise TinkerUserError(
+                f"the saved state's adapter does not fit this model's ({missing} differ)"
+            )
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(tensors[n])
+        fresh = self._new_optimizer(adapter.name)
+        if optimizer is not None:
+            fresh.load_state_dict(optimizer)
+        adapter.optimizer, adapter.steps = fresh, steps
 
     def _activate(self, model_id: str) -> Any:
         adapter = self._adapters[model_id]
@@ -119,7 +173,12 @@ class AdapterModel:
     # -- training ---------------------------------------------------------------------
 
     def forward_backward(
-        self, model_id: str, loss: str, data: list[Datum], backward: bool
+        self,
+        model_id: str,
+        loss: str,
+        data: list[Datum],
+        backward: bool,
+        config: dict[str, float] | None = None,
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per datum: the target tokens' logprobs and the per-token loss; the summed loss.
         With `backward`, the loss's gradients accumulate on the adapter until optim_step."""
@@ -133,7 +192,7 @@ class AdapterModel:
             with torch.set_grad_enabled(backward):
                 logits = self.peft(input_ids=ids).logits[0].float()  # [N, V]
                 target_lp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
-                per_token = losses.elementwise(loss, target_lp, d.inputs)  # [N]
+                per_token = losses.elementwise(loss, target_lp, d.inputs, config)  # [N]
                 datum_loss = per_token.sum()
                 if backward:
                     datum_loss.backward()
@@ -161,6 +220,7 @@ class AdapterModel:
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        self._adapters[model_id].steps += 1
         return {"grad_norm:mean": float(norm)}
 
     # -- sampling ---------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field, SecretStr
@@ -51,5 +52,11 @@ class TinkerSettings(ServiceSettings):
         description="torch intra-op threads for the model; 0 keeps torch's default "
         "(one per core). 1 suits a tiny model on a busy machine, where a thread team only "
         "waits on the other processes' cores.",
+    )
+    state_dir: RunPath = Field(
+        Path("runs/tinker-state"),
+        description="Where save_state writes training states (adapter, AdamW state, step "
+        "count), one directory per tinker://<run>/weights/<name> path; they outlive the "
+        "server, so a restarted one loads them (load_state, create_training_client_from_state).",
     )
     seed: int = Field(0, description="Seed of the sampler's generator when a request has none.")

@@ -45,6 +45,7 @@ class ForwardBackward:
     loss: str
     data: list[Datum]
     forward_only: bool
+    config: dict[str, float | str]  # loss_fn_config (empty when none was sent)
 
 
 def read_forward_backward(body: bytes) -> ForwardBackward:
@@ -61,7 +62,16 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
         loss=msg.loss_fn,
         data=data,
         forward_only=msg.forward_only,
+        config=_loss_config(msg),
     )
+
+
+def _loss_config(msg: Any) -> dict[str, float | str]:
+    # The SDK writes both maps (v2 carries strings too); v2 wins where it is set.
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
+    return config
 
 
 def _datum(pb: Any, index: int, d: Any) -> Datum:

@@ -55,6 +55,7 @@ def _healthy(base_url: str, process: subprocess.Popen[bytes], log: Path) -> bool
 def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     log = tmp_path_factory.mktemp("tinker") / "server.log"
+    state_dir = tmp_path_factory.mktemp("tinker-state")
     env = {
         **os.environ,
         "FLYWHEEL_TINKER_MAX_TOKENS": str(MAX_TOKENS),
@@ -62,6 +63,7 @@ def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         # The tiny model's matmuls are too small for a thread team: on a shared box its
         # threads spin on cores the SDK's process and others hold (seconds per step).
         "FLYWHEEL_TINKER_NUM_THREADS": "1",
+        "FLYWHEEL_TINKER_STATE_DIR": str(state_dir),  # save_state's files: not in the repo
     }
     cmd = [sys.executable, "-m", "services.tinker", "--model", str(tiny_model), "--port", str(port)]
     with log.open("wb") as out:

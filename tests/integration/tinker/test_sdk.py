@@ -173,8 +173,8 @@ def test_bad_inputs_fail_alone_with_a_clear_error(
             return str(info.value)
 
         # An SDK loss this server does not run, named, with what it does run.
-        msg = error_of(bad.forward_backward(data, "ppo"))
-        assert "'ppo'" in msg and "cross_entropy, importance_sampling" in msg
+        msg = error_of(bad.forward_backward(data, "gspo"))
+        assert "'gspo'" in msg and "cross_entropy, importance_sampling, ppo" in msg
         # Weights one short of the input: the key, the shape wanted, the shape given.
         short = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),

@@ -41,11 +41,11 @@ def test_a_good_batch_passes() -> None:
     )
 
 
-@pytest.mark.parametrize("loss", ["ppo", "cispo", "dro", "custom"])
+@pytest.mark.parametrize("loss", ["gspo", "stable_reinforce", "custom"])
 def test_an_sdk_loss_not_run_here_is_named_with_what_is(loss: str) -> None:
     with pytest.raises(UnsupportedLoss, match=f"'{loss}' is one the SDK names") as e:
         check_batch(loss, [ce()], LIMITS)
-    assert "cross_entropy, importance_sampling" in str(e.value)
+    assert "cross_entropy, importance_sampling, ppo, cispo, dro" in str(e.value)
 
 
 def test_an_unknown_loss_is_not_one_the_sdk_names() -> None:
@@ -116,3 +116,26 @@ def test_the_log_answers_a_retry_with_the_first_request() -> None:
     assert log.open("m1", "train", None)[1] and log.open("m1", "train", None)[1]  # no seq_id
     with pytest.raises(UnknownName, match="req-x"):
         log.get("req-x")
+
+
+def test_loss_config_defaults_overrides_and_each_bad_one_named() -> None:
+    from services.tinker.core import BadLossConfig, loss_config
+
+    assert loss_config("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert loss_config("cispo", {"clip_high_threshold": 2.0}) == {
+        "clip_low_threshold": 0.0,
+        "clip_high_threshold": 2.0,
+    }
+    assert loss_config("dro", {"beta": 0.05}) == {"beta": 0.05}
+    bad: list[tuple[str, dict[str, float | str], str]] = [
+        ("dro", {}, "'beta' is required"),
+        ("ppo", {"clip_ratio": 0.2}, "'clip_ratio' is not one of its keys"),
+        ("ppo", {"clip_low_threshold": "low"}, "must be a finite number"),
+        ("cispo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0}, "0 <= clip_low"),
+        ("cross_entropy", {"beta": 1.0}, "its keys: none"),
+    ]
+    for loss, given, message in bad:
+        with pytest.raises(BadLossConfig, match=message):
+            loss_config(loss, given)
+    with pytest.raises(BadLossConfig, match="'beta' is required"):
+        check_batch("dro", [ce()], LIMITS, {})
