@@ -44,8 +44,9 @@ out, logged; the console warns once) and the newer version's pass@1
 starts at once, on its own thread (`eval_greedy_nice`): the called-off
 generation, at nice 19 on busy cores, can take tens of seconds to reach
 its next token (measured: v10's pass@1 started 31 s after v10 was due on
-the review task while v0's samples wound down). So pass@k is measured only while the evaluations keep up; a run
-that ends by itself still gets its last version's.
+the review task while v0's samples wound down). So pass@k is measured only
+while the evaluations keep up; a run that ends by itself still gets its
+last version's.
 
 A version's directory may be pruned by sync while it is evaluated (sync
 keeps only the last few): each evaluation first hard-links the directory
