@@ -69,7 +69,10 @@ def finished(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             trainer = st["trainer"]
             wait_for(lambda: any("eval_accuracy" in r for r in rows(root)), 300,
                      "the step-0 evaluation's row")  # fmt: skip
-            loaded_mid_run = trainer.metric("flywheel_trainer_eval_models_loaded_total")
+            # a scrape can time out on a loaded machine (None): read until one answers
+            (loaded_mid_run,) = wait_for(
+                lambda: read(trainer.metric("flywheel_trainer_eval_models_loaded_total")),
+                60, "the trainer's metrics")  # fmt: skip
             wait_for(lambda: not trainer.alive, 900, f"the trainer to finish {STEPS} steps")
             assert f"reached max_steps={STEPS}" in trainer.log(), trainer.log()[-3000:]
             s = Subjects(RUN)
@@ -101,6 +104,11 @@ def test_each_evaluation_is_reported_with_its_version_and_accuracy(
     for v, m in sorted(evaluated.items()):
         on_engine = m.finished_at - m.started_at
         print(f"v{v}: known {evals[v]['eval_known_s']:.1f}s after asking, {on_engine:.1f}s there")
+
+
+def read(value: float | None) -> tuple[float] | None:
+    """A metric as wait_for's truthy answer (0.0 is a value, None none)."""
+    return None if value is None else (value,)
 
 
 def test_the_trainer_holds_no_second_model(finished: dict[str, Any]) -> None:

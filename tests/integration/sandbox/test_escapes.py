@@ -317,7 +317,13 @@ os_system = __import__("os").system("echo pwned > {h.tmp_new}")
 
 def write_anywhere(run: Run, h: Host, p: Pools, kind: str) -> None:
     """open(..., 'w') where the service can write: the repository, its code, the weights
-    directory; os.remove of a file there."""
+    directory; os.remove of a file there.
+
+    A repository that lives under /tmp (a clone in /tmp) is bound read-only inside the
+    call's own /tmp, a tmpfs, and the directories above that bind are the tmpfs's: in the
+    pod's mode (a user namespace) they belong to the call's uid, so a new file there is
+    written, into the call's private /tmp. That is no escape as long as neither the host
+    nor the next call sees it: both are checked."""
     out = run(f"""
 import os
 done = []
@@ -336,9 +342,15 @@ for path in [{str(h.repo_sentinel)!r}, {str(h.best)!r}]:
         done.append(path)
     except OSError as e:
         print("refused", e.errno)
-print(f"written={{len(done)}}")
+# the repository's new file inside this call's own /tmp (a clone in /tmp): not the host's
+private = done == [{str(h.repo_new)!r}] and {str(h.repo_new)!r}.startswith("/tmp/")
+print(f"written={{len(done)}} private={{int(private)}}")
 """)
-    assert out.number("written") == 0, out
+    assert out.number("written") == out.number("private"), out
+    if out.number("private"):
+        assert not h.repo_new.exists(), f"{h.repo_new}: written on the host"
+        seen = run(f'import os\nprint(f"seen={{int(os.path.exists({str(h.repo_new)!r}))}}")')
+        assert seen.number("seen") == 0, seen  # the next call's /tmp holds none of it
 
 
 def read_host_files(run: Run, h: Host, p: Pools, kind: str) -> None:
