@@ -53,10 +53,14 @@ def cluster() -> Iterator[NatsCluster]:
         yield c
 
 
-def settings(url: str, run: str, replicas: int) -> ServiceSettings:
+def settings(url: str, run: str, replicas: int, attempts: int = 3) -> ServiceSettings:
     return ServiceSettings(
-        run=run, nats=NatsSettings(url=url, connect_attempts=3, replicas=replicas)
+        run=run, nats=NatsSettings(url=url, connect_attempts=attempts, replicas=replicas)
     )
+
+
+# what a service starting beside its servers waits for them (0.1 s doubling to 5 s)
+SERVICE_ATTEMPTS = NatsSettings.model_fields["connect_attempts"].default
 
 
 async def set_up_like_the_services(s: ServiceSettings) -> None:
@@ -364,7 +368,9 @@ def test_services_set_up_on_a_restarting_cluster_and_find_their_messages(tmp_pat
         cluster.stop()
         for n in cluster.nodes:
             n.launch()  # no waiting for readiness, as pods start side by side
-        run_async(set_up_like_the_services(settings(urls, run, 3)))
+        # with a service's own patience: the servers were launched an instant ago (3
+        # attempts, 0.7 s in all, ran out before they listened on a loaded machine)
+        run_async(set_up_like_the_services(settings(urls, run, 3, SERVICE_ATTEMPTS)))
         cluster.start()  # the members run: start() just waits until they are ready
         assert cluster.url == urls  # same ports, same stores
         assert run_async(publish_and_count(urls, 1)) == 4
