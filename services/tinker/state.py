@@ -17,7 +17,6 @@ Pure file handling: the tensors come from and go to model.py; app.py owns the ro
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from services.runtime.durable import fsync_path
 from services.tinker.core import TinkerUserError, UnknownName
 
 if TYPE_CHECKING:
@@ -121,15 +121,15 @@ class StateStore:
         torch.save(optimizer, tmp / "optimizer.pt")
         (tmp / "meta.json").write_text(json.dumps(asdict(meta), indent=1))
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         final.parent.mkdir(parents=True, exist_ok=True)
         old = None
         if final.exists():  # overwrite: the old one steps aside, then goes
             old = self.root / _TMP / f"old-{uuid.uuid4().hex}"
             final.rename(old)
         tmp.rename(final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
         if old is not None:
             shutil.rmtree(old)
         return tinker_path(run_id, name)
@@ -175,11 +175,3 @@ class StateStore:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

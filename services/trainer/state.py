@@ -47,10 +47,10 @@ from typing import Any
 import torch
 
 from services.runtime.diskroom import ensure_room, full_disk, tensor_bytes
+from services.runtime.durable import fsync_path
 from services.trainer.distributed import DistInfo, barrier
 from services.trainer.stateformat import (
     CheckpointError,
-    fsync_path,
     model_optim_state,
     read_state,
     rng_state,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import threading
 import warnings
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from services.runtime.durable import fsync_path
 from services.runtime.errors import FlywheelError
 from services.trainer.distributed import DistInfo
 from services.trainer.trainer import Trainer
@@ -68,15 +68,6 @@ def format_of(path: Path) -> StateFormat:
     if (path / DCP_DIR).is_dir():
         return StateFormat.DCP
     raise CheckpointError(f"{path} holds no model state ({ONE_FILE} or {DCP_DIR}/)", path=path)
-
-
-def fsync_path(path: Path) -> None:
-    """Make a file's data (or a directory's entries) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

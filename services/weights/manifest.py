@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.runtime.diskroom import ensure_room, full_disk
+from services.runtime.durable import (
+    fsync_path as _fsync_path,  # bench/version_cost.py times it by this name
+)
 from services.runtime.errors import FlywheelError
 
 MANIFEST_NAME = "flywheel-manifest.json"
@@ -128,14 +131,6 @@ def build_manifest(root: str | Path) -> Manifest:
         for p in _content_files(root)
     )
     return Manifest(entries, sum(e.size for e in entries), directory_digest(entries))
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_weights_dir(
