@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,27 +52,30 @@ def _healthy(base_url: str, process: subprocess.Popen[bytes], log: Path) -> bool
         return False
 
 
-@pytest.fixture(scope="package")  # one server for the package: its start is most of the time
-def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextmanager
+def serving(
+    model: Path, root: Path, **settings: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """`python -m services.tinker` on `model`, one torch thread, its log and saved states
+    under `root` (never the repository's runs/), `settings` as FLYWHEEL_TINKER_* variables;
+    yields (its URL, the process, its log)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("tinker") / "server.log"
-    state_dir = tmp_path_factory.mktemp("tinker-state")
+    log = root / "server.log"
     env = {
         **os.environ,
-        "FLYWHEEL_TINKER_MAX_TOKENS": str(MAX_TOKENS),
-        "FLYWHEEL_TINKER_MAX_NUM_SAMPLES": str(MAX_NUM_SAMPLES),
         # The tiny model's matmuls are too small for a thread team: on a shared box its
         # threads spin on cores the SDK's process and others hold (seconds per step).
         "FLYWHEEL_TINKER_NUM_THREADS": "1",
-        "FLYWHEEL_TINKER_STATE_DIR": str(state_dir),  # save_state's files: not in the repo
+        "FLYWHEEL_TINKER_STATE_DIR": str(root / "state"),  # save_state's files
+        **{f"FLYWHEEL_TINKER_{k.upper()}": v for k, v in settings.items()},
     }
-    cmd = [sys.executable, "-m", "services.tinker", "--model", str(tiny_model), "--port", str(port)]
+    cmd = [sys.executable, "-m", "services.tinker", "--model", str(model), "--port", str(port)]
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _healthy(base_url, process, log), 120, "the tinker server's /healthz")
-        yield Server(base_url, tiny_model, tiny_model.name, process, log)
+        yield base_url, process, log
     finally:
         process.terminate()
         try:
@@ -79,6 +83,13 @@ def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+@pytest.fixture(scope="package")  # one server for the package: its start is most of the time
+def tinker_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    limits = {"max_tokens": str(MAX_TOKENS), "max_num_samples": str(MAX_NUM_SAMPLES)}
+    with serving(tiny_model, tmp_path_factory.mktemp("tinker"), **limits) as (url, proc, log):
+        yield Server(url, tiny_model, tiny_model.name, proc, log)
 
 
 @pytest.fixture(autouse=True)

@@ -20,16 +20,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from services.models.gguf_import import models_dir
-from tests.harness.poll import wait_for
-from tests.harness.ports import free_port
-from tests.integration.tinker.conftest import _healthy
+from tests.integration.tinker.conftest import serving
 
 pytest.importorskip(
     "tinker_cookbook",
@@ -40,31 +37,10 @@ ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "configs" / "examples" / "cookbook"
 
 
-@contextmanager
-def _server(model: Path, log: Path, threads: int) -> Iterator[str]:
-    """`python -m services.tinker` on `model` with its default limits; yields its URL."""
-    port = free_port()
-    env = {**os.environ, "FLYWHEEL_TINKER_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "services.tinker", "--model", str(model), "--port", str(port)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(base_url, process, log), 120, "the tinker server's /healthz")
-        yield base_url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # one thread: the tiny model's matmuls are too small for a thread team (conftest.py)
-    with _server(tiny_model, tmp_path_factory.mktemp("cookbook") / "server.log", 1) as url:
+    with serving(tiny_model, tmp_path_factory.mktemp("cookbook")) as (url, _, _):
         yield url
 
 
@@ -131,7 +107,7 @@ def test_cookbook_rl_loop_runs_its_steps_on_the_tiny_model(
 def test_cookbook_rl_reward_rises_on_smollm2(tmp_path: Path) -> None:
     model = models_dir() / "SmolLM2-135M-Instruct"
     assert (model / "config.json").exists(), f"{model}: run `make smollm2` first"
-    with _server(model, tmp_path / "server.log", 1) as url:  # one thread: docs/tinker.md
+    with serving(model, tmp_path) as (url, _, _):  # one thread: docs/tinker.md
         log_path = tmp_path / "rl"
         proc = _run("rl.py", url, model, log_path, "--steps", "12", timeout=1200)
     _finished(proc, log_path)
