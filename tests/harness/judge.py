@@ -5,7 +5,8 @@ is asked about (`rule`: the completion, found in the rubric between markers,
 to a reply string) and answers in the chat-completions shape SGLang and the
 CPU engine answer in (the CPU engine's own `chat_response`). It can also
 hang (never answer) or answer garbage, counts the requests it received and
-the most it had in flight at once (`tally`, which servers may share), and
+the most it had in flight at once (`tally`, which servers may share) and
+working past its queue (`working`, likewise), and
 can take `delay_s` over each answer, `capacity` at a time. Served in the test's event loop
 (`serving`), or on a thread of its own (`in_thread`) for tests whose
 processes are driven synchronously.
@@ -52,6 +53,7 @@ class JudgeServer:
     capacity: int = 0  # answers it works on at once (more wait, as in an engine's queue); 0: any
     requests: int = 0
     tally: Tally = field(default_factory=Tally)  # share one among servers to count a pool
+    working: Tally = field(default_factory=Tally)  # answers being worked on (past the queue)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     _busy: asyncio.Semaphore | None = None
 
@@ -91,7 +93,12 @@ class JudgeServer:
         if self._busy is None:  # made in the server's own event loop
             self._busy = asyncio.Semaphore(self.capacity)
         async with self._busy:
-            await asyncio.sleep(self.delay_s)
+            self.working.now += 1
+            self.working.most = max(self.working.most, self.working.now)
+            try:
+                await asyncio.sleep(self.delay_s)
+            finally:
+                self.working.now -= 1
 
     def app(self) -> web.Application:
         app = web.Application()
