@@ -48,6 +48,14 @@ the review task while v0's samples wound down). So pass@k is measured only
 while the evaluations keep up; a run that ends by itself still gets its
 last version's.
 
+What the budget counts (evalbudget.py) is the greedy pass: the samples run
+at `eval_nice`, below the steps' priority, and are called off by the next due
+version, so while they are drawn a step's gap counts as alone. Counted as
+beside before, k = 4 samples at nice 19 outlasted the ten steps to the next
+due version on the review task and deferred v20's pass@1 ("an evaluation was
+running beside every step so far"). Where `eval_nice` is not above
+`eval_greedy_nice`, the samples count as before.
+
 A version's directory may be pruned by sync while it is evaluated (sync
 keeps only the last few): each evaluation first hard-links the directory
 into `<checkpoint_dir>/.eval/` (no bytes copied on one filesystem), reads
@@ -241,6 +249,8 @@ class Evaluations:
         async def pass_at_1(report: EvalReport) -> None:
             await self._pass_at_1(due, report, time.perf_counter() - started)
             flight.sampling = self.heldout.draws_samples
+            if flight.sampling and self.heldout.samples_yield and self.flight is flight:
+                self.budget.ended()  # what is left runs below the steps' priority (docstring)
             if flight.sampling and self.pending is not None and self.flight is flight:
                 self._give_way(flight)  # fell due during the greedy pass
 

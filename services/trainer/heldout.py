@@ -61,6 +61,9 @@ class HeldOut:
         self.draws_samples = any(
             samples_k(t) for t in self.loaded.values() if t.held_out("validation")
         )
+        # the samples yield the cores to the steps (a lower priority than the greedy pass's,
+        # which runs at the training's): the eval budget counts the greedy pass alone
+        self.samples_yield = s.eval_nice > s.eval_greedy_nice
         self.remote = s.sandbox_socket
         self.loaded_models: Any = None  # a counter of model copies loaded (the trainer's metric)
         # the model load and greedy pass: a thread at eval_greedy_nice; the pass@k samples:

@@ -439,7 +439,9 @@ class TrainerSettings(TaskServiceSettings):
         "than the median step trained with none, summed; a due evaluation is deferred (that "
         "version not evaluated, counted in evals_deferred) while that cost is over this share "
         "of the RL seconds so far. The step-0 evaluation and a run's last step's are never "
-        "deferred. 1.0 or None: evaluate at every eval_every (docs/learning.md).",
+        "deferred. Counted: the greedy pass@1, and the pass@k samples only where they run at "
+        "the greedy pass's priority (eval_nice not above eval_greedy_nice). 1.0 or None: "
+        "evaluate at every eval_every (docs/learning.md).",
     )
     eval_max_age_s: float | None = Field(
         600.0,

@@ -14,13 +14,16 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.trainer.evalbudget import EvalBudget
 from services.trainer.evaluating import Evaluations
 from services.trainer.heldout import HeldOut
 from services.trainer.metrics import Recorder
 from services.trainer.settings import TrainerSettings
 
 
-def settings(tmp_path: Path, size: int, k: int, max_new_tokens: int) -> TrainerSettings:
+def settings(
+    tmp_path: Path, size: int, k: int, max_new_tokens: int, **more: Any
+) -> TrainerSettings:
     eval_ = {"source": {"type": "arithmetic", "seed": 1}, "size": size, "k": k,
              "temperature": 1.0, "max_new_tokens": max_new_tokens}  # fmt: skip
     return TrainerSettings(
@@ -30,6 +33,7 @@ def settings(tmp_path: Path, size: int, k: int, max_new_tokens: int) -> TrainerS
         eval_on="trainer",
         eval_max_share=None,
         metrics_file=tmp_path / "m.jsonl",
+        **more,
     )
 
 
@@ -101,3 +105,30 @@ def test_a_newer_version_s_pass_at_1_goes_before_an_older_one_s_samples(
     assert halted and kinds(rows) == [(0, "pass@1"), (1, "pass@1")]
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "pass@k of v0 called off: v1 is due" in warned[0], warned
+
+
+@pytest.mark.parametrize(("eval_nice", "counted"), [(19, False), (0, True)])
+def test_the_budget_counts_the_samples_only_at_the_greedy_pass_s_priority(
+    tiny_model_dir: Path, tmp_path: Path, eval_nice: int, counted: bool
+) -> None:
+    """While v1's pass@k samples are drawn at nice 19 a step's gap is alone (they yield
+    the cores and are called off by the next due version); at nice 0 it is beside."""
+    s = settings(tmp_path, 64, 8, 64, eval_nice=eval_nice, eval_greedy_nice=0)
+    budget = EvalBudget(0.05)
+
+    async def body() -> tuple[bool | None, bool | None]:
+        async with HeldOut(s) as heldout:
+            evals = Evaluations(heldout, Recorder(CollectorRegistry(), s), tmp_path / "c",
+                                lambda: 1, budget)  # fmt: skip
+            await evals.submit(1, tiny_model_dir, 0.0)
+            v1 = evals.flight
+            assert v1 is not None
+            during_greedy = budget.running
+            while not v1.sampling:
+                await asyncio.sleep(0.05)
+            during_samples = budget.running
+            await evals.close(finish_pending=False)
+            return during_greedy, during_samples
+
+    greedy, samples = asyncio.run(body())
+    assert greedy is True and samples is (True if counted else None), (greedy, samples)
