@@ -69,6 +69,20 @@ class EngineFault(RuntimeError):
     started with --enable-lora, an answer that does not parse): a server error."""
 
 
+class AdapterMissing(EngineFault):
+    """The engine does not have the sampler's adapter (restarted since it was loaded)."""
+
+    def __init__(self, message: str, engine: _Engine) -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
+def adapter_missing(message: str, name: str | None) -> bool:
+    """Whether /generate's 400 says `name` is not loaded (SGLang's texts: "... are not
+    loaded: <name>", "... that has never been loaded: <name>")."""
+    return name is not None and name in message and "loaded" in message
+
+
 # -- pure: the request and the answer ------------------------------------------------------
 
 
@@ -196,7 +210,7 @@ class EnginePool:
     async def load(self, name: str, directory: Path) -> None:
         """Load the adapter at `directory` as `name` on every engine (all, or an error)."""
         results = await asyncio.gather(
-            *(self._load_one(e.client, name, directory) for e in self.engines),
+            *(self.load_on(e.client, name, directory) for e in self.engines),
             return_exceptions=True,
         )
         for r in results:
@@ -204,7 +218,7 @@ class EnginePool:
                 raise r
 
     @staticmethod
-    async def _load_one(client: EngineClient, name: str, directory: Path) -> None:
+    async def load_on(client: EngineClient, name: str, directory: Path) -> None:
         try:
             await client.load_lora_adapter(name, str(directory))
         except EngineHTTPError as e:
@@ -225,13 +239,16 @@ class EnginePool:
         return min(order, key=lambda e: e.in_flight)
 
     async def sample(
-        self, lora_name: str | None, spec: SampleSpec
+        self, lora_name: str | None, spec: SampleSpec, engine: _Engine | None = None
     ) -> tuple[list[Sequence], list[float] | None]:
-        engine = self._pick()
+        """On `engine`, or the least busy one; AdapterMissing if it lacks the adapter."""
+        engine = engine or self._pick()
         engine.in_flight += 1
         try:
             reply = await engine.client.request("POST", "/generate", generate_body(spec, lora_name))
         except EngineHTTPError as e:
+            if e.status == 400 and adapter_missing(e.message, lora_name):
+                raise AdapterMissing(f"engine {engine.client.url}: {e.message}", engine) from e
             if e.status == 400:
                 raise TinkerUserError(f"engine {engine.client.url} refused the sample: "
                                       f"{e.message}") from e  # fmt: skip
@@ -279,8 +296,21 @@ class EngineSampling:
     async def sample(
         self, snapshot: str | None, spec: SampleSpec
     ) -> tuple[list[Sequence], list[float] | None]:
-        """A base-model sampler (None) samples with no adapter."""
-        return await self.pool.sample(None if snapshot is None else self.names[snapshot], spec)
+        """A base-model sampler (None) samples with no adapter. An engine restarted since
+        the adapter was loaded has lost it: it is loaded there again from its directory
+        (still on disk) and the sample retried there, once."""
+        name = None if snapshot is None else self.names[snapshot]
+        try:
+            return await self.pool.sample(name, spec)
+        except AdapterMissing as e:
+            assert name is not None
+            log.warning("%s; loading %s there again", e, name)
+            try:
+                await self.pool.load_on(e.engine.client, name, self.dir / name)
+            except TinkerUserError as again:
+                if "already loaded" not in str(again):  # a concurrent sample reloaded it
+                    raise
+            return await self.pool.sample(name, spec, e.engine)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Unload this server's adapters from the engines (best effort: an engine that is

@@ -264,3 +264,38 @@ def test_an_engine_that_is_down_fails_the_save_with_a_server_error(
             assert len(out.loss_fn_outputs) == 1
         finally:
             client.close("success").result(timeout=30)
+
+
+def test_an_engine_restarted_gets_the_adapter_again(tiny_model: Path, tmp_path: Path) -> None:
+    import tinker
+
+    lora = ["--enable-lora", "--max-lora-rank", str(ENGINE_MAX_RANK),
+            "--lora-target-modules", "all"]  # fmt: skip
+    first = start_engine(tiny_model, tmp_path / "engine-1.log", *lora, timeout_s=120)
+    port = int(first.url.rsplit(":", 1)[1])
+    tok = _tokenizer(tiny_model)
+    prompts = [list(tok.encode(p)) for p in PROMPTS]
+    settings = {"engines": json.dumps([first.url]), "state_dir": str(tmp_path / "state")}
+    engines = [first]
+    try:
+        with serving(tiny_model, tmp_path, **settings) as (url, _, log):
+            client = tinker.ServiceClient(base_url=url)
+            try:
+                training = client.create_lora_training_client(
+                    base_model=tiny_model.name, rank=4, seed=9
+                ).result(120)
+                _train(training, list(tok.encode(TEXT)), 3)
+                sampler = training.save_weights_and_get_sampling_client().result(120)
+                before = _greedy(sampler, prompts)
+                stop_engine(first)  # the engine restarts, its adapters gone
+                engines.append(start_engine(tiny_model, tmp_path / "engine-2.log", *lora,
+                                            timeout_s=120, port=port))  # fmt: skip
+                after = _greedy(sampler, prompts)
+            finally:
+                client.close("success").result(timeout=30)
+            assert [s.tokens for s in after] == [s.tokens for s in before]
+            assert "loading tinker-" in log.read_text()  # reloaded, not sampled from the base
+    finally:
+        for e in engines:
+            if e.proc.poll() is None:
+                stop_engine(e)

@@ -13,6 +13,7 @@ from services.engine_api.sglang_api import Capabilities
 from services.tinker.core import SampleSpec
 from services.tinker.engines import (
     EngineFault,
+    adapter_missing,
     generate_body,
     peft_files,
     sampling_params,
@@ -110,3 +111,12 @@ def test_the_adapter_is_peft_s_layout() -> None:
     assert set(files) == set(names)
     assert config["target_modules"] == ["lm_head", "q_proj"]
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (2, 32.0, "LORA")
+
+
+def test_an_adapter_the_engine_lost_is_told_from_other_refusals() -> None:
+    # SGLang's texts (services/engine/loras.py): not registered, and never loaded here.
+    lost = "The following requested LoRA adapters are not loaded: tinker-a-1\nLoaded adapters: x."
+    never = "Got LoRA adapter that has never been loaded: tinker-a-1\nAll loaded adapters: ."
+    assert adapter_missing(lost, "tinker-a-1") and adapter_missing(never, "tinker-a-1")
+    assert not adapter_missing(lost, None)  # a base-model sample names no adapter
+    assert not adapter_missing("top_p must be in (0, 1], got 2.", "tinker-a-1")
