@@ -43,7 +43,7 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
 # A plain (non-editable) install: the sources are not needed at run time.
-RUN pip install ".[math,reasoning,lora]" && rm -rf /src
+RUN pip install ".[math,reasoning,lora,tinker]" && rm -rf /src
 # A fixed numeric uid so Kubernetes' runAsNonRoot can verify it without /etc/passwd.
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp flywheel \
     && mkdir -p /data /etc/flywheel \

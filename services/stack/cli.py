@@ -90,7 +90,8 @@ async def up(
     run_dir = s.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     steps = steps if steps is not None else trainer_max_steps(config)
-    nats, url = start_nats(s, run_dir)
+    # A Tinker-only run (engines and the Tinker server) uses no NATS.
+    nats, url = start_nats(s, run_dir) if NATS_SERVICES & set(s.services) else (None, s.nats.url)
     # A trainer started here stops itself after `steps` (exactly that many: the status line
     # sees a step seconds late, while batches in flight go on training) and its exit ends the
     # run; only a trainer running elsewhere is watched for it through the status line.
@@ -116,6 +117,10 @@ async def up(
             return 130
         more = "" if verbose or quiet else " (--verbose shows them here)"
         print(f"flywheel up: all services ready; their logs in {run_dir / 'logs'}{more}")
+        for p in sup.procs:
+            if p.spec.kind == "tinker":
+                url = (p.spec.ready_url or "").removesuffix("/api/v1/healthz")
+                print(f"flywheel up: Tinker API at {url} (the SDK's base_url)", flush=True)
         watcher = asyncio.create_task(sup.watch(stop))
         await show_status(s, sup, run_dir / "status.log", stop, goal)
         await watcher
@@ -197,10 +202,11 @@ async def show_status(
     while not stop.is_set():
         await pause(stop, s.status_interval_s)
         now = summarise(await scrape(urls))
-        line = render_line(now, window.start(now))
-        print(f"flywheel up: {line}", flush=True)
-        with status_file.open("a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        if urls:  # a Tinker-only run has no loop to report (no service serves metrics)
+            line = render_line(now, window.start(now))
+            print(f"flywheel up: {line}", flush=True)
+            with status_file.open("a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
         why = goal.reached(now, time.monotonic() - started)
         if why is not None:
             print(f"flywheel up: {why}; stopping")
@@ -213,7 +219,9 @@ SETTINGS = {
     "trainer": "services.trainer.settings:TrainerSettings",
     "sync": "services.sync.settings:SyncSettings",
     "engine": "services.engine.settings:EngineSettings",
+    "tinker": "services.tinker.settings:TinkerSettings",
 }
+NATS_SERVICES = frozenset({"rollout", "sync", "trainer", "buffer"})  # engines and tinker: none
 
 
 def settings_class(kind: str) -> Any:
@@ -239,7 +247,7 @@ def preflight(s: StackSettings, config: str, *, data: bool = True) -> int:
         except ConfigError as e:
             errors.append(str(e).removeprefix("invalid settings:\n").strip())
     if not errors:
-        errors += lora_mismatches(loaded) + distill_mismatches(loaded)
+        errors += lora_mismatches(loaded) + distill_mismatches(loaded) + tinker_mismatches(loaded)
     if not errors and {"buffer", "trainer", "rollout"} & set(s.services):
         try:
             s.task_set().check(data=data)
@@ -311,6 +319,17 @@ def lora_mismatches(loaded: dict[str, Any]) -> list[str]:
     return out
 
 
+def tinker_mismatches(loaded: dict[str, Any]) -> list[str]:
+    """The Tinker server samples on the engines started beside it: they must serve LoRA
+    adapters, or every save_weights_and_get_sampling_client would fail."""
+    engine = loaded.get("engine")
+    if "tinker" not in loaded or engine is None or engine.enable_lora:
+        return []
+    return ["[stack] services runs 'tinker' beside engines: they need [engine] enable_lora = "
+            "true, max_lora_rank (the largest rank clients ask) and lora_target_modules = "
+            "['all'] (configs/examples/tinker.toml)"]  # fmt: skip
+
+
 def distill_mismatches(loaded: dict[str, Any]) -> list[str]:
     """`[trainer.distill]` trains on the teacher logprobs the workers' `[teacher]` adds: without
     one, every batch would stop the trainer."""
@@ -326,7 +345,7 @@ def with_model(s: StackSettings) -> StackSettings:
     `[stack] model` in one line when there is none (services/models/resolve.py)."""
     from services.models.resolve import resolve_model
 
-    if not {"engine", "rollout", "trainer"} & set(s.services):
+    if not {"engine", "rollout", "trainer", "tinker"} & set(s.services):
         return s
     update: dict[str, Any] = {"model": resolve_model(s.model, key="[stack] model")}
     t = s.teacher
@@ -344,6 +363,8 @@ def dry_run(s: StackSettings, config: Path) -> str:
 
     nats = f"nats://127.0.0.1:{s.nats_port or '<free port>'}" if s.embedded_nats else s.nats.url
     head = f"nats: {'embedded nats-server at ' if s.embedded_nats else ''}{nats}"
+    if not NATS_SERVICES & set(s.services):
+        head = "nats: none (no service started here uses it)"
     return head + "\n" + describe(plan(s, config.resolve(), nats, free_port))
 
 
@@ -357,7 +378,7 @@ def up_main(argv: list[str] | None = None) -> int:
         print(dry_run(settings, Path(args.config)))
         return 0
     settings = with_model(settings)  # preflight has checked it resolves
-    if settings.check and not args.no_check:
+    if settings.check and not args.no_check and NATS_SERVICES & set(settings.services):
         from services.stack.check import before_up
 
         before_up(settings, args.config)

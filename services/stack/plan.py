@@ -36,7 +36,7 @@ from services.engine_api.sglang_launcher import (
 from services.runtime.settings import read_run_file
 from services.stack.settings import StackSettings
 
-ORDER = ("judge", "engine", "teacher", "rollout", "sync", "trainer", "buffer")
+ORDER = ("judge", "engine", "teacher", "tinker", "rollout", "sync", "trainer", "buffer")
 SECRET_WORDS = ("PASSWORD", "TOKEN", "KEY", "SECRET")
 
 
@@ -167,6 +167,8 @@ def plan(
         specs.append(trainer_spec(s, config, run_dir, service, max_steps))
     if "buffer" in s.services:
         specs.append(service("buffer", "buffer", _py("services.buffer", "-c", str(config)), {}))
+    if "tinker" in s.services:
+        specs.append(tinker_spec(s, config, run_dir, engines, free_port))
     return sorted((pinned(s, p) for p in specs), key=lambda p: ORDER.index(p.kind))
 
 
@@ -231,6 +233,37 @@ def teacher_specs(s: StackSettings, config: Path, free_port: Callable[[], int]) 
     return out
 
 
+def tinker_spec(
+    s: StackSettings,
+    config: Path,
+    run_dir: Path,
+    engines: list[ProcSpec],
+    free_port: Callable[[], int],
+) -> ProcSpec:
+    """The Tinker API server (`[stack] services` has "tinker"): on `[stack] model` unless
+    `[tinker] model` names one, sampling on the engines started here (its `engines`; those
+    of the run file's `[tinker] engines` when none start here), listening where
+    `[tinker]` says (a free port for `port = 0`), its saved states under the run's
+    directory unless `[tinker] state_dir` is set. The stack reads the table raw: it
+    imports no service's settings (the server checks them itself, and preflight first)."""
+    table = read_run_file(config).get("tinker", {}) if config.exists() else {}
+    port = int(table.get("port", 8000)) or free_port()
+    argv = _py("services.tinker", "-c", str(config), "--port", str(port))
+    if "model" not in table:
+        argv += ("--model", str(s.model))
+    env = {"HF_HUB_OFFLINE": "1", **(_visible(()) if s.gpu_map else {})}
+    if engines:
+        urls = [(e.ready_url or "").rsplit("/", 1)[0] for e in engines]
+        env["FLYWHEEL_TINKER_ENGINES"] = json.dumps(urls)
+    if "state_dir" not in table:
+        env["FLYWHEEL_TINKER_STATE_DIR"] = str(run_dir / "tinker-state")
+    return ProcSpec("tinker", "tinker", argv, env, f"{tinker_url(port)}/api/v1/healthz")
+
+
+def tinker_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
 def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
     """`p` with its `[stack] cpus`: the cores, and torch threads to match them."""
     cores = s.cpus_of(p.name, p.kind)
@@ -246,6 +279,8 @@ def pinned(s: StackSettings, p: ProcSpec) -> ProcSpec:
         env["FLYWHEEL_ENGINE_NUM_THREADS"] = n
     if p.kind == "trainer":
         env["FLYWHEEL_TRAINER_RUNTIME__CPU_THREADS"] = n
+    if p.kind == "tinker":
+        env["FLYWHEEL_TINKER_NUM_THREADS"] = n
     return replace(p, env=env, cpus=cores)
 
 

@@ -98,7 +98,10 @@ class StackSettings(TaskServiceSettings):
     )
     services: tuple[str, ...] = Field(
         ("engine", "rollout", "sync", "trainer", "buffer"),
-        description="Which services to start here (others run elsewhere, as pods do).",
+        description="Which services to start here (others run elsewhere, as pods do). "
+        "Add 'tinker' for the Tinker API server ([tinker] table), sampling on the engines "
+        "started here; ['engine', 'tinker'] is a Tinker-only run (configs/examples/tinker.toml): "
+        "the user's own loop drives it, no rollout, sync, trainer or buffer.",
     )
     teacher: TeacherSettings | None = Field(
         None,

@@ -10,7 +10,9 @@ runtime and the models domain, no other service. Layers:
 - `losses`    the built-in losses per token (cross_entropy, importance_sampling,
   ppo, cispo, dro) and their loss_fn_config;
 - `model`     one base model with a PEFT LoRA adapter and an AdamW per training
-  client, and the sampler (in this process, this slice);
+  client, and the in-process sampler (used when `[tinker] engines` is empty);
+- `engines`   sampling on the engines: a sampler's adapter as a PEFT directory loaded
+  on each by name, the SDK's sample as SGLang's /generate and its answer back;
 - `batching`  sample requests that differ only in their count, generated as one batch
   (tinker-cookbook's RL loop sends a group's replies one request each);
 - `state`     saved training states on disk (`[tinker] state_dir`): adapter,

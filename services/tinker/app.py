@@ -13,6 +13,10 @@ future with a `user` error that names what is wrong, and nothing of the model or
 any optimizer moves. A retried POST (same owner and seq_id) is answered with the
 first one's request id from the request log, never run twice.
 
+With `[tinker] engines`, a sampler's save and its samples go to the engines
+(engines.py) and run on the event loop beside the model thread (`submit_async`), so
+training never waits behind sampling.
+
 The request log lives in this process: a restart loses it (and the adapters).
 The durable log on JetStream is issue #47's next step (docs/tinker.md).
 """
@@ -22,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ from services.tinker.core import (
     check_sample,
     loss_config,
 )
+from services.tinker.engines import EnginePool, EngineSampling
 from services.tinker.model import AdapterModel
 from services.tinker.routing import future_response as _future
 from services.tinker.routing import read_body as _body
@@ -88,6 +94,12 @@ class Service:
         self.batches: SampleBatches[Entry] = SampleBatches(settings.max_num_samples)
         self._finished: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # With [tinker] engines: samplers are adapters on the engines (engines.py).
+        self.engines: EngineSampling | None = None
+        if settings.engines:
+            pool = EnginePool(settings.engines, settings.engine_timeout_s)
+            root = Path(settings.state_dir) / ".samplers"
+            self.engines = EngineSampling(pool, root, uuid.uuid4().hex[:8], settings.lora_alpha)
 
     def check_base(self, name: str | None) -> None:
         if name not in (self.base_name, str(self.model_dir)):
@@ -116,6 +128,26 @@ class Service:
         async def finish() -> None:
             try:
                 self.log.complete(entry, then(await queued))
+            except TinkerUserError as e:
+                self.log.fail(entry, str(e), Category.USER)
+            except Exception as e:  # a server fault: that request fails, loudly, the rest go on
+                log.exception("request %s (%s) failed", entry.request_id, entry.kind)
+                self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+            finally:
+                done.set()
+
+        task = asyncio.create_task(finish())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def submit_async(self, entry: Entry, run: Coroutine[Any, Any, Any]) -> None:
+        """Complete `entry` with what `run` returns, on the event loop: work on the engines,
+        which runs beside the model thread, not in its queue."""
+        done = self._finished.setdefault(entry.request_id, asyncio.Event())
+
+        async def finish() -> None:
+            try:
+                self.log.complete(entry, await run)
             except TinkerUserError as e:
                 self.log.fail(entry, str(e), Category.USER)
             except Exception as e:  # a server fault: that request fails, loudly, the rest go on
@@ -382,7 +414,21 @@ async def save_weights_for_sampler(request: web.Request, svc: Service) -> web.Re
             svc.registry.add_sampler(SamplingSession(key, model.session_id, model.model_id, key))
             return result
 
-        svc.submit(entry, lambda: svc.model.snapshot(model.model_id, key), saved)
+        if svc.engines is None:
+            svc.submit(entry, lambda: svc.model.snapshot(model.model_id, key), saved)
+            return
+        # The adapter's tensors are copied on the model thread in this request's turn
+        # (queued now: after the client's earlier steps, before its later ones), then
+        # written and loaded on the engines off that thread.
+        copied = asyncio.get_running_loop().run_in_executor(
+            svc.thread, svc.model.adapter_tensors, model.model_id
+        )
+
+        async def publish(engines: EngineSampling) -> dict[str, Any]:
+            await engines.publish(key, await copied, model.rank, svc.base_name)
+            return saved(None)
+
+        svc.submit_async(entry, publish(svc.engines))
 
     _submitted(svc, entry, fresh, build)
     return _future(entry, model.model_id)
@@ -404,6 +450,16 @@ async def create_sampling_session(request: web.Request, svc: Service) -> web.Res
         svc.check_base(body.get("base_model"))
         svc.registry.add_sampler(SamplingSession(sid, session_id, None, None))
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
+
+
+async def get_sampler(request: web.Request, svc: Service) -> web.Response:
+    # What the SDK asks when a sampling client is made from a future (its base model).
+    sampler = svc.registry.sampler(request.match_info["sampler_id"])
+    snap = sampler.snapshot
+    path = snap if snap is not None and snap.startswith("tinker://") else None
+    return web.json_response(
+        {"sampler_id": sampler.sampling_session_id, "base_model": svc.base_name, "model_path": path}
+    )
 
 
 _UNSERVED_SAMPLE_OPTIONS = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
@@ -463,6 +519,9 @@ async def asample(request: web.Request, svc: Service) -> web.Response:
     def build() -> None:
         spec = _sample_spec(body)
         check_sample(spec, svc.limits)
+        if svc.engines is not None:  # the engines batch concurrent requests themselves
+            svc.submit_async(entry, _engine_sample(svc.engines, snapshot, spec))
+            return
         # Joins an open batch of the same prompt and parameters (batching.py: the
         # cookbook sends a group's replies as one request each), or opens one.
         batch = svc.batches.add(snapshot, spec, entry)
@@ -472,6 +531,11 @@ async def asample(request: web.Request, svc: Service) -> web.Response:
     _submitted(svc, entry, fresh, build)
     ids = [f"{entry.request_id}:{i}" for i in range(max(n, 0))]
     return _future(entry, None, sample_sequence_ids=ids)
+
+
+async def _engine_sample(engines: EngineSampling, snapshot: str | None, spec: SampleSpec) -> bytes:
+    seqs, prompt_lp = await engines.sample(snapshot, spec)
+    return wire.write_sample_response(seqs, prompt_lp)
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -493,6 +557,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/api/v1/save_weights_for_sampler", save_weights_for_sampler),
     ("POST", "/api/v1/create_sampling_session", create_sampling_session),
     ("POST", "/api/v1/asample", asample),
+    ("GET", "/api/v1/samplers/{sampler_id}", get_sampler),
 ]
 # Without a key: what the SDK asks before it has authenticated anything.
 OPEN_PATHS = frozenset({"/api/v1/client/config", "/api/v1/healthz"})
@@ -559,3 +624,5 @@ async def serve(
     finally:
         await runner.cleanup()
         svc.thread.shutdown(wait=False, cancel_futures=True)
+        if svc.engines is not None:
+            await svc.engines.close()

@@ -12,8 +12,9 @@ from a snapshot of its adapter taken at save_weights_for_sampler (the SDK's
 "snapshot" contract: training on after the save does not change what it samples),
 loaded into a scratch adapter of the same shape just before it samples.
 
-This slice samples here, in the service's own process (docs/tinker.md): the
-engines serving the adapters side by side is issue #47's next step.
+Without `[tinker] engines` the sampler runs here, on the model thread; with them,
+the engines sample (engines.py) and this model only trains and hands over copies of
+an adapter's tensors (`adapter_tensors`).
 """
 
 from __future__ import annotations
@@ -130,13 +131,18 @@ class AdapterModel:
         import copy
 
         adapter = self._adapters[model_id]
-        tag = f".{adapter.name}."
-        tensors = {
+        tensors = self.adapter_tensors(model_id)
+        return tensors, copy.deepcopy(adapter.optimizer.state_dict()), adapter.steps
+
+    def adapter_tensors(self, model_id: str) -> dict[str, torch.Tensor]:
+        """Copies of the adapter's tensors as they are now, under PEFT's saved names
+        (`base_model.model.<module>.lora_A.weight`: without the adapter's name)."""
+        tag = f".{self._adapters[model_id].name}."
+        return {
             n.replace(tag, "."): p.detach().clone()
             for n, p in self.peft.named_parameters()
             if tag in n
         }
-        return tensors, copy.deepcopy(adapter.optimizer.state_dict()), adapter.steps
 
     def import_state(
         self,

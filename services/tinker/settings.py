@@ -12,7 +12,7 @@ from services.runtime.settings import RunPath, ServiceSettings
 
 class TinkerSettings(ServiceSettings):
     """One base model, served to Tinker SDK clients: a LoRA adapter and Adam state per
-    training client, sampling on the adapter'd model in this process (this slice)."""
+    training client; sampling on the engines of `engines`, or in this process without them."""
 
     section: ClassVar[str] = "tinker"
 
@@ -60,3 +60,15 @@ class TinkerSettings(ServiceSettings):
         "server, so a restarted one loads them (load_state, create_training_client_from_state).",
     )
     seed: int = Field(0, description="Seed of the sampler's generator when a request has none.")
+    engines: list[str] = Field(
+        default_factory=list,
+        description="Engine URLs (SGLang, or `flywheel engine`) that sample: each sampler's "
+        "adapter is written under <state_dir>/.samplers/ and loaded on every engine by name "
+        "(/load_lora_adapter), and sample / compute_logprobs go to an engine's /generate. The "
+        "engines must run with LoRA on (--enable-lora, --max-lora-rank at least the ranks "
+        "clients ask, --lora-target-modules all) and read that directory (same machine or a "
+        "shared volume). Empty: sampling runs in this process, on the model thread.",
+    )
+    engine_timeout_s: float = Field(
+        600.0, gt=0, description="How long one sample or adapter load may take on an engine."
+    )

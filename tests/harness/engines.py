@@ -88,10 +88,11 @@ class EngineProcess:
 
 
 def start_engine(
-    model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 60.0
+    model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 60.0, port: int | None = None
 ) -> EngineProcess:
-    """Start the engine's entry point on a free port; return once /health_generate is 200."""
-    port = free_port()
+    """Start the engine's entry point on `port` (None: a free one); return once
+    /health_generate is 200."""
+    port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [sys.executable, "-m", ENGINE_MODULE, "--model", str(model_dir), "--port", str(port),
             *extra]  # fmt: skip
