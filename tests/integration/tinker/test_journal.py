@@ -163,3 +163,42 @@ def test_old_futures_are_answered_after_a_restart_and_a_retry_runs_once(
     r = httpx.post(f"{raw.server.base_url}/api/v1/retrieve_future", headers=HEADERS,
                    json={"request_id": "req-nobody-1"})  # fmt: skip
     assert r.status_code == 404
+
+
+def test_the_stream_gives_back_each_record_whole_and_skips_a_cut_off_one(
+    nats_server: NatsServer,
+) -> None:
+    """The adapter on a real nats-server: records over max_payload go as chunks and come
+    back joined, in order; a record whose last chunk never arrived (the server died while
+    appending it: never acknowledged, so no client holds its future) is not replayed."""
+    from proto.chunking import split
+    from services.runtime.settings import NatsSettings
+    from services.tinker.journal import Intake, Journal, Outcome, encode, record_id
+    from services.tinker.settings import TinkerSettings
+    from tests.harness.poll import run_async
+
+    settings = TinkerSettings(
+        journal_stream="unit-journal", nats=NatsSettings(url=nats_server.url, connect_attempts=3)
+    )
+    big = Intake("req-x-1", "/api/v1/forward_backward", bytes(range(256)) * 100)  # 25.6 kB
+    answer = Outcome("req-x-1", False, {"metrics": {"loss:sum": 1.25}})
+    cut = Outcome("req-x-2", False, b"\x01" * 20_000)
+
+    async def body() -> list[Intake | Outcome]:
+        journal = await Journal.open(settings)
+        try:
+            journal.max_payload = 4096  # as if the server's limit were small
+            await journal.append(big)
+            first_part = split(encode(cut), record_id(cut), 4096)[0]
+            await journal._publish(first_part, f"{record_id(cut)}:c0")  # and nothing after
+            await journal.append(answer)
+            await journal.append(answer)  # a resend: stored once (Nats-Msg-Id)
+            info = await journal.js.stream_info("unit-journal")
+            chunks = len(split(encode(big), record_id(big), 4096))
+            assert chunks > 1
+            assert info.state.messages == chunks + 1 + 1  # big's chunks, cut's first, answer
+            return await journal.read()
+        finally:
+            await journal.close()
+
+    assert run_async(body()) == [big, answer]
