@@ -154,18 +154,23 @@ class Service:
         queued = asyncio.get_running_loop().run_in_executor(self.thread, work)
 
         async def finish() -> None:
-            entries = [entry for entry, _ in batch.members]
+            results: list[bytes] = []
+            failure: tuple[str, Category] | None = None
             try:
                 results = await queued
+            except TinkerUserError as e:
+                failure = (str(e), Category.USER)
+            except Exception as e:  # a server fault: these requests fail, loudly
+                log.exception("sample batch of %d requests failed", len(batch.members))
+                failure = (f"{type(e).__name__}: {e}", Category.SERVER)
+            # Only now final: requests join the batch until the model thread takes it.
+            entries = [entry for entry, _ in batch.members]
+            if failure is None:
                 outcomes = [
                     Outcome(e.request_id, False, r) for e, r in zip(entries, results, strict=True)
                 ]
-            except TinkerUserError as e:
-                outcomes = [_failed(entry, str(e), Category.USER) for entry in entries]
-            except Exception as e:  # a server fault: these requests fail, loudly
-                log.exception("sample batch of %d requests failed", len(batch.members))
-                why = f"{type(e).__name__}: {e}"
-                outcomes = [_failed(entry, why, Category.SERVER) for entry in entries]
+            else:
+                outcomes = [_failed(entry, *failure) for entry in entries]
             try:
                 for entry, outcome in zip(entries, outcomes, strict=True):
                     await self.settle(entry, outcome)
@@ -656,18 +661,23 @@ async def serve(
     create: Callable[[TinkerSettings], Service] = create_service,
 ) -> None:
     """Load the model, serve until `stop` is set. `on_ready(port)` once listening."""
-    svc = await asyncio.to_thread(create, settings)
+    # The journal first: a NATS that cannot be reached fails the start before the model loads.
+    journal = await Journal.open(settings) if settings.journal_stream else None
     try:
-        if settings.journal_stream:
-            from services.tinker.rebuild import rebuild
+        svc = await asyncio.to_thread(create, settings)
+        try:
+            if journal is not None:
+                from services.tinker.rebuild import rebuild
 
-            svc.journal = await Journal.open(settings)
-            await rebuild(svc, {path: handler for _, path, handler in [*ROUTES, *STATE_ROUTES]})
-        await _listen(svc, settings, stop, on_ready)
+                svc.journal = journal
+                routes = {path: handler for _, path, handler in [*ROUTES, *STATE_ROUTES]}
+                await rebuild(svc, routes)
+            await _listen(svc, settings, stop, on_ready)
+        finally:
+            svc.thread.shutdown(wait=False, cancel_futures=True)
     finally:
-        svc.thread.shutdown(wait=False, cancel_futures=True)
-        if svc.journal is not None:
-            await svc.journal.close()
+        if journal is not None:
+            await journal.close()
 
 
 async def _listen(

@@ -10,7 +10,10 @@ future, and a bad request logged before the kill fails again with the same error
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -202,3 +205,19 @@ def test_the_stream_gives_back_each_record_whole_and_skips_a_cut_off_one(
             await journal.close()
 
     assert run_async(body()) == [big, answer]
+
+
+def test_a_journal_nats_cannot_reach_stops_the_start_before_the_model_loads(
+    tiny_model: Path,
+) -> None:
+    env = {
+        **os.environ,
+        "FLYWHEEL_TINKER_JOURNAL_STREAM": STREAM,
+        "FLYWHEEL_TINKER_NATS__URL": f"nats://127.0.0.1:{free_port()}",  # nothing listens
+        "FLYWHEEL_TINKER_NATS__CONNECT_ATTEMPTS": "1",
+    }
+    cmd = [sys.executable, "-m", "services.tinker", "--model", str(tiny_model), "--port", "0"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "flywheel tinker: cannot connect to NATS" in done.stderr
+    assert "Traceback" not in done.stderr
