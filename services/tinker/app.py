@@ -23,6 +23,7 @@ first (journal.py says how, rebuild.py does it), then listens.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -226,8 +227,9 @@ class Service:
         recorded = self.replay.outcomes.get(entry.request_id) if self.replay else None
         if recorded is not None:
             if not recorded.same(outcome):
-                log.warning("replayed request %s (%s) answered otherwise than its record; "
-                            "the record stands", entry.request_id, entry.kind)  # fmt: skip
+                log.warning("replayed request %s (%s) answered otherwise than its record "
+                            "(%s, now %s); the record stands", entry.request_id, entry.kind,
+                            _said(recorded), _said(outcome))  # fmt: skip
             outcome = recorded
         elif self.journal is not None:
             try:
@@ -258,6 +260,16 @@ Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
 
 def _failed(entry: Entry, error: str, category: Category) -> Outcome:
     return Outcome(entry.request_id, True, error=error, category=category.value)
+
+
+def _said(outcome: Outcome) -> str:
+    """An outcome, short, for a log line."""
+    if outcome.failed:
+        return f"failed: {outcome.error}"
+    if isinstance(outcome.result, bytes):
+        digest = hashlib.sha256(outcome.result).hexdigest()[:12]
+        return f"{len(outcome.result)} bytes, sha256 {digest}"
+    return repr(outcome.result)[:200]
 
 
 def _json_error(status: int, message: str, category: Category = Category.USER) -> web.Response:

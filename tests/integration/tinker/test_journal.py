@@ -93,6 +93,7 @@ def test_the_sdk_client_goes_on_across_a_restart_as_its_uninterrupted_twin(
     assert losses[-1] < losses[0]
     # Five optim_steps each: the replay re-ran steps 1-2 once, step 3's ran once, after.
     assert _steps_saved(servers.root, "resumed") == _steps_saved(servers.root, "twin") == 5
+    _replayed_as_recorded(servers)
     service.close("success").result(timeout=30)
 
 
@@ -166,6 +167,15 @@ def test_old_futures_are_answered_after_a_restart_and_a_retry_runs_once(
     r = httpx.post(f"{raw.server.base_url}/api/v1/retrieve_future", headers=HEADERS,
                    json={"request_id": "req-nobody-1"})  # fmt: skip
     assert r.status_code == 404
+    _replayed_as_recorded(servers)
+
+
+def _replayed_as_recorded(servers: Servers) -> None:
+    """Every request the restart ran again answered byte for byte as it had (the server
+    logs a warning for each that did not)."""
+    log = (servers.root / "server.log").read_text()
+    assert "records replayed" in log
+    assert "otherwise than its record" not in log, log
 
 
 def test_the_stream_gives_back_each_record_whole_and_skips_a_cut_off_one(
