@@ -17,13 +17,17 @@ With `[tinker] engines`, a sampler's save and its samples go to the engines
 (engines.py) and run on the event loop beside the model thread (`submit_async`), so
 training never waits behind sampling.
 
-The request log lives in this process: a restart loses it (and the adapters).
-The durable log on JetStream is issue #47's next step (docs/tinker.md).
+Without `[tinker] journal_stream` the request log lives in this process and a
+restart loses it (and the adapters). With it, every accepted request is appended to
+that JetStream stream before its future id is answered, under one lock so the log's
+order is the model thread's, and every answer after it; a start replays the stream
+first (journal.py says how, rebuild.py does it), then listens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -49,12 +53,14 @@ from services.tinker.core import (
     TrainingModel,
     UnknownName,
     UnsupportedRoute,
+    adapter_seed,
     check_batch,
     check_rank,
     check_sample,
     loss_config,
 )
 from services.tinker.engines import EnginePool, EngineSampling
+from services.tinker.journal import Intake, Journal, JournalUnavailable, Outcome, Replay
 from services.tinker.model import AdapterModel
 from services.tinker.routing import future_response as _future
 from services.tinker.routing import read_body as _body
@@ -100,6 +106,11 @@ class Service:
             pool = EnginePool(settings.engines, settings.engine_timeout_s)
             root = Path(settings.state_dir) / ".samplers"
             self.engines = EngineSampling(pool, root, uuid.uuid4().hex[:8], settings.lora_alpha)
+        self.journal: Journal | None = None  # [tinker] journal_stream's, opened by serve()
+        self.replay: Replay | None = None  # while a start replays the journal
+        # Held from a journaled request's log entry to its queueing on the model thread,
+        # so the journal's order is the order the model runs them in.
+        self.intake = asyncio.Lock()
 
     def check_base(self, name: str | None) -> None:
         if name not in (self.base_name, str(self.model_dir)):
@@ -127,12 +138,14 @@ class Service:
 
         async def finish() -> None:
             try:
-                self.log.complete(entry, then(await queued))
+                outcome = Outcome(entry.request_id, False, then(await queued))
             except TinkerUserError as e:
-                self.log.fail(entry, str(e), Category.USER)
+                outcome = _failed(entry, str(e), Category.USER)
             except Exception as e:  # a server fault: that request fails, loudly, the rest go on
                 log.exception("request %s (%s) failed", entry.request_id, entry.kind)
-                self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+                outcome = _failed(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+            try:
+                await self.settle(entry, outcome)
             finally:
                 done.set()
 
@@ -147,12 +160,14 @@ class Service:
 
         async def finish() -> None:
             try:
-                self.log.complete(entry, await run)
+                outcome = Outcome(entry.request_id, False, await run)
             except TinkerUserError as e:
-                self.log.fail(entry, str(e), Category.USER)
+                outcome = _failed(entry, str(e), Category.USER)
             except Exception as e:  # a server fault: that request fails, loudly, the rest go on
                 log.exception("request %s (%s) failed", entry.request_id, entry.kind)
-                self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+                outcome = _failed(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+            try:
+                await self.settle(entry, outcome)
             finally:
                 done.set()
 
@@ -174,19 +189,28 @@ class Service:
         queued = asyncio.get_running_loop().run_in_executor(self.thread, work)
 
         async def finish() -> None:
+            results: list[bytes] = []
+            failure: tuple[str, Category] | None = None
             try:
                 results = await queued
-                for (entry, _), result in zip(batch.members, results, strict=True):
-                    self.log.complete(entry, result)
             except TinkerUserError as e:
-                for entry, _ in batch.members:
-                    self.log.fail(entry, str(e), Category.USER)
+                failure = (str(e), Category.USER)
             except Exception as e:  # a server fault: these requests fail, loudly
                 log.exception("sample batch of %d requests failed", len(batch.members))
-                for entry, _ in batch.members:
-                    self.log.fail(entry, f"{type(e).__name__}: {e}", Category.SERVER)
+                failure = (f"{type(e).__name__}: {e}", Category.SERVER)
+            # Only now final: requests join the batch until the model thread takes it.
+            entries = [entry for entry, _ in batch.members]
+            if failure is None:
+                outcomes = [
+                    Outcome(e.request_id, False, r) for e, r in zip(entries, results, strict=True)
+                ]
+            else:
+                outcomes = [_failed(entry, *failure) for entry in entries]
+            try:
+                for entry, outcome in zip(entries, outcomes, strict=True):
+                    await self.settle(entry, outcome)
             finally:
-                for entry, _ in batch.members:
+                for entry in entries:
                     self._finished.setdefault(entry.request_id, asyncio.Event()).set()
 
         task = asyncio.create_task(finish())
@@ -194,10 +218,69 @@ class Service:
         task.add_done_callback(self._tasks.discard)
 
     def refuse(self, entry: Entry, error: TinkerUserError) -> None:
-        self.log.fail(entry, str(error), Category.USER)
+        task = asyncio.create_task(self.settle(entry, _failed(entry, str(error), Category.USER)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the journal (journal.py): a no-op without [tinker] journal_stream ---------------
+
+    async def accept(self, request: web.Request, entry: Entry, reads_only: bool = False) -> bool:
+        """Log a new request before its future id is answered. False: the replay answers
+        it from its record (a read that finished before the restart); do not run it."""
+        if self.journal is None:
+            return True
+        if self.replay is not None:  # replaying: it is logged already
+            current = self.replay.current
+            if current is not None and self.replay.answered_from_record(current):
+                self._answer(entry, self.replay.outcomes[current.request_id])
+                return False
+            return True
+        intake = Intake(entry.request_id, request.path, await request.read(), reads_only)
+        try:
+            await self.journal.append(intake)
+        except JournalUnavailable:
+            self.log.forget(entry)  # never accepted: the SDK's retry is a new request
+            raise
+        return True
+
+    async def accept_plain(self, request: web.Request, created: str) -> None:
+        """Log a request that is answered at once with the id it `created` (a session, a
+        sampling session), before that answer."""
+        if self.journal is not None and self.replay is None:
+            await self.journal.append(Intake(created, request.path, await request.read()))
+
+    def replayed_id(self) -> str | None:
+        """The id the request being replayed created (None: not replaying)."""
+        current = self.replay.current if self.replay is not None else None
+        return current.request_id if current is not None else None
+
+    async def settle(self, entry: Entry, outcome: Outcome) -> None:
+        """Record a finished request's outcome in the journal, then answer it. A replayed
+        request that has a recorded outcome is answered with that one (what its client
+        may already hold): a rerun that differs is logged, not hidden."""
+        recorded = self.replay.outcomes.get(entry.request_id) if self.replay else None
+        if recorded is not None:
+            if not recorded.same(outcome):
+                log.warning("replayed request %s (%s) answered otherwise than its record "
+                            "(%s, now %s); the record stands", entry.request_id, entry.kind,
+                            _said(recorded), _said(outcome))  # fmt: skip
+            outcome = recorded
+        elif self.journal is not None:
+            try:
+                await self.journal.append(outcome)
+            except JournalUnavailable:
+                # Answered anyway: its intake is logged, so a restart runs it again.
+                log.exception("the outcome of %s was not journaled", entry.request_id)
+        self._answer(entry, outcome)
+
+    def _answer(self, entry: Entry, outcome: Outcome) -> None:
+        if outcome.failed:
+            self.log.fail(entry, outcome.error, Category(outcome.category))
+        else:
+            self.log.complete(entry, outcome.result)
         self._finished.setdefault(entry.request_id, asyncio.Event()).set()
 
-    async def wait(self, entry: Entry, timeout: float) -> None:
+    async def wait(self, entry: Entry, timeout: float | None) -> None:
         done = self._finished.setdefault(entry.request_id, asyncio.Event())
         if entry.state is State.PENDING:
             try:
@@ -207,6 +290,20 @@ class Service:
 
 
 Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
+
+
+def _failed(entry: Entry, error: str, category: Category) -> Outcome:
+    return Outcome(entry.request_id, True, error=error, category=category.value)
+
+
+def _said(outcome: Outcome) -> str:
+    """An outcome, short, for a log line."""
+    if outcome.failed:
+        return f"failed: {outcome.error}"
+    if isinstance(outcome.result, bytes):
+        digest = hashlib.sha256(outcome.result).hexdigest()[:12]
+        return f"{len(outcome.result)} bytes, sha256 {digest}"
+    return repr(outcome.result)[:200]
 
 
 def _json_error(status: int, message: str, category: Category = Category.USER) -> web.Response:
@@ -249,7 +346,12 @@ async def capabilities(request: web.Request, svc: Service) -> web.Response:
 
 async def create_session(request: web.Request, svc: Service) -> web.Response:
     await _body(request)
-    session_id = svc.registry.new_session()
+    session_id = svc.registry.new_session(svc.replayed_id())
+    try:
+        await svc.accept_plain(request, session_id)
+    except JournalUnavailable:
+        svc.registry.end_session(session_id)
+        raise
     log.info("session %s created", session_id)
     return web.json_response({"type": "create_session", "session_id": session_id})
 
@@ -301,6 +403,10 @@ async def create_model(request: web.Request, svc: Service) -> web.Response:
         lora = body.get("lora_config") or {}
         rank = int(lora.get("rank", 0))
         check_rank(rank, svc.limits)
+        # Seeded from the request, never from a counter of the server's: a replay
+        # (journal.py) draws the same initial adapter.
+        seed = lora.get("seed")
+        seed = int(seed) if seed is not None else adapter_seed(svc.settings.seed, model_id)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise TinkerUserError(f"optimizer_config type {optimizer!r}: only 'adamw' is served")
@@ -311,7 +417,7 @@ async def create_model(request: web.Request, svc: Service) -> web.Response:
             svc.model.add_adapter(
                 model_id,
                 rank,
-                lora.get("seed"),
+                seed,
                 bool(lora.get("train_attn", True)),
                 bool(lora.get("train_mlp", True)),
                 bool(lora.get("train_unembed", True)),
@@ -324,7 +430,7 @@ async def create_model(request: web.Request, svc: Service) -> web.Response:
 
         svc.submit(entry, work, registered)
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build)
     return _future(entry, model_id)
 
 
@@ -366,7 +472,7 @@ async def forward_backward(request: web.Request, svc: Service) -> web.Response:
 
         svc.submit(entry, work)
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build, reads_only=req.forward_only)
     return _future(entry, req.model_id)
 
 
@@ -388,7 +494,7 @@ async def optim_step(request: web.Request, svc: Service) -> web.Response:
 
         svc.submit(entry, lambda: svc.model.optim_step(model.model_id, adam), stepped)
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build)
     return _future(entry, model.model_id)
 
 
@@ -430,7 +536,7 @@ async def save_weights_for_sampler(request: web.Request, svc: Service) -> web.Re
 
         svc.submit_async(entry, publish(svc.engines))
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build)
     return _future(entry, model.model_id)
 
 
@@ -445,10 +551,12 @@ async def create_sampling_session(request: web.Request, svc: Service) -> web.Res
     path = body.get("model_path")
     if path is not None:
         saved = svc.registry.sampler(str(path))  # a named save of this server's
-        svc.registry.add_sampler(SamplingSession(sid, session_id, saved.model_id, saved.snapshot))
+        sampler = SamplingSession(sid, session_id, saved.model_id, saved.snapshot)
     else:
         svc.check_base(body.get("base_model"))
-        svc.registry.add_sampler(SamplingSession(sid, session_id, None, None))
+        sampler = SamplingSession(sid, session_id, None, None)
+    await svc.accept_plain(request, sid)
+    svc.registry.add_sampler(sampler)
     return web.json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 
 
@@ -528,7 +636,7 @@ async def asample(request: web.Request, svc: Service) -> web.Response:
         if batch is not None:
             svc.submit_batch(snapshot, batch)
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build, reads_only=True)
     ids = [f"{entry.request_id}:{i}" for i in range(max(n, 0))]
     return _future(entry, None, sample_sequence_ids=ids)
 
@@ -563,6 +671,22 @@ ROUTES: list[tuple[str, str, Handler]] = [
 OPEN_PATHS = frozenset({"/api/v1/client/config", "/api/v1/healthz"})
 
 
+# The routes whose requests the journal logs (journal.py): they change or read state.
+JOURNALED = frozenset(
+    {
+        "/api/v1/create_session",
+        "/api/v1/create_model",
+        "/api/v1/forward_backward",
+        "/api/v1/optim_step",
+        "/api/v1/save_weights_for_sampler",
+        "/api/v1/create_sampling_session",
+        "/api/v1/asample",
+        "/api/v1/save_weights",
+        "/api/v1/load_weights",
+    }
+)
+
+
 def _wrap(handler: Handler, svc: Service) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
         key = svc.settings.api_key
@@ -570,11 +694,17 @@ def _wrap(handler: Handler, svc: Service) -> Callable[[web.Request], Awaitable[w
             if request.headers.get("X-API-Key") != key.get_secret_value():
                 return _json_error(401, "missing or wrong X-API-Key")
         try:
-            return await handler(request, svc)
+            if request.path not in JOURNALED:
+                return await handler(request, svc)
+            await request.read()  # the whole body before the lock: a slow upload blocks no one
+            async with svc.intake:
+                return await handler(request, svc)
         except UnknownName as e:
             return _json_error(404, str(e))
         except TinkerUserError as e:
             return _json_error(400, str(e))
+        except JournalUnavailable as e:  # not accepted; a 5xx, which the SDK retries
+            return _json_error(503, str(e), Category.SERVER)
 
     return handle
 
@@ -610,7 +740,33 @@ async def serve(
     create: Callable[[TinkerSettings], Service] = create_service,
 ) -> None:
     """Load the model, serve until `stop` is set. `on_ready(port)` once listening."""
-    svc = await asyncio.to_thread(create, settings)
+    # The journal first: a NATS that cannot be reached fails the start before the model loads.
+    journal = await Journal.open(settings) if settings.journal_stream else None
+    try:
+        svc = await asyncio.to_thread(create, settings)
+        try:
+            if journal is not None:
+                from services.tinker.rebuild import rebuild
+
+                svc.journal = journal
+                routes = {path: handler for _, path, handler in [*ROUTES, *STATE_ROUTES]}
+                await rebuild(svc, routes)
+            await _listen(svc, settings, stop, on_ready)
+        finally:
+            svc.thread.shutdown(wait=False, cancel_futures=True)
+            if svc.engines is not None:
+                await svc.engines.close()
+    finally:
+        if journal is not None:
+            await journal.close()
+
+
+async def _listen(
+    svc: Service,
+    settings: TinkerSettings,
+    stop: asyncio.Event,
+    on_ready: Callable[[int], None] | None,
+) -> None:
     runner = web.AppRunner(build_app(svc), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
@@ -623,6 +779,3 @@ async def serve(
         await stop.wait()
     finally:
         await runner.cleanup()
-        svc.thread.shutdown(wait=False, cancel_futures=True)
-        if svc.engines is not None:
-            await svc.engines.close()

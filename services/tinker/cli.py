@@ -72,5 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             remove()
 
-    asyncio.run(amain())
+    from services.runtime.errors import FlywheelError
+    from services.tinker.journal import JournalCorrupt
+
+    try:
+        asyncio.run(amain())
+    except (FlywheelError, JournalCorrupt) as e:  # NATS unreachable, the journal unreadable
+        print(f"flywheel tinker: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import zlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -235,6 +236,12 @@ def check_sample(spec: SampleSpec, limits: Limits) -> None:
         raise TinkerUserError(f"top_k must be -1 (no limit) or positive, got {spec.top_k}")
 
 
+def adapter_seed(server_seed: int, model_id: str) -> int:
+    """The seed of an adapter created without one: a function of the request (its model
+    id, unique per server start) and `[tinker] seed`, so a replay draws the same one."""
+    return zlib.crc32(f"{server_seed}:{model_id}".encode())
+
+
 def check_rank(rank: int, limits: Limits) -> None:
     if rank < 1:
         raise TinkerUserError(f"lora rank must be at least 1, got {rank}")
@@ -271,7 +278,14 @@ class RequestLog:
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
         self._by_key: dict[tuple[str, str, int], str] = {}
+        self._keys: dict[str, tuple[str, str, int]] = {}
+        # A token per server start in every id: a restarted server that replays an
+        # earlier one's requests (journal.py) keeps their ids and never reuses one.
+        self._boot = secrets.token_hex(3)
         self._ids = itertools.count(1)
+        # The id the next new entry takes instead of a fresh one: set by the replay, so
+        # a replayed request keeps the id its client holds.
+        self.next_id: str | None = None
 
     def open(self, owner: str, kind: str, seq_id: int | None) -> tuple[Entry, bool]:
         """The entry for this request and whether it is new (False: a retry; do not run it).
@@ -280,11 +294,24 @@ class RequestLog:
         key = (owner, kind, seq_id) if seq_id is not None else None
         if key is not None and key in self._by_key:
             return self._entries[self._by_key[key]], False
-        entry = Entry(request_id=f"req-{next(self._ids)}", kind=kind, owner=owner)
+        request_id, self.next_id = self.next_id or f"req-{self._boot}-{next(self._ids)}", None
+        entry = Entry(request_id=request_id, kind=kind, owner=owner)
         self._entries[entry.request_id] = entry
         if key is not None:
             self._by_key[key] = entry.request_id
+            self._keys[entry.request_id] = key
         return entry, True
+
+    def forget(self, entry: Entry) -> None:
+        """Drop a new entry that was never accepted (the journal did not store it), so
+        the client's retry is a new request, not an answer to a request never run."""
+        self._entries.pop(entry.request_id, None)
+        key = self._keys.pop(entry.request_id, None)
+        if key is not None:
+            self._by_key.pop(key, None)
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self._entries
 
     def get(self, request_id: str) -> Entry:
         try:
@@ -332,10 +359,15 @@ class Registry:
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplingSession] = {}
 
-    def new_session(self) -> str:
-        session_id = f"session-{self._boot}-{next(self._session_ids)}"
+    def new_session(self, session_id: str | None = None) -> str:
+        """A new session; `session_id` given: the one an earlier start created (replay)."""
+        session_id = session_id or f"session-{self._boot}-{next(self._session_ids)}"
         self.sessions[session_id] = []
         return session_id
+
+    def end_session(self, session_id: str) -> None:
+        """Undo new_session for a session never handed out (the journal refused it)."""
+        self.sessions.pop(session_id, None)
 
     def session(self, session_id: str) -> list[str]:
         if session_id not in self.sessions:

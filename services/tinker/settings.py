@@ -59,7 +59,11 @@ class TinkerSettings(ServiceSettings):
         "count), one directory per tinker://<run>/weights/<name> path; they outlive the "
         "server, so a restarted one loads them (load_state, create_training_client_from_state).",
     )
-    seed: int = Field(0, description="Seed of the sampler's generator when a request has none.")
+    seed: int = Field(
+        0,
+        description="Seed of the sampler's generator when a request has none, and mixed into "
+        "the seed of every adapter created without one (with its model id).",
+    )
     engines: list[str] = Field(
         default_factory=list,
         description="Engine URLs (SGLang, or `flywheel engine`) that sample: each sampler's "
@@ -71,4 +75,13 @@ class TinkerSettings(ServiceSettings):
     )
     engine_timeout_s: float = Field(
         600.0, gt=0, description="How long one sample or adapter load may take on an engine."
+    )
+    journal_stream: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9_-]*$",
+        description="The JetStream stream (at [nats] url) that logs every accepted request "
+        "and its answer, so a restarted server rebuilds its sessions, adapters and "
+        "optimizers and answers every future it gave (services/tinker/journal.py). "
+        "Empty: the request log lives in memory and a restart loses it. One stream per "
+        "server: two servers on one stream would replay each other's requests.",
     )

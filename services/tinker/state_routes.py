@@ -49,6 +49,9 @@ class Service(Protocol):
         self, entry: Entry, work: Callable[[], Any], then: Callable[[Any], Any] = ...
     ) -> None: ...
     def refuse(self, entry: Entry, error: TinkerUserError) -> None: ...
+    async def accept(
+        self, request: web.Request, entry: Entry, reads_only: bool = False
+    ) -> bool: ...
 
 
 Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
@@ -75,7 +78,9 @@ async def save_weights(request: web.Request, svc: Service) -> web.Response:
 
         svc.submit(entry, work, lambda path: {"path": path, "type": "save_weights"})
 
-    _submitted(svc, entry, fresh, build)
+    # It reads the adapter (and writes a file that outlives the server): a replay
+    # answers a finished save from its record instead of saving again.
+    await _submitted(svc, request, entry, fresh, build, reads_only=True)
     return _future(entry, model.model_id)
 
 
@@ -94,7 +99,7 @@ async def load_weights(request: web.Request, svc: Service) -> web.Response:
     body = await _body(request)
     optimizer = bool(body.get("optimizer"))
     if body.get("session_id") is not None:
-        return await _create_via_load(svc, body, optimizer)
+        return await _create_via_load(request, svc, body, optimizer)
     model = svc.registry.model(str(body.get("model_id")))
     entry, fresh = svc.log.open(model.model_id, "train", body.get("seq_id"))
 
@@ -117,11 +122,13 @@ async def load_weights(request: web.Request, svc: Service) -> web.Response:
 
         svc.submit(entry, work, loaded)
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build)
     return _future(entry, model.model_id)
 
 
-async def _create_via_load(svc: Service, body: dict[str, Any], optimizer: bool) -> web.Response:
+async def _create_via_load(
+    request: web.Request, svc: Service, body: dict[str, Any], optimizer: bool
+) -> web.Response:
     """create_training_client_from_state: a new training client whose first request is
     the load; its LoRA shape is the saved state's."""
     session_id = str(body["session_id"])
@@ -152,7 +159,7 @@ async def _create_via_load(svc: Service, body: dict[str, Any], optimizer: bool) 
 
         svc.submit(entry, work, registered)
 
-    _submitted(svc, entry, fresh, build)
+    await _submitted(svc, request, entry, fresh, build)
     return _future(entry, model_id)
 
 

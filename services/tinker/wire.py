@@ -118,7 +118,9 @@ def write_forward_backward_output(
         bt.data = b"".join(a.tobytes() for a in arrays)
         bt.offsets = offsets.tobytes()
         bt.dtype = pb.DTYPE_FLOAT32
-    return bytes(msg.SerializeToString())
+    # deterministic: maps (fields, metrics) in key order; protobuf's own order follows a
+    # hash seeded per process, and a replay (journal.py) compares its answer byte for byte.
+    return bytes(msg.SerializeToString(deterministic=True))
 
 
 def write_sample_response(seqs: list[Sequence], prompt_logprobs: list[float] | None) -> bytes:
@@ -133,4 +135,4 @@ def write_sample_response(seqs: list[Sequence], prompt_logprobs: list[float] | N
         )
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype="<f4").tobytes()
-    return bytes(msg.SerializeToString())
+    return bytes(msg.SerializeToString(deterministic=True))

@@ -54,12 +54,13 @@ def _healthy(base_url: str, process: subprocess.Popen[bytes], log: Path) -> bool
 
 @contextmanager
 def serving(
-    model: Path, root: Path, **settings: str
+    model: Path, root: Path, port: int | None = None, **settings: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     """`python -m services.tinker` on `model`, one torch thread, its log and saved states
-    under `root` (never the repository's runs/), `settings` as FLYWHEEL_TINKER_* variables;
-    yields (its URL, the process, its log)."""
-    port = free_port()
+    under `root` (never the repository's runs/), `settings` as FLYWHEEL_TINKER_* variables,
+    on `port` (default: a free one); yields (its URL, the process, its log, appended to by
+    every server started on `root`)."""
+    port = port or free_port()
     log = root / "server.log"
     env = {
         **os.environ,
@@ -70,7 +71,7 @@ def serving(
         **{f"FLYWHEEL_TINKER_{k.upper()}": v for k, v in settings.items()},
     }
     cmd = [sys.executable, "-m", "services.tinker", "--model", str(model), "--port", str(port)]
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
