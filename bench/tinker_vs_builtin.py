@@ -375,11 +375,25 @@ def run_builtin(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 "staleness_max": r.get("staleness_max"),
             }
         )
+    side.update(status_figures(run_dir / "status.log"))
     if rows:
         side["loop_s"] = round(
             float(rows[-1]["time"]) - float(rows[0]["time"]) + float(rows[0]["elapsed"]), 1
         )
     return side
+
+
+STATUS = {"filtered_groups": r"filtered (\d+)", "flat_pct": r"flat (\d+)%",
+          "generated_samples_per_s": r"samples/s ([\d.]+)"}  # fmt: skip
+
+
+def status_figures(status_log: Path) -> dict[str, float]:
+    """From the last status line: the groups the buffer filtered out (flat: every reply
+    scored the same, so no signal), the flat share and the generated samples/s; what the
+    built-in loop generated beyond the groups it trained."""
+    lines = status_log.read_text().splitlines() if status_log.is_file() else []
+    last = next((x for x in reversed(lines) if "filtered" in x), "")
+    return {k: float(m.group(1)) for k, pat in STATUS.items() if (m := re.search(pat, last))}
 
 
 # -- the report -------------------------------------------------------------------------
@@ -431,6 +445,10 @@ def overhead(side: dict[str, Any]) -> list[str]:
     ]
 
 
+def args_groups(res: dict[str, Any]) -> int:
+    return res.get("groups", 4) * len(res["builtin"].get("steps", []))
+
+
 def report(res: dict[str, Any]) -> str:
     cb, bi = summary(res["cookbook"]), summary(res["builtin"])
     lines = [
@@ -450,6 +468,12 @@ def report(res: dict[str, Any]) -> str:
         a, b = cb.get(key), bi.get(key)
         ratio = f"{b / a:.2f}x" if a and b and key.endswith("_s") else ""
         lines.append(f"| {what} | {a} | {b} | {ratio} |")
+    b = res["builtin"]
+    if "filtered_groups" in b:
+        lines += ["", f"The built-in loop's buffer filtered out {b['filtered_groups']:.0f} flat "
+                  f"groups beside the {args_groups(res)} it trained (flat {b.get('flat_pct')}% "
+                  f"at the end), generating {b.get('generated_samples_per_s')} samples/s "
+                  "(its last status line)."]  # fmt: skip
     for name in ("cookbook", "builtin"):
         side = res[name]
         lines += ["", f"## {name} per step (load {side['load_start']} -> {side['load_end']})", ""]
@@ -514,6 +538,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
+    res["groups"] = args.groups
     order = ["cookbook", "builtin"] if args.first == "cookbook" else ["builtin", "cookbook"]
     for name in order:
         print(f"tinker_vs_builtin: {name} ({time.strftime('%H:%M:%S')})", flush=True)
