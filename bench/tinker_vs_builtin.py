@@ -24,6 +24,20 @@ length (16 tokens), temperature (0.7) and number of steps on both sides:
   over the trained batch: the buffer drops groups whose replies all scored the same, so
   this mean is over groups with a spread, not over every reply).
 
+What differs, and is not made equal (the loops are not the same algorithm):
+
+- the built-in loop is asynchronous (`[buffer] max_staleness` 1: generation runs one
+  version ahead of the trainer) and trains only groups whose replies' rewards differ (a
+  flat group has no signal): it generates groups until a step has `--groups` with a
+  spread. The cookbook's loop (`rl.train.Config`'s defaults) is synchronous (sample,
+  train, save a sampler, sample again) and trains every group, flat ones included.
+- the built-in trainer fine-tunes every weight (bf16 autocast, a group's replies packed
+  into one row with the prompt computed once) with its PPO-clip loss and lr "auto"; the
+  cookbook trains a LoRA adapter of rank 8 with `importance_sampling` at lr 4e-4, and
+  the Tinker server runs forward_backward one datum at a time in float32.
+- the prompts: each side shuffles the same training file with its own seed, so a
+  step's reviews differ between the sides.
+
 Both sides use the same threads: one engine of one torch thread, and one training
 process of one thread (the Tinker server's `num_threads`, the trainer's `cpu_threads`).
 
