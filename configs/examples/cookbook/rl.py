@@ -1,6 +1,7 @@
 """tinker-cookbook's RL loop, unchanged, against `flywheel tinker`: the review task.
 
     flywheel tinker --model ~/.cache/flywheel/models/SmolLM2-135M-Instruct --port 8000
+    # or: flywheel up -c configs/examples/tinker.toml (the same port, sampling on an engine)
     python configs/examples/cookbook/rl.py --model ~/.cache/flywheel/models/SmolLM2-135M-Instruct
 
 What a cookbook user writes for an RL run of their own: an environment (the cookbook's

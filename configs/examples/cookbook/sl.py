@@ -1,6 +1,7 @@
 """tinker-cookbook's supervised loop, unchanged, against `flywheel tinker`.
 
     flywheel tinker --model ~/.cache/flywheel/models/SmolLM2-135M-Instruct --port 8000
+    # or: flywheel up -c configs/examples/tinker.toml (the same port, sampling on an engine)
     python configs/examples/cookbook/sl.py --model ~/.cache/flywheel/models/SmolLM2-135M-Instruct
 
 This script is what a cookbook user writes: a `tinker_cookbook.supervised.train.Config`
