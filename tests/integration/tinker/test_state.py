@@ -23,7 +23,11 @@ from tests.integration.tinker.conftest import Server, _healthy
 LR = 1e-2
 
 
-def _start(model: Path, state_dir: Path, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
+def _start(
+    model: Path, state_dir: Path, log: Path, started: list[subprocess.Popen[bytes]]
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """A server, in `started` before its wait: one whose /healthz never answers is
+    stopped by the fixture too (it was left running)."""
     port = free_port()
     env = {
         **os.environ,
@@ -33,6 +37,7 @@ def _start(model: Path, state_dir: Path, log: Path) -> tuple[str, subprocess.Pop
     cmd = [sys.executable, "-m", "services.tinker", "--model", str(model), "--port", str(port)]
     with log.open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    started.append(process)
     base_url = f"http://127.0.0.1:{port}"
     wait_for(lambda: _healthy(base_url, process, log), 120, "the tinker server's /healthz")
     return base_url, process
@@ -44,9 +49,7 @@ def servers(tiny_model: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[subprocess.Popen[bytes]] = []
 
     def start() -> tuple[str, subprocess.Popen[bytes]]:
-        base_url, process = _start(tiny_model, tmp_path / "state", tmp_path / "server.log")
-        started.append(process)
-        return base_url, process
+        return _start(tiny_model, tmp_path / "state", tmp_path / "server.log", started)
 
     yield start
     for process in started:
