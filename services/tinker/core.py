@@ -193,6 +193,21 @@ def check_batch(
             raise BadShape(i, "target_tokens", f"ids in [0, {limits.vocab_size})", "ids outside")
 
 
+def datum_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """The datums' indices grouped into padded batches of at most `budget` tokens each
+    (rows x the longest row), shortest first so a batch pads little; a datum longer
+    than `budget` runs alone. Deterministic in `lengths`, so a replayed request runs the
+    same batches (and sums its gradients in the same order) as the first run."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # stable: ties keep order
+        # Ascending lengths: the row joining is the batch's longest.
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 @dataclass(frozen=True)
 class SampleSpec:
     """A checked sample request."""
