@@ -13,8 +13,9 @@ from a snapshot of its adapter taken at save_weights_for_sampler (the SDK's
 loaded into a scratch adapter of the same shape just before it samples.
 
 forward / forward_backward run a request's datums as right-padded batches of at most
-`[tinker] batch_tokens` padded tokens, not one by one: a datum at a time was 80% of a
-cookbook RL step (bench/results_tinker.md). Right padding leaves each datum's real
+`[tinker] batch_tokens` padded tokens (of similar lengths: padding costs compute like a
+real token), not one by one: a datum at a time was 80% of a cookbook RL step
+(bench/results_tinker.md). Right padding leaves each datum's real
 positions as they were alone, so the outputs are the one-by-one path's within float32
 rounding (tests/unit/tinker/test_model_batches.py); the budget bounds the float32
 logits, the largest tensor of a pass.
@@ -38,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.tinker import losses
-from services.tinker.core import Datum, SampleSpec, TinkerUserError, datum_batches
+from services.tinker.core import (
+    MAX_PADDING,
+    Datum,
+    SampleSpec,
+    TinkerUserError,
+    datum_batches,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +73,12 @@ class _Adapter:
 
 class AdapterModel:
     def __init__(
-        self, model_dir: Path, lora_alpha: float, seed: int = 0, batch_tokens: int = 4096
+        self,
+        model_dir: Path,
+        lora_alpha: float,
+        seed: int = 0,
+        batch_tokens: int = 4096,
+        max_padding: float = MAX_PADDING,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,6 +91,7 @@ class AdapterModel:
         self.eos_ids = _eos_ids(self.base, self.tokenizer)
         self.lora_alpha = lora_alpha
         self.batch_tokens = batch_tokens  # [tinker] batch_tokens: padded tokens per forward
+        self.max_padding = max_padding  # the share of a batch's tokens that may be padding
         # `cache` in the transformers that renamed it (5.x), `past_key_values` before.
         forward_params = inspect.signature(self.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -198,11 +211,13 @@ class AdapterModel:
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per datum: the target tokens' logprobs and the per-token loss; the summed loss.
         With `backward`, the loss's gradients accumulate on the adapter until optim_step.
-        The datums run as padded batches of at most `batch_tokens` tokens (core.datum_batches)."""
+        The datums run as padded batches of at most `batch_tokens` tokens, little padded
+        (core.datum_batches)."""
         self._activate(model_id)
         outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
         datum_losses = [0.0] * len(data)
-        for batch in datum_batches([len(d.tokens) for d in data], self.batch_tokens):
+        lengths = [len(d.tokens) for d in data]
+        for batch in datum_batches(lengths, self.batch_tokens, self.max_padding):
             results = self._batch_pass(loss, [data[i] for i in batch], backward, config)
             for i, (target_lp, per_token, datum_loss) in zip(batch, results, strict=True):
                 outputs[i] = {"logprobs": target_lp, "elementwise_loss": per_token}
