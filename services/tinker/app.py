@@ -730,7 +730,8 @@ def create_service(settings: TinkerSettings) -> Service:
 
         torch.set_num_threads(settings.num_threads)
     model_dir = Path(settings.model)
-    return Service(settings, AdapterModel(model_dir, settings.lora_alpha, settings.seed), model_dir)
+    model = AdapterModel(model_dir, settings.lora_alpha, settings.seed, settings.batch_tokens)
+    return Service(settings, model, model_dir)
 
 
 async def serve(

@@ -12,6 +12,14 @@ from a snapshot of its adapter taken at save_weights_for_sampler (the SDK's
 "snapshot" contract: training on after the save does not change what it samples),
 loaded into a scratch adapter of the same shape just before it samples.
 
+forward / forward_backward run a request's datums as right-padded batches of at most
+`[tinker] batch_tokens` padded tokens (of similar lengths: padding costs compute like a
+real token), not one by one: a datum at a time was 80% of a cookbook RL step
+(bench/results_tinker.md). Right padding leaves each datum's real
+positions as they were alone, so the outputs are the one-by-one path's within float32
+rounding (tests/unit/tinker/test_model_batches.py); the budget bounds the float32
+logits, the largest tensor of a pass.
+
 Without `[tinker] engines` the sampler runs here, on the model thread; with them,
 the engines sample (engines.py) and this model only trains and hands over copies of
 an adapter's tensors (`adapter_tensors`).
@@ -31,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from services.tinker import losses
-from services.tinker.core import Datum, SampleSpec, TinkerUserError
+from services.tinker.core import (
+    MAX_PADDING,
+    Datum,
+    SampleSpec,
+    TinkerUserError,
+    datum_batches,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +72,14 @@ class _Adapter:
 
 
 class AdapterModel:
-    def __init__(self, model_dir: Path, lora_alpha: float, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        lora_alpha: float,
+        seed: int = 0,
+        batch_tokens: int = 4096,
+        max_padding: float = MAX_PADDING,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,6 +90,8 @@ class AdapterModel:
         self.vocab_size = int(self.base.config.vocab_size)
         self.eos_ids = _eos_ids(self.base, self.tokenizer)
         self.lora_alpha = lora_alpha
+        self.batch_tokens = batch_tokens  # [tinker] batch_tokens: padded tokens per forward
+        self.max_padding = max_padding  # the share of a batch's tokens that may be padding
         # `cache` in the transformers that renamed it (5.x), `past_key_values` before.
         forward_params = inspect.signature(self.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -187,29 +210,62 @@ class AdapterModel:
         config: dict[str, float] | None = None,
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per datum: the target tokens' logprobs and the per-token loss; the summed loss.
-        With `backward`, the loss's gradients accumulate on the adapter until optim_step."""
+        With `backward`, the loss's gradients accumulate on the adapter until optim_step.
+        The datums run as padded batches of at most `batch_tokens` tokens, little padded
+        (core.datum_batches)."""
+        self._activate(model_id)
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
+        datum_losses = [0.0] * len(data)
+        lengths = [len(d.tokens) for d in data]
+        for batch in datum_batches(lengths, self.batch_tokens, self.max_padding):
+            results = self._batch_pass(loss, [data[i] for i in batch], backward, config)
+            for i, (target_lp, per_token, datum_loss) in zip(batch, results, strict=True):
+                outputs[i] = {"logprobs": target_lp, "elementwise_loss": per_token}
+                datum_losses[i] = datum_loss
+        return outputs, {"loss:sum": sum(datum_losses)}  # summed in the request's order
+
+    def _batch_pass(
+        self, loss: str, batch: list[Datum], backward: bool, config: dict[str, float] | None
+    ) -> list[tuple[np.ndarray, np.ndarray, float]]:
+        """One forward (and backward) of `batch`, right-padded into one [B, N] tensor:
+        per datum its target logprobs, per-token loss and summed loss.
+
+        Right padding keeps every real position as it was alone: a datum's padding
+        comes after its tokens, where causal attention never looks, the attention mask
+        takes it out of the keys besides, and position ids count from 0 as they do alone.
+        A batch with no padding (one datum, or equal lengths) runs without a mask, as one
+        datum always ran."""
         import torch
 
-        self._activate(model_id)
-        outputs, total = [], 0.0
-        for d in data:
-            ids = torch.tensor([d.tokens])  # [1, N]
-            targets = torch.tensor(d.inputs["target_tokens"], dtype=torch.long)  # [N]
-            with torch.set_grad_enabled(backward):
-                logits = self.peft(input_ids=ids).logits[0].float()  # [N, V]
-                target_lp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
-                per_token = losses.elementwise(loss, target_lp, d.inputs, config)  # [N]
-                datum_loss = per_token.sum()
-                if backward:
-                    datum_loss.backward()
-            outputs.append(
-                {
-                    "logprobs": target_lp.detach().numpy().astype(np.float32),
-                    "elementwise_loss": per_token.detach().numpy().astype(np.float32),
-                }
+        lengths = [len(d.tokens) for d in batch]
+        n = max(lengths)
+        ids = torch.zeros(len(batch), n, dtype=torch.long)  # [B, N], padded with id 0
+        targets = torch.zeros(len(batch), n, dtype=torch.long)  # [B, N]
+        for row, (d, k) in enumerate(zip(batch, lengths, strict=True)):
+            ids[row, :k] = torch.tensor(d.tokens)
+            targets[row, :k] = torch.tensor(d.inputs["target_tokens"], dtype=torch.long)
+        real = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [B, N]
+        mask = None if min(lengths) == n else real.long()
+        with torch.set_grad_enabled(backward):
+            # float32 logits [B, N, V]: the batch's largest tensor, which batch_tokens bounds.
+            logits = self.peft(input_ids=ids, attention_mask=mask).logits.float()
+            target_lp = torch.log_softmax(logits, -1).gather(2, targets[..., None])[..., 0]
+            del logits  # target_lp [B, N]; autograd keeps the log-softmax its backward needs
+            per_token = [
+                losses.elementwise(loss, target_lp[row, :k], d.inputs, config)  # [k]
+                for row, (d, k) in enumerate(zip(batch, lengths, strict=True))
+            ]
+            datum_loss = [t.sum() for t in per_token]
+            if backward:
+                torch.stack(datum_loss).sum().backward()
+        return [
+            (
+                target_lp[row, :k].detach().numpy().astype(np.float32),
+                per_token[row].detach().numpy().astype(np.float32),
+                float(datum_loss[row].detach()),
             )
-            total += float(datum_loss.detach())
-        return outputs, {"loss:sum": total}
+            for row, k in enumerate(lengths)
+        ]
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step on the adapter's accumulated gradients, then zero them."""

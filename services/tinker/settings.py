@@ -42,6 +42,16 @@ class TinkerSettings(ServiceSettings):
     max_tokens: int = Field(
         4096, ge=2, description="Longest model input (prompt + target) one datum may have."
     )
+    batch_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Padded tokens (datums x the longest of them) one forward pass of a "
+        "forward/forward_backward request runs at once: its datums run as right-padded "
+        "batches of at most this many, whose float32 logits are batch_tokens x vocab x 4 "
+        "bytes (4096 x SmolLM2's 49,152: 805 MB). The default is max_tokens' default, so a "
+        "batch holds no more than one datum of the longest length the server accepts; a "
+        "datum longer than this runs alone.",
+    )
     max_num_samples: int = Field(64, ge=1, description="Most samples one sample request may ask.")
     max_sample_tokens: int = Field(
         1024, ge=1, description="Largest max_tokens a sample request may ask."

@@ -19,6 +19,7 @@ from services.tinker.core import (
     check_batch,
     check_rank,
     check_sample,
+    datum_batches,
 )
 
 LIMITS = Limits(
@@ -139,3 +140,19 @@ def test_loss_config_defaults_overrides_and_each_bad_one_named() -> None:
             loss_config(loss, given)
     with pytest.raises(BadLossConfig, match="'beta' is required"):
         check_batch("dro", [ce()], LIMITS, {})
+
+
+def test_datum_batches_pack_shortest_first_under_the_token_budget() -> None:
+    # Sorted: 3 (i1), 5 (i0), 5 (i3), 9 (i2), 20 (i4). Rows x the longest row <= 16:
+    # [3, 5, 5] is 15, a fourth row of 9 would be 36; [9] then a row of 20 would be 40.
+    assert datum_batches([5, 3, 9, 5, 20], 16, max_padding=1.0) == [[1, 0, 3], [2], [4]]
+    # Every datum exactly once, whatever the budget; a budget of 1 runs each alone.
+    assert datum_batches([5, 3, 9], 1) == [[1], [0], [2]]
+    assert datum_batches([4] * 6, 4 * 6) == [list(range(6))]
+    assert datum_batches([], 8) == []
+
+
+def test_datum_batches_start_a_new_batch_rather_than_pad_much() -> None:
+    # [60, 61, 62]: 186 tokens, 3 of them padding (1.6%); a 70 would pad 27 of 280.
+    assert datum_batches([60, 70, 61, 62, 71], 4096, max_padding=0.05) == [[0, 2, 3], [1, 4]]
+    assert datum_batches([60, 70, 61, 62, 71], 4096, max_padding=0.2) == [[0, 2, 3, 1, 4]]
