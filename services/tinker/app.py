@@ -125,7 +125,6 @@ class Service:
     ) -> None:
         """Run `work` on the model thread (queued now, so in arrival order); its result,
         through `then` on the event loop, completes the entry."""
-        done = self._finished.setdefault(entry.request_id, asyncio.Event())
 
         def timed() -> Any:
             t0 = time.perf_counter()
@@ -136,26 +135,14 @@ class Service:
 
         queued = asyncio.get_running_loop().run_in_executor(self.thread, timed)
 
-        async def finish() -> None:
-            try:
-                outcome = Outcome(entry.request_id, False, then(await queued))
-            except TinkerUserError as e:
-                outcome = _failed(entry, str(e), Category.USER)
-            except Exception as e:  # a server fault: that request fails, loudly, the rest go on
-                log.exception("request %s (%s) failed", entry.request_id, entry.kind)
-                outcome = _failed(entry, f"{type(e).__name__}: {e}", Category.SERVER)
-            try:
-                await self.settle(entry, outcome)
-            finally:
-                done.set()
+        async def result() -> Any:
+            return then(await queued)
 
-        task = asyncio.create_task(finish())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.submit_async(entry, result())
 
     def submit_async(self, entry: Entry, run: Coroutine[Any, Any, Any]) -> None:
-        """Complete `entry` with what `run` returns, on the event loop: work on the engines,
-        which runs beside the model thread, not in its queue."""
+        """Complete `entry` with what `run` returns, on the event loop (work on the engines
+        runs beside the model thread, not in its queue; `submit` awaits its turn there)."""
         done = self._finished.setdefault(entry.request_id, asyncio.Event())
 
         async def finish() -> None:
@@ -171,7 +158,11 @@ class Service:
             finally:
                 done.set()
 
-        task = asyncio.create_task(finish())
+        self._spawn(finish())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """A task the service keeps a reference to until it is done."""
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -213,14 +204,10 @@ class Service:
                 for entry in entries:
                     self._finished.setdefault(entry.request_id, asyncio.Event()).set()
 
-        task = asyncio.create_task(finish())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(finish())
 
     def refuse(self, entry: Entry, error: TinkerUserError) -> None:
-        task = asyncio.create_task(self.settle(entry, _failed(entry, str(error), Category.USER)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self.settle(entry, _failed(entry, str(error), Category.USER)))
 
     # -- the journal (journal.py): a no-op without [tinker] journal_stream ---------------
 
