@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,26 @@ def rendered(overlay: str) -> str:
     out = run([tool("kubectl"), "kustomize", str(k8s_with_secrets() / "overlays" / overlay)])
     assert out.returncode == 0, f"kustomize {overlay} failed:\n{out.stderr}"
     return out.stdout
+
+
+def with_component(
+    here: Path, component: str, run_toml: Callable[[str], str]
+) -> tuple[str, list[dict[str, Any]]]:
+    """cpu-dev with `components/<component>` added, rendered in `here`: the run file's
+    ConfigMap holds `run_toml(cpu-dev's run file)`. Returns the YAML and its objects."""
+    k8s = k8s_with_secrets()
+    cpu = k8s / "overlays" / "cpu-dev"
+    (here / "run.toml").write_text(run_toml((cpu / "run.toml").read_text()))
+    (here / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(cpu, here)],
+        "components": [os.path.relpath(k8s / "components" / component, here)],
+        "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
+                                "files": ["run.toml"]}],
+    }))  # fmt: skip
+    out = run([tool("kubectl"), "kustomize", str(here)])
+    assert out.returncode == 0, out.stderr
+    return out.stdout, [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def objects(overlay: str) -> list[dict[str, Any]]:

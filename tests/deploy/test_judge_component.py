@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.deploy.deploy_support import KUBERNETES_VERSION, find, k8s_with_secrets, run, tool
+from tests.deploy.deploy_support import (
+    KUBERNETES_VERSION,
+    find,
+    run,
+    tool,
+    with_component,
+)
 
 JUDGE_PART = (
     '\n[[task.reward]]\ntype = "judge"\nweight = 0.5\n'
@@ -27,22 +32,13 @@ JUDGE_PART = (
 
 
 def render(tmp_path: Path) -> tuple[list[dict[str, Any]], str]:
-    k8s = k8s_with_secrets()
-    cpu = k8s / "overlays" / "cpu-dev"
-    toml = (cpu / "run.toml").read_text().replace('reward = "exact_match"\n', "")
-    toml = toml.replace("[task.eval]", '[[task.reward]]\nfn = "exact_match"\n' + JUDGE_PART
-                        + "\n[task.eval]", 1)  # fmt: skip
-    (tmp_path / "run.toml").write_text(toml)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(cpu, tmp_path)],
-        "components": [os.path.relpath(k8s / "components" / "judge", tmp_path)],
-        "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
-                                "files": ["run.toml"]}],
-    }))  # fmt: skip
-    out = run([tool("kubectl"), "kustomize", str(tmp_path)])
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d], out.stdout
+    def judged(toml: str) -> str:
+        toml = toml.replace('reward = "exact_match"\n', "")
+        return toml.replace("[task.eval]", '[[task.reward]]\nfn = "exact_match"\n' + JUDGE_PART
+                            + "\n[task.eval]", 1)  # fmt: skip
+
+    text, objs = with_component(tmp_path, "judge", judged)
+    return objs, text
 
 
 def test_judge_component_validates_and_wires_the_workers(

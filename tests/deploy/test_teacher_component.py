@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.deploy.deploy_support import (
     KUBERNETES_VERSION,
     find,
-    k8s_with_secrets,
     run,
     tool,
+    with_component,
 )
 
 TEACHER = """
@@ -37,22 +36,11 @@ reward_weight = 0.0
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    k8s = k8s_with_secrets()
-    base = k8s / "overlays" / "cpu-dev"
     here = tmp_path_factory.mktemp("teacher-overlay")
-    (here / "run.toml").write_text((base / "run.toml").read_text() + TEACHER)
-    (here / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(base, here)],
-        "components": [os.path.relpath(k8s / "components" / "teacher", here)],
-        "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
-                                "files": ["run.toml"]}],
-    }))  # fmt: skip
-    out = run([tool("kubectl"), "kustomize", str(here)])
-    assert out.returncode == 0, out.stderr
+    text, objs = with_component(here, "teacher", lambda toml: toml + TEACHER)
     manifest = here / "rendered.yaml"
-    manifest.write_text(out.stdout)
-    return manifest, [d for d in yaml.safe_load_all(out.stdout) if d]
+    manifest.write_text(text)
+    return manifest, objs
 
 
 def test_it_validates_strictly(rendered: tuple[Path, list[dict[str, Any]]]) -> None:

@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.deploy.deploy_support import (
     KUBERNETES_VERSION,
     ROOT,
     find,
-    k8s_with_secrets,
     run,
     tool,
+    with_component,
 )
 
 TINKER = """
@@ -33,22 +32,11 @@ lora_alpha = 16
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    k8s = k8s_with_secrets()
-    base = k8s / "overlays" / "cpu-dev"
     here = tmp_path_factory.mktemp("tinker-overlay")
-    (here / "run.toml").write_text((base / "run.toml").read_text() + TINKER)
-    (here / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(base, here)],
-        "components": [os.path.relpath(k8s / "components" / "tinker", here)],
-        "configMapGenerator": [{"name": "flywheel-run", "behavior": "replace",
-                                "files": ["run.toml"]}],
-    }))  # fmt: skip
-    out = run([tool("kubectl"), "kustomize", str(here)])
-    assert out.returncode == 0, out.stderr
+    text, objs = with_component(here, "tinker", lambda toml: toml + TINKER)
     manifest = here / "rendered.yaml"
-    manifest.write_text(out.stdout)
-    return manifest, [d for d in yaml.safe_load_all(out.stdout) if d]
+    manifest.write_text(text)
+    return manifest, objs
 
 
 def test_it_validates_strictly(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
