@@ -62,7 +62,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+# SIGINT to `flywheel up` (it stops its services in order), harder if it hangs
+from bench.learning_side_by_side import stop  # noqa: E402
 
 MODEL = Path("~/.cache/flywheel/models/SmolLM2-135M-Instruct").expanduser()
 TINKER_RUN = ROOT / "configs" / "examples" / "tinker.toml"
@@ -100,21 +102,6 @@ def write_run(base: Path, run_dir: Path, model: Path, edit: dict[str, dict[str, 
     out = run_dir / "run.toml"
     out.write_text(dump_toml(doc))
     return out
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT to `flywheel up` (it stops its services in order), harder if it hangs."""
-    for send, wait in (
-        (lambda: os.kill(proc.pid, signal.SIGINT), 60),
-        (lambda: os.killpg(proc.pid, signal.SIGKILL), 10),
-    ):
-        if proc.poll() is not None:
-            return
-        send()
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def drain(stream: Any, log: Any) -> None:
