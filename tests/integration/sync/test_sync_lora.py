@@ -115,7 +115,8 @@ def test_sync_loads_each_version_as_an_adapter_and_unloads_superseded_ones(
             )
             await to(2)
             # a long request with v1 runs while v3 arrives: v1's unload waits for it
-            await c.request("POST", "/slow_down", {"forward_sleep_time": 0.05})
+            # 0.2 s a token: the 30-token flight outlasts v3's load under make test's load
+            await c.request("POST", "/slow_down", {"forward_sleep_time": 0.2})
             long = {**GREEDY, "max_new_tokens": 30}
             flight = asyncio.create_task(
                 c.generate([4, 5, 6], sampling_params=long, lora_path="v000001")
@@ -123,8 +124,10 @@ def test_sync_loads_each_version_as_an_adapter_and_unloads_superseded_ones(
             while state.scheduler.generated_tokens < 2:
                 await asyncio.sleep(0.02)
             update = asyncio.create_task(to(3))
-            await asyncio.sleep(0.5)
-            assert e.version == 3  # served at once; the unload is still waiting
+            deadline = time.monotonic() + 5.0  # a fixed 0.5 s wait was too short under load
+            while e.version != 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert e.version == 3  # served while v1's request runs; the unload is waiting
             assert not flight.done() and not update.done()
             await c.request("POST", "/slow_down", {"forward_sleep_time": None})
             [done] = await flight
