@@ -23,7 +23,9 @@ async def read_stream_async(nats_url: str, stream: str, subject: str) -> list[by
 
     nc = await nats.connect(nats_url.split(","))  # a cluster: every member's URL
     try:
-        js = nc.jetstream()
+        # The API's default 5 s ran out once for stream_info under make test's load (a
+        # stack's services and three other workers' beside the server): a reader waits.
+        js = nc.jetstream(timeout=30)
         info = await js.stream_info(stream, subjects_filter=subject)
         want = sum((info.state.subjects or {}).values())
         cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
