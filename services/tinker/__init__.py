@@ -8,7 +8,7 @@ runtime and the models domain, no other service. Layers:
   `[tinker]` limits (typed errors naming what is wrong), the request log keyed by
   (owner, seq_id) that answers a retry once and never runs it twice, sessions;
 - `losses`    the built-in losses per token (cross_entropy, importance_sampling,
-  ppo, cispo, dro) and their loss_fn_config;
+  ppo, cispo, dro, gspo) and their loss_fn_config;
 - `model`     one base model with a PEFT LoRA adapter and an AdamW per training
   client, and the in-process sampler (used when `[tinker] engines` is empty);
 - `engines`   sampling on the engines: a sampler's adapter as a PEFT directory loaded

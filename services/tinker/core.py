@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 # The losses the SDK names (tinker.types.LossFnType), split by what this server runs.
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-SDK_LOSSES = (*SUPPORTED_LOSSES, "gspo", "stable_reinforce", "custom")
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+SDK_LOSSES = (*SUPPORTED_LOSSES, "stable_reinforce", "custom")
 
 # loss -> (required loss_fn_inputs, optional ones): each a float or int vector, one
 # entry per model-input token (Tinker's convention: the target of position i is
@@ -37,17 +37,21 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ppo": (("target_tokens", "logprobs", "advantages"), ()),
     "cispo": (("target_tokens", "logprobs", "advantages"), ()),
     "dro": (("target_tokens", "logprobs", "advantages"), ()),
+    "gspo": (("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"), ()),
 }
 
 # loss -> its loss_fn_config keys and their defaults (None: the caller must give it),
 # as Tinker's loss docs define them: PPO clips the ratio to [0.8, 1.2] (epsilon 0.2),
-# CISPO to [0, 4] (no lower bound); DRO's beta has no documented default.
+# CISPO to [0, 4] (no lower bound); DRO's beta and GSPO's thresholds have no documented
+# default (GSPO's sequence ratios stay near 1: its paper clips to [1 - 3e-4, 1 + 4e-4],
+# where PPO's band would clip nothing).
 LOSS_CONFIG: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": None},
+    "gspo": {"clip_low_threshold": None, "clip_high_threshold": None},
 }
 
 
@@ -188,6 +192,9 @@ def check_batch(
         for name, arr in d.inputs.items():
             if arr.shape != (n,):
                 raise BadShape(i, name, f"shape [{n}] (the model input's length)", list(arr.shape))
+        if loss == "gspo" and not d.inputs["sequence_ratio_mask"].any():
+            # The sequence ratio is a mean over the marked tokens: over none it is 0/0.
+            raise BadShape(i, "sequence_ratio_mask", "nonzero on at least one token", "all 0")
         targets = d.inputs["target_tokens"]
         if targets.size and not (0 <= targets.min() and targets.max() < limits.vocab_size):
             raise BadShape(i, "target_tokens", f"ids in [0, {limits.vocab_size})", "ids outside")

@@ -12,6 +12,10 @@ sampler's logprobs `q` (input `logprobs`) and `advantages` A:
 - ppo                  -min((p/q) A, clip(p/q, low, high) A)
 - cispo                -sg(clip(p/q, low, high)) log p A
 - dro                  -(log p A - beta/2 (log p - log q)^2)
+- gspo                 -min(s_t A, clip(s_t, low, high) A), s_t = sg(s) p/sg(p), where s is
+                       the geometric mean of p/q over the tokens `sequence_ratio_mask`
+                       marks (GSPO-token: each token carries the sequence ratio's value
+                       and its own logprob's gradient)
 
 where p/q = exp(log p - log q) and sg stops the gradient.
 """
@@ -59,4 +63,13 @@ def elementwise(
         return -(clipped * logprobs * advantages)
     if loss == "dro":
         return -(logprobs * advantages - 0.5 * config["beta"] * (logprobs - sampler) ** 2)
+    if loss == "gspo":
+        # The datum is one sequence; its mask marks the tokens the ratio's mean is over
+        # (core.check_batch: at least one). Every token carries the mean's value, with
+        # its own logprob's gradient: exp(mean + lp - sg(lp)).
+        marked = vec("sequence_ratio_mask") != 0
+        log_ratio = (logprobs.detach() - sampler)[marked].mean()
+        seq = torch.exp(log_ratio + logprobs - logprobs.detach())
+        clipped = seq.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+        return -torch.minimum(seq * advantages, clipped * advantages)
     raise AssertionError(f"core.check_batch let through loss {loss!r}")

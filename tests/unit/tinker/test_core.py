@@ -42,11 +42,31 @@ def test_a_good_batch_passes() -> None:
     )
 
 
-@pytest.mark.parametrize("loss", ["gspo", "stable_reinforce", "custom"])
+@pytest.mark.parametrize("loss", ["stable_reinforce", "custom"])
 def test_an_sdk_loss_not_run_here_is_named_with_what_is(loss: str) -> None:
     with pytest.raises(UnsupportedLoss, match=f"'{loss}' is one the SDK names") as e:
         check_batch(loss, [ce()], LIMITS)
-    assert "cross_entropy, importance_sampling, ppo, cispo, dro" in str(e.value)
+    assert "cross_entropy, importance_sampling, ppo, cispo, dro, gspo" in str(e.value)
+
+
+def test_gspo_needs_its_mask_on_some_token_and_both_thresholds() -> None:
+    from services.tinker.core import BadLossConfig
+
+    def gspo(mask: list[float]) -> Datum:
+        rl = {"logprobs": np.zeros(3, np.float32), "advantages": np.ones(3, np.float32),
+              "sequence_ratio_mask": np.array(mask, np.float32)}  # fmt: skip
+        return Datum((1, 2, 3), {"target_tokens": np.arange(3, dtype=np.int64), **rl})
+
+    band = {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}
+    check_batch("gspo", [gspo([0.0, 1.0, 1.0])], LIMITS, band)
+    with pytest.raises(BadShape, match=r"datum 1: .*'sequence_ratio_mask'.*nonzero"):
+        check_batch("gspo", [gspo([1.0, 0.0, 0.0]), gspo([0.0, 0.0, 0.0])], LIMITS, band)
+    with pytest.raises(BadShape, match="'sequence_ratio_mask'"):
+        no_mask = gspo([1.0, 1.0, 1.0])
+        inputs = {k: v for k, v in no_mask.inputs.items() if k != "sequence_ratio_mask"}
+        check_batch("gspo", [Datum(no_mask.tokens, inputs)], LIMITS, band)
+    with pytest.raises(BadLossConfig, match="'clip_low_threshold' is required"):
+        check_batch("gspo", [gspo([1.0, 1.0, 1.0])], LIMITS)
 
 
 def test_an_unknown_loss_is_not_one_the_sdk_names() -> None:

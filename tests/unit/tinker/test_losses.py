@@ -75,3 +75,28 @@ def test_dro_is_the_advantage_term_minus_a_quadratic_penalty_by_hand() -> None:
     assert per_token.tolist() == pytest.approx([1.0125, -0.95])
     per_token.sum().backward()  # -(A - beta·(lp - q))
     assert lp.grad is not None and lp.grad.tolist() == pytest.approx([-0.95, 0.4])
+
+
+def test_gspo_gives_each_token_the_sequence_ratio_and_its_own_gradient_by_hand() -> None:
+    # Token log-ratios 0.3, -0.1 and 2.0; the mask leaves the third out of the sequence
+    # ratio: s = exp(mean(0.3, -0.1)) = e^0.1 = 1.1052 for every token, the third too.
+    lp, inputs = _rl([-1.0, -2.0, -0.5], [-1.3, -1.9, -2.5], [1.0, -1.0, 2.0])
+    inputs["sequence_ratio_mask"] = np.array([1.0, 1.0, 0.0], np.float32)
+    s = float(np.exp(0.1))
+    wide = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    per_token = elementwise("gspo", lp, inputs, wide)
+    assert per_token.tolist() == pytest.approx([-s, s, -2 * s], abs=1e-6)
+    per_token.sum().backward()  # the value s, the gradient s · ∇lp_t: -s · A_t
+    assert lp.grad is not None and lp.grad.tolist() == pytest.approx([-s, s, -2 * s], abs=1e-6)
+    # A band s leaves from above: the tokens with A > 0 are clipped (no gradient), the
+    # token with A < 0 keeps the unclipped, lower term.
+    lp.grad = None
+    narrow = elementwise("gspo", lp, inputs, {"clip_low_threshold": 0.9997,
+                                               "clip_high_threshold": 1.0004})  # fmt: skip
+    assert narrow.tolist() == pytest.approx([-1.0004, s, -2 * 1.0004], abs=1e-6)
+    narrow.sum().backward()
+    assert lp.grad is not None and lp.grad.tolist() == pytest.approx([0.0, s, 0.0], abs=1e-6)
+    # The masked-out token's own ratio (e^2) changes nothing: the mask decides s.
+    inputs["sequence_ratio_mask"] = np.ones(3, np.float32)
+    all_three = elementwise("gspo", lp.detach(), inputs, {**wide, "clip_high_threshold": 3.0})
+    assert all_three[0].item() == pytest.approx(-float(np.exp(2.2 / 3)), abs=1e-6)

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from services.tinker.core import SUPPORTED_LOSSES, Datum, datum_batches, loss_config
+from services.tinker.core import (
+    LOSS_INPUTS,
+    SUPPORTED_LOSSES,
+    Datum,
+    datum_batches,
+    loss_config,
+)
 from services.tinker.losses import elementwise
 
 pytest.importorskip("peft", reason="the `lora` extra is not installed (pip install '.[lora]')")
@@ -33,14 +39,15 @@ def _data(vocab: int) -> list[Datum]:
             # PPO's and CISPO's bands and some tokens clip.
             "logprobs": rng.normal(-np.log(vocab), 0.5, n).astype(np.float32),
             "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+            # GSPO's sequence ratio over about half of each datum's tokens (one at least).
+            "sequence_ratio_mask": np.r_[1.0, rng.choice([0.0, 1.0], n - 1)].astype(np.float32),
         }
         data.append(Datum(tuple(int(t) for t in rng.integers(0, vocab, n)), inputs))
     return data
 
 
 def _inputs_for(loss: str, d: Datum) -> Datum:
-    keep = ("target_tokens", "weights") if loss == "cross_entropy" else (
-        "target_tokens", "logprobs", "advantages")  # fmt: skip
+    keep = LOSS_INPUTS[loss][0] + LOSS_INPUTS[loss][1]
     return Datum(d.tokens, {k: d.inputs[k] for k in keep})
 
 
@@ -97,7 +104,8 @@ def test_the_data_runs_as_several_padded_batches() -> None:
 
 @pytest.mark.parametrize("loss", SUPPORTED_LOSSES)
 def test_batched_equals_one_by_one(model: Any, loss: str) -> None:
-    config = loss_config(loss, {"beta": 0.1} if loss == "dro" else None)
+    given = {"dro": {"beta": 0.1}, "gspo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}}
+    config = loss_config(loss, given.get(loss))
     data = [_inputs_for(loss, d) for d in _data(model.vocab_size)]
     ref_outputs, ref_total, ref_grads = _one_by_one(model, loss, data, config)
 
