@@ -173,8 +173,8 @@ def test_bad_inputs_fail_alone_with_a_clear_error(
             return str(info.value)
 
         # An SDK loss this server does not run, named, with what it does run.
-        msg = error_of(bad.forward_backward(data, "gspo"))
-        assert "'gspo'" in msg and "cross_entropy, importance_sampling, ppo" in msg
+        msg = error_of(bad.forward_backward(data, "stable_reinforce"))
+        assert "'stable_reinforce'" in msg and "cross_entropy, importance_sampling, ppo" in msg
         # Weights one short of the input: the key, the shape wanted, the shape given.
         short = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -247,3 +247,45 @@ def test_importance_sampling_on_the_samplers_own_logprobs(
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
     after = training.forward([datum], "importance_sampling").result(timeout=60)
     assert after.metrics["loss:sum"] < out.metrics["loss:sum"]  # ratios above 1 now
+
+
+def test_a_custom_loss_computed_client_side_trains_as_its_built_in_twin(
+    service_client: Any, tinker_server: Server
+) -> None:
+    """forward_backward_custom (the SDK computes the loss from forward's logprobs and sends
+    its gradient as cross_entropy weights): a custom loss equal to the weighted cross
+    entropy leaves its session's adapter where the built-in loss leaves a twin's."""
+    from tinker import types
+
+    weights = [0.5, 2.0, 1.0, 0.0, 1.5]
+    tokens = _tokens(tinker_server)
+    w = (weights * 4)[: len(tokens) - 1]
+    data = [_datum(tokens, w)]
+    sessions = [
+        service_client.create_lora_training_client(
+            base_model=tinker_server.model_name, rank=4, seed=6
+        ).result(timeout=60)
+        for _ in range(2)
+    ]
+    custom, built_in = sessions
+
+    def weighted_nll(batch: list[Any], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        import torch
+
+        total = sum(
+            -(torch.tensor(d.loss_fn_inputs["weights"].tolist()) * lp).sum()
+            for d, lp in zip(batch, logprobs, strict=True)
+        )
+        return total, {"custom:sum": float(total.detach())}
+
+    before = _loss(built_in, data)
+    out = custom.forward_backward_custom(data, weighted_nll).result(timeout=60)
+    assert out.metrics["custom:sum"] == pytest.approx(
+        built_in.forward(data, "cross_entropy").result(60).metrics["loss:sum"], rel=1e-5
+    )
+    built_in.forward_backward(data, "cross_entropy").result(timeout=60)
+    for client in sessions:
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    after = [_loss(client, [_datum(tokens)]) for client in sessions]
+    assert after[0] == pytest.approx(after[1], rel=1e-5)
+    assert _loss(built_in, data) < before  # both moved, the same way
