@@ -241,6 +241,31 @@ def test_engine_probes_match_sglangs_health_endpoints(overlay: str) -> None:
         assert engine[probe].get("timeoutSeconds", 1) >= 2, probe
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_evaluating_on_the_engines_gives_sync_what_it_needs(
+    overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eval_on = "engines" needs sync's [sync] model (the tokenizer; without it each
+    evaluation is reported aborted) and a held-out split; the gpu overlay evaluates
+    there (no second model copy on the trainer's GPUs)."""
+    from services.runtime.settings import load_settings
+
+    for k in list(os.environ):
+        if k.startswith("FLYWHEEL_"):
+            monkeypatch.delenv(k)
+    cm = next(o for o in objects(overlay) if o["metadata"]["name"].startswith("flywheel-run"))
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(cm["data"]["run.toml"])
+    run = tomllib.loads(run_toml.read_text())
+    trainer = load_settings(_settings_class("trainer"), run_toml)
+    if overlay == "gpu":
+        assert trainer.eval_every > 0 and trainer.eval_on == "engines"
+    if trainer.eval_every and trainer.eval_on == "engines":
+        assert load_settings(_settings_class("sync"), run_toml).model is not None, overlay
+        held_out = run["task"].get("eval", {})
+        assert held_out.get("holdout") or held_out.get("source"), overlay
+
+
 def test_gpu_image_and_sglang_extra_pin_one_supported_release() -> None:
     from services.engine_api.sglang_api import Capabilities
 
