@@ -6,7 +6,9 @@ from it; the server is SIGKILLed and started again on the same stream and engine
 the old futures are answered (a sample's from its record, byte for byte), the sampler's
 greedy samples are what they were (the replayed save loaded its adapter on the engine
 again, under a new name), and the client trains on: its next sampler samples a model
-that moved, as it would have without the restart.
+that moved, as it would have without the restart. Twice: replaying the whole stream,
+and from a replay checkpoint taken after the sampler's save (its snapshot's adapter
+goes to the engine from the checkpoint's copy).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ import pytest
 from services.stack.localdev.nats_server import NatsServer
 from tests.harness.engines import EngineProcess, start_engine, stop_engine
 from tests.integration.tinker.test_engines import ENGINE_MAX_RANK, PROMPTS, TEXT, _greedy, _train
-from tests.integration.tinker.test_journal import Servers, _poll, _replayed_as_recorded
+from tests.integration.tinker.test_journal import (
+    Servers,
+    _last_replay,
+    _poll,
+    _replayed_as_recorded,
+    _wait_checkpoints,
+)
 from tests.integration.tinker.test_retries import Raw
 
 
@@ -55,11 +63,13 @@ def _sample_body(sampler: str, prompt: list[int]) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("checkpoint_every", [0, 2])
 def test_a_restart_on_the_journal_serves_the_samplers_on_the_engine_again(
-    servers: Servers, engine: EngineProcess
+    servers: Servers, engine: EngineProcess, checkpoint_every: int
 ) -> None:
     import tinker
 
+    servers.settings["journal_checkpoint_every"] = str(checkpoint_every)
     first = servers.start()
     tok = first.tokens
     prompts = [tok(p) for p in PROMPTS]
@@ -76,12 +86,17 @@ def test_a_restart_on_the_journal_serves_the_samplers_on_the_engine_again(
     body = _sample_body(sampler._sampling_session_id, prompts[0])
     sample_id = str(raw.post("asample", body)["request_id"])
     sampled = _poll(raw, sample_id)
+    if checkpoint_every:  # a second step: a checkpoint holding the sampler's snapshot
+        _train(training, text, 1)
+        _wait_checkpoints(servers, 1)
     servers.kill()
 
     again = servers.start()  # the same stream, port and engine
+    assert (_last_replay(servers)[0] > 0) == bool(checkpoint_every)
     assert _poll(Raw(again), sample_id) == sampled  # from its record, byte for byte
     assert [s.tokens for s in _greedy(sampler, prompts)] == [s.tokens for s in before]
-    # The replayed save loaded the adapter on the engine under the new server's name.
+    # The replayed save (or the checkpoint's snapshot) loaded the adapter on the engine
+    # under the new server's name.
     log = (servers.root / "server.log").read_text()
     assert log.count("on 1 engine(s) as adapter") == 2, log
     # The client trains on, and its next sampler samples the moved model.
