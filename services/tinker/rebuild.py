@@ -91,8 +91,11 @@ async def rebuild(svc: Service, handlers: dict[str, Handler]) -> Rebuilt:
         log.error("journal %s: passed over %s", svc.journal.stream, why)
     covers = 0
     if start.checkpoint is not None:
+        t1 = time.perf_counter()
         await svc.restore(start.checkpoint)
         covers = start.checkpoint.covers
+        log.info("journal %s: checkpoint %s loaded in %.2f s", svc.journal.stream,
+                 start.checkpoint.directory, time.perf_counter() - t1)  # fmt: skip
     replay = start.replay
     records = [r for seq, r in numbered if seq > covers]
     counts = {"rerun": 0, "answered": 0, "unfinished": 0, "steps": 0}
