@@ -155,7 +155,7 @@ def one(
         "messages": _stream_messages(nats_url, stream),
         "held": max(held, default=0.0),
         "written": max(written, default=0.0),
-        "loaded": float(LOADED.findall(text)[-1]) if every else 0.0,
+        "loaded": max((float(x) for x in LOADED.findall(text)), default=0.0),  # 0: none taken
     }
 
 
