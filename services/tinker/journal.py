@@ -265,7 +265,7 @@ def plan_start(
     for cp in reversed(checkpoints):
         why = why_not_whole(cp)
         if why is None and cp.covers + 1 < first_seq:
-            why = f"the records after sequence {cp.covers} were purged (from {first_seq} on kept)"
+            why = f"the stream no longer holds the records after sequence {cp.covers}"
         if why is None:
             after = [r for seq, r in numbered if seq > cp.covers]
             return Start(cp, plan(after), passed_over)
