@@ -271,8 +271,11 @@ class Service:
             return None
         previous, self.last_checkpoint = self.last_checkpoint, cp
         if previous is not None:  # its records stay: a fallback if this directory is lost
-            await self.journal.purge_before(previous.covers + 1)
-            await asyncio.to_thread(self.checkpoints.remove_before, previous.covers)
+            try:
+                await self.journal.purge_before(previous.covers + 1)
+                await asyncio.to_thread(self.checkpoints.remove_before, previous.covers)
+            except Exception:  # recorded, not yet purged: the next checkpoint purges more
+                log.exception("the journal's purge behind checkpoint %s failed", cp.directory)
         log.info("journal %s: replay checkpoint %s covers sequence %d (%d models, %d "
                  "requests); requests held %.3f s, written in %.3f s", self.journal.stream,
                  cp.directory, cp.covers, len(captured.models), len(captured.entries), held,
