@@ -1,14 +1,20 @@
-"""What a restart of `flywheel tinker` on a journal costs: the replay of every logged step.
+"""What a restart of `flywheel tinker` on a journal costs: the replay of the logged steps,
+with and without replay checkpoints.
 
-For each N in --steps: a server on a fresh journal stream (a local nats-server), the
-Tinker SDK runs N cross-entropy steps (forward_backward + optim_step of two short
-datums), the server is SIGKILLed and started again on the stream; the restarted
-server's log says how long its replay took. Prints, per N, the live seconds per step,
-the replay's seconds in all and per replayed step, and the restart's time until
-/healthz answers (model load included); then the same steps on a server without a
-journal, for what the appends cost a live step. docs/tinker.md records a run.
+For each N in --steps, twice (without checkpoints, then with `[tinker]
+journal_checkpoint_every` = --checkpoint-every): a server on a fresh journal stream (a
+local nats-server), the Tinker SDK runs N cross-entropy steps (forward_backward +
+optim_step of two short datums), the server is SIGKILLed and started again on the
+stream; the restarted server's log says how long its replay took (a checkpoint's load
+included) and how many optim_steps it ran again, and its checkpoint lines how long
+requests were held, how long a checkpoint took to write and to load. Prints, per N and
+case, the live seconds per step, the optim_steps replayed, the replay's seconds, the
+restart's time until /healthz answers (model load included), the records the stream
+holds after the restart and the checkpoints' times; then the same steps on a server
+without a journal, for what the appends cost a live step.
+docs/tinker.md records a run.
 
-    python bench/tinker_replay.py [--model DIR] [--steps 5 20 40]
+    python bench/tinker_replay.py [--model DIR] [--steps 5 20 40] [--checkpoint-every 15]
 
 Without --model, the tests' tiny model (services/models/tiny_model.py), written to a
 temporary directory. The server runs on one torch thread, as the tests' do.
@@ -29,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 REPLAYED = re.compile(r"records replayed in ([0-9.]+) s: .*\((\d+) optim_steps\)")
+LOADED = re.compile(r"checkpoint \d+ loaded in ([0-9.]+) s")
+CHECKPOINTED = re.compile(r"requests held ([0-9.]+) s, written in ([0-9.]+) s")
 
 
 def _free_port() -> int:
@@ -72,17 +80,37 @@ def _data(tokenizer: Any) -> list[Any]:
     return data
 
 
-def one(model: Path, steps: int, nats_url: str, root: Path, journal: bool) -> dict[str, float]:
+def _stream_messages(nats_url: str, stream: str) -> int:
+    import asyncio
+
+    import nats
+
+    async def body() -> int:
+        nc = await nats.connect(nats_url)
+        try:
+            return int((await nc.jetstream().stream_info(stream)).state.messages)
+        finally:
+            await nc.close()
+
+    return asyncio.run(body())
+
+
+def one(
+    model: Path, steps: int, nats_url: str, root: Path, journal: bool, every: int = 0
+) -> dict[str, float]:
     import tinker
     from tinker import types
 
-    port, log = _free_port(), root / f"server-{steps}-{journal}.log"
+    port, log = _free_port(), root / f"server-{steps}-{journal}-{every}.log"
+    stream = f"bench-replay-{steps}-{every}"
     env = {
         **os.environ,
         "FLYWHEEL_TINKER_NUM_THREADS": "1",
         "FLYWHEEL_TINKER_STATE_DIR": str(root / "state"),
-        "FLYWHEEL_TINKER_JOURNAL_STREAM": f"bench-replay-{steps}" if journal else "",
+        "FLYWHEEL_TINKER_JOURNAL_STREAM": stream if journal else "",
         "FLYWHEEL_TINKER_NATS__URL": nats_url,
+        "FLYWHEEL_TINKER_JOURNAL_CHECKPOINT_EVERY": str(every),
+        "FLYWHEEL_TINKER_CHECKPOINT_DIR": str(root / "checkpoints"),
     }
     process = _start(model, port, env, log)
     service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}")
@@ -99,6 +127,12 @@ def one(model: Path, steps: int, nats_url: str, root: Path, journal: bool) -> di
         process.terminate()
         process.wait(30)
         return {"live": live}
+    if every:  # the last checkpoint due is written after its step's answer
+        deadline = time.monotonic() + 120
+        while len(CHECKPOINTED.findall(log.read_text())) < steps // every:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"checkpoints missing in {log}")
+            time.sleep(0.1)
     process.send_signal(signal.SIGKILL)
     process.wait(10)
     t0 = time.perf_counter()
@@ -107,16 +141,29 @@ def one(model: Path, steps: int, nats_url: str, root: Path, journal: bool) -> di
     service.close("success").result()
     process.terminate()
     process.wait(30)
-    found = REPLAYED.findall(log.read_text())
+    text = log.read_text()
+    found = REPLAYED.findall(text)
     replay_s, replayed_steps = float(found[-1][0]), int(found[-1][1])
-    assert replayed_steps == steps, (replayed_steps, steps)
-    return {"live": live, "replay": replay_s, "per_step": replay_s / steps, "restart": restart}
+    assert replayed_steps == (steps % every if every else steps), (replayed_steps, steps)
+    held = [float(h) for h, _ in CHECKPOINTED.findall(text)]
+    written = [float(w) for _, w in CHECKPOINTED.findall(text)]
+    return {
+        "live": live,
+        "replayed": replayed_steps,
+        "replay": replay_s,
+        "restart": restart,
+        "messages": _stream_messages(nats_url, stream),
+        "held": max(held, default=0.0),
+        "written": max(written, default=0.0),
+        "loaded": max((float(x) for x in LOADED.findall(text)), default=0.0),  # 0: none taken
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: the tests' tiny model)")
     p.add_argument("--steps", type=int, nargs="+", default=[5, 20, 40])
+    p.add_argument("--checkpoint-every", type=int, default=15)
     args = p.parse_args()
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -131,11 +178,15 @@ def main() -> int:
 
             model = write_tiny_model(root / "tiny" / "model", TinyModelSpec())
         print(f"model {model.name}; steps of forward_backward + optim_step, 2 datums")
-        print("steps  live s/step  replay s  replay s/step  restart to healthy s")
+        print("steps  checkpoint every  live s/step  steps replayed  replay s  restart to "
+              "healthy s  stream records  checkpoint: held s  written s  loaded s")  # fmt: skip
         for n in args.steps:
-            r = one(model, n, nats.url, root, journal=True)
-            print(f"{n:5d}  {r['live']:11.3f}  {r['replay']:8.2f}  {r['per_step']:13.3f}  "
-                  f"{r['restart']:20.2f}")  # fmt: skip
+            for every in (0, args.checkpoint_every):
+                r = one(model, n, nats.url, root, journal=True, every=every)
+                print(f"{n:5d}  {every or '-':>16}  {r['live']:11.3f}  {r['replayed']:14d}  "
+                      f"{r['replay']:8.2f}  {r['restart']:20.2f}  {r['messages']:14d}  "
+                      f"{r['held']:18.3f}  {r['written']:9.3f}  {r['loaded']:8.2f}",
+                      flush=True)  # fmt: skip
         n = max(args.steps)
         bare = one(model, n, nats.url, root, journal=False)["live"]
         print(f"{n:5d} steps without a journal: {bare:.3f} s/step")

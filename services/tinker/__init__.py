@@ -18,8 +18,10 @@ runtime and the models domain, no other service. Layers:
 - `state`     saved training states on disk (`[tinker] state_dir`): adapter,
   AdamW state and step count under a tinker:// path, written whole or not at all;
 - `journal`   the durable request log (`[tinker] journal_stream`): every accepted
-  request and its answer on a JetStream stream, and the plan a start replays;
-  `rebuild` replays it through the routes' own handlers before the server listens;
+  request and its answer on a JetStream stream, and the plan a start replays (from
+  the newest whole replay checkpoint); `checkpoint` writes and reads those
+  (`[tinker] checkpoint_dir`); `rebuild` loads one and replays the rest through the
+  routes' own handlers before the server listens;
 - `wire`      the SDK's protobuf messages (forward_backward in, outputs and
   samples out), through the SDK's own generated module;
 - `app`       the aiohttp adapter: the SDK's `/api/v1` routes and its futures;

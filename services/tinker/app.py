@@ -21,12 +21,16 @@ Without `[tinker] journal_stream` the request log lives in this process and a
 restart loses it (and the adapters). With it, every accepted request is appended to
 that JetStream stream before its future id is answered, under one lock so the log's
 order is the model thread's, and every answer after it; a start replays the stream
-first (journal.py says how, rebuild.py does it), then listens.
+first (journal.py says how, rebuild.py does it), then listens. Every `[tinker]
+journal_checkpoint_every` optim_steps the service writes a replay checkpoint
+(checkpoint.py) and purges the records it makes unneeded, so a start replays only what
+came after the newest one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -40,6 +44,13 @@ from aiohttp import web
 
 from services.tinker import wire
 from services.tinker.batching import Batch, SampleBatches
+from services.tinker.checkpoint import (
+    EXPIRED,
+    Captured,
+    CheckpointStore,
+    copy_models,
+    restore_models,
+)
 from services.tinker.core import (
     Category,
     Entry,
@@ -60,7 +71,15 @@ from services.tinker.core import (
     loss_config,
 )
 from services.tinker.engines import EnginePool, EngineSampling
-from services.tinker.journal import Intake, Journal, JournalUnavailable, Outcome, Replay
+from services.tinker.journal import (
+    Checkpoint,
+    Intake,
+    Journal,
+    JournalCorrupt,
+    JournalUnavailable,
+    Outcome,
+    Replay,
+)
 from services.tinker.model import AdapterModel
 from services.tinker.routing import future_response as _future
 from services.tinker.routing import read_body as _body
@@ -111,6 +130,17 @@ class Service:
         # Held from a journaled request's log entry to its queueing on the model thread,
         # so the journal's order is the order the model runs them in.
         self.intake = asyncio.Lock()
+        # The journal's replay checkpoints (journal.py): where they go, the newest one
+        # (loaded or written), optim_steps since it, and the request ids whose answers
+        # the next one drops (those the last one held: kept one interval).
+        self.checkpoints: CheckpointStore | None = None
+        if settings.journal_stream:
+            root = Path(settings.checkpoint_dir) / settings.journal_stream
+            self.checkpoints = CheckpointStore(root)
+        self.last_checkpoint: Checkpoint | None = None
+        self.steps_since_checkpoint = 0
+        self._checkpointing: asyncio.Task[Checkpoint | None] | None = None
+        self._answers_to_expire: set[str] = set()
 
     def check_base(self, name: str | None) -> None:
         if name not in (self.base_name, str(self.model_dir)):
@@ -206,6 +236,109 @@ class Service:
 
         self._spawn(finish())
 
+    # -- replay checkpoints (journal.py, checkpoint.py) ---------------------------------
+
+    def stepped(self) -> None:
+        """An optim_step was applied: a checkpoint is due every journal_checkpoint_every
+        of them (counted in a replay too, taken only once serving)."""
+        every = self.settings.journal_checkpoint_every
+        if self.journal is None or every == 0:
+            return
+        self.steps_since_checkpoint += 1
+        due = self.steps_since_checkpoint >= every
+        if due and self.replay is None and self._checkpointing is None:
+            self.steps_since_checkpoint = 0
+            task = asyncio.create_task(self.checkpoint())
+            self._checkpointing = task
+            task.add_done_callback(lambda _: setattr(self, "_checkpointing", None))
+
+    async def checkpoint(self) -> Checkpoint | None:
+        """Copy the state with every accepted request answered (no new one accepted
+        meanwhile: the intake lock), write it, record it, purge what it makes unneeded.
+        A failure is logged and leaves the journal whole (the next one is tried later)."""
+        assert self.journal is not None and self.checkpoints is not None
+        t0 = time.perf_counter()
+        try:
+            async with self.intake:
+                while self._tasks:  # every accepted request answered and its outcome logged
+                    await asyncio.wait(set(self._tasks))
+                captured = await self._capture(await self.journal.last_seq())
+            held = time.perf_counter() - t0
+            cp = await asyncio.to_thread(self.checkpoints.write, captured)
+            await self.journal.append(cp)
+        except Exception:
+            log.exception("the journal's replay checkpoint failed; the journal stays whole")
+            return None
+        previous, self.last_checkpoint = self.last_checkpoint, cp
+        if previous is not None:  # its records stay: a fallback if this directory is lost
+            try:
+                await self.journal.purge_before(previous.covers + 1)
+                await asyncio.to_thread(self.checkpoints.remove_before, previous.covers)
+            except Exception:  # recorded, not yet purged: the next checkpoint purges more
+                log.exception("the journal's purge behind checkpoint %s failed", cp.directory)
+        log.info("journal %s: replay checkpoint %s covers sequence %d (%d models, %d "
+                 "requests); requests held %.3f s, written in %.3f s", self.journal.stream,
+                 cp.directory, cp.covers, len(captured.models), len(captured.entries), held,
+                 time.perf_counter() - t0)  # fmt: skip
+        return cp
+
+    async def _capture(self, covers: int) -> Captured:
+        # The answers kept since the last checkpoint go now; this one's, at the next.
+        self.log.expire(self._answers_to_expire, EXPIRED)
+        entries, keys = self.log.entries()
+        if any(e.state is State.PENDING for e in entries):
+            raise RuntimeError("a request is pending with none in flight")  # an invariant
+        self._answers_to_expire = {e.request_id for e in entries}
+        engine_dirs = None
+        if self.engines is not None:
+            engine_dirs = {k: self.engines.dir / n for k, n in self.engines.names.items()}
+        models, tensors = await asyncio.get_running_loop().run_in_executor(
+            self.thread,
+            copy_models,
+            self.model,
+            list(self.registry.models.values()),
+            engine_dirs,
+        )
+        owners = {s.snapshot: s.model_id for s in self.registry.samplers.values()}
+        snapshots = {}
+        for key, t in tensors.items():
+            model_id = owners.get(key)
+            if model_id is not None:  # None: a sampler this server never handed out
+                snapshots[key] = (model_id, t)
+        return Captured(
+            covers=covers,
+            base_model=self.base_name,
+            sessions={k: list(v) for k, v in self.registry.sessions.items()},
+            models=models,
+            samplers=list(self.registry.samplers.values()),
+            snapshots=snapshots,
+            entries=[dataclasses.replace(e) for e in entries],
+            keys=keys,
+        )
+
+    async def restore(self, cp: Checkpoint) -> None:
+        """Start from checkpoint `cp` (its directory is whole): the models on the model
+        thread, the samplers' adapters on the engines, the registry and request log."""
+        assert self.checkpoints is not None
+        captured = await asyncio.to_thread(self.checkpoints.read, cp)
+        if captured.base_model != self.base_name:
+            raise JournalCorrupt(f"checkpoint {cp.directory} is of base model "
+                                 f"{captured.base_model!r}; this server serves "
+                                 f"{self.base_name!r}")  # fmt: skip
+        await asyncio.get_running_loop().run_in_executor(
+            self.thread, restore_models, self.model, captured, self.engines is None
+        )
+        if self.engines is not None:
+            for key, (model_id, tensors) in captured.snapshots.items():
+                rank = captured.models[_index(captured, model_id)].lora[0]
+                await self.engines.publish(key, tensors, rank, self.base_name)
+        self.registry.sessions.update(captured.sessions)
+        self.registry.models.update({m.model.model_id: m.model for m in captured.models})
+        self.registry.samplers.update({s.sampling_session_id: s for s in captured.samplers})
+        self.log.restore(captured.entries, captured.keys)
+        self._answers_to_expire = {e.request_id for e in captured.entries}
+        self.last_checkpoint = cp
+
     def refuse(self, entry: Entry, error: TinkerUserError) -> None:
         self._spawn(self.settle(entry, _failed(entry, str(error), Category.USER)))
 
@@ -277,6 +410,10 @@ class Service:
 
 
 Handler = Callable[[web.Request, Service], Awaitable[web.StreamResponse]]
+
+
+def _index(captured: Captured, model_id: str) -> int:
+    return [m.model.model_id for m in captured.models].index(model_id)
 
 
 def _failed(entry: Entry, error: str, category: Category) -> Outcome:
@@ -477,6 +614,7 @@ async def optim_step(request: web.Request, svc: Service) -> web.Response:
 
         def stepped(metrics: dict[str, float]) -> dict[str, Any]:
             model.steps += 1
+            svc.stepped()  # a replay checkpoint may be due
             return {"metrics": metrics}
 
         svc.submit(entry, lambda: svc.model.optim_step(model.model_id, adam), stepped)
@@ -741,6 +879,8 @@ async def serve(
                 await rebuild(svc, routes)
             await _listen(svc, settings, stop, on_ready)
         finally:
+            if svc._checkpointing is not None:  # its temporary directory is swept at a start
+                svc._checkpointing.cancel()
             svc.thread.shutdown(wait=False, cancel_futures=True)
             if svc.engines is not None:
                 await svc.engines.close()

@@ -355,6 +355,26 @@ class RequestLog:
         except KeyError:
             raise UnknownName(f"no request {request_id!r} on this server") from None
 
+    def entries(self) -> tuple[list[Entry], dict[str, tuple[str, str, int]]]:
+        """Every entry, and the retry key of those that have one (a replay checkpoint's)."""
+        return list(self._entries.values()), dict(self._keys)
+
+    def restore(self, entries: list[Entry], keys: dict[str, tuple[str, str, int]]) -> None:
+        """Take back what `entries` gave (a start from a replay checkpoint)."""
+        for entry in entries:
+            self._entries[entry.request_id] = entry
+        for request_id, key in keys.items():
+            self._keys[request_id], self._by_key[key] = key, request_id
+
+    def expire(self, request_ids: set[str], why: str) -> None:
+        """Drop the answers of these finished requests; their futures fail with `why`
+        (a retry still finds the entry: it is never run again)."""
+        for request_id in request_ids:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.state is not State.PENDING:
+                entry.state, entry.result = State.FAILED, None
+                entry.error, entry.category = why, Category.USER
+
     @staticmethod
     def complete(entry: Entry, result: Any) -> None:
         entry.state, entry.result = State.DONE, result

@@ -194,6 +194,45 @@ class AdapterModel:
             fresh.load_state_dict(optimizer)
         adapter.optimizer, adapter.steps = fresh, steps
 
+    def gradients(self, model_id: str) -> dict[str, torch.Tensor]:
+        """Copies of the adapter's accumulated gradients (a forward_backward's not yet
+        stepped), under adapter_tensors' names; empty when there are none."""
+        tag = f".{self._adapters[model_id].name}."
+        return {
+            n.replace(tag, "."): p.grad.detach().clone()
+            for n, p in self.peft.named_parameters()
+            if tag in n and p.grad is not None
+        }
+
+    def set_gradients(self, model_id: str, grads: dict[str, torch.Tensor]) -> None:
+        """Put back what `gradients` copied (a replay checkpoint's), so the next
+        backward accumulates on them as it would have."""
+        tag = f".{self._adapters[model_id].name}."
+        for n, p in self.peft.named_parameters():
+            if tag in n:
+                saved = grads.get(n.replace(tag, "."))
+                p.grad = None if saved is None else saved.clone()
+
+    def snapshots(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every in-process sampler snapshot by key, under adapter_tensors' names."""
+        return {
+            key: {n.replace(f".{scratch}.", "."): t for n, t in tensors.items()}
+            for key, (scratch, tensors) in self._snapshots.items()
+        }
+
+    def import_snapshot(self, model_id: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """A sampler snapshot of `model_id`'s adapter under `key`, from `snapshots`' form."""
+        scratch = self._adapters[model_id].scratch
+        tag = f".{scratch}."
+        self._snapshots[key] = (
+            scratch,
+            {
+                n: tensors[n.replace(tag, ".")].clone()
+                for n, _ in self.peft.named_parameters()
+                if tag in n
+            },
+        )
+
     def _activate(self, model_id: str) -> Any:
         adapter = self._adapters[model_id]
         self.peft.set_adapter(adapter.name)

@@ -1,6 +1,8 @@
-"""A start on a journal: replay its requests through the HTTP routes' own handlers.
+"""A start on a journal: load its newest whole checkpoint, then replay the requests
+after it through the HTTP routes' own handlers.
 
-journal.py says what is replayed and why. This module walks the plan: each logged
+journal.py says what is replayed and why (and when a checkpoint stands in for the
+records before it: `plan_start`). This module walks the plan: each logged
 intake goes to the handler of its route as a `Replayed` request (its path and body,
 exactly as the client sent them), with the request log told to give it the id its
 client holds, and the replay waits for it to finish before the next one, so the
@@ -24,8 +26,9 @@ from typing import Any, Protocol, cast
 from aiohttp import web
 from multidict import CIMultiDict
 
+from services.tinker.checkpoint import CheckpointStore
 from services.tinker.core import Entry, RequestLog, TinkerUserError
-from services.tinker.journal import Intake, Journal, JournalCorrupt, Replay, plan
+from services.tinker.journal import Checkpoint, Intake, Journal, JournalCorrupt, Replay, plan_start
 
 log = logging.getLogger("flywheel.tinker")
 
@@ -34,8 +37,10 @@ class Service(Protocol):
     journal: Journal | None
     replay: Replay | None
     log: RequestLog
+    checkpoints: CheckpointStore | None
 
     async def wait(self, entry: Entry, timeout: float | None) -> None: ...
+    async def restore(self, cp: Checkpoint) -> None: ...
 
 
 Handler = Callable[[web.Request, Any], Awaitable[web.StreamResponse]]
@@ -61,10 +66,12 @@ class Replayed:
 
 @dataclass(frozen=True)
 class Rebuilt:
-    """What a start replayed: `rerun` requests ran again (`steps` of them optim_steps),
-    `answered` were answered from their records, `unfinished` ran for the first time;
-    in `seconds`."""
+    """What a start replayed: from the checkpoint covering sequence `checkpoint` (0:
+    none, the stream's first record), the `records` after it, of which `rerun` requests
+    ran again (`steps` of them optim_steps), `answered` were answered from their records,
+    `unfinished` ran for the first time; in `seconds`, the checkpoint's load included."""
 
+    checkpoint: int
     records: int
     rerun: int
     answered: int
@@ -76,8 +83,21 @@ class Rebuilt:
 async def rebuild(svc: Service, handlers: dict[str, Handler]) -> Rebuilt:
     assert svc.journal is not None
     t0 = time.perf_counter()
-    records = await svc.journal.read()
-    replay = plan(records)
+    first = await svc.journal.first_seq()
+    numbered = await svc.journal.read_numbered()
+    store = svc.checkpoints
+    start = plan_start(numbered, first, lambda cp: _why_not_whole(store, cp))
+    for why in start.passed_over:
+        log.error("journal %s: passed over %s", svc.journal.stream, why)
+    covers = 0
+    if start.checkpoint is not None:
+        t1 = time.perf_counter()
+        await svc.restore(start.checkpoint)
+        covers = start.checkpoint.covers
+        log.info("journal %s: checkpoint %s loaded in %.2f s", svc.journal.stream,
+                 start.checkpoint.directory, time.perf_counter() - t1)  # fmt: skip
+    replay = start.replay
+    records = [r for seq, r in numbered if seq > covers]
     counts = {"rerun": 0, "answered": 0, "unfinished": 0, "steps": 0}
     svc.replay = replay
     try:
@@ -104,11 +124,13 @@ async def rebuild(svc: Service, handlers: dict[str, Handler]) -> Rebuilt:
             counts["steps"] += intake.path.endswith("/optim_step")
     finally:
         svc.replay = None
-    done = Rebuilt(len(records), seconds=time.perf_counter() - t0, **counts)
+    done = Rebuilt(covers, len(records), seconds=time.perf_counter() - t0, **counts)
     log.info(
-        "journal %s: %d records replayed in %.2f s: %d requests run again (%d optim_steps), "
-        "%d answered from their records, %d unfinished ones run now",
+        "journal %s: from the checkpoint covering sequence %d, %d records replayed in "
+        "%.2f s: %d requests run again (%d optim_steps), %d answered from their records, "
+        "%d unfinished ones run now",
         svc.journal.stream,
+        done.checkpoint,
         done.records,
         done.seconds,
         done.rerun,
@@ -117,6 +139,12 @@ async def rebuild(svc: Service, handlers: dict[str, Handler]) -> Rebuilt:
         done.unfinished,
     )
     return done
+
+
+def _why_not_whole(store: CheckpointStore | None, cp: Checkpoint) -> str | None:
+    if store is None:  # a server without a journal never reads one
+        return "no [tinker] checkpoint_dir"
+    return store.why_not_whole(cp)
 
 
 def _fate(replay: Replay, intake: Intake, future: bool) -> str:

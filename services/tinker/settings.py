@@ -95,3 +95,21 @@ class TinkerSettings(ServiceSettings):
         "Empty: the request log lives in memory and a restart loses it. One stream per "
         "server: two servers on one stream would replay each other's requests.",
     )
+    journal_checkpoint_every: int = Field(
+        100,
+        ge=0,
+        description="With a journal_stream: every this many optim_steps (all clients' "
+        "together) the server writes a replay checkpoint (every model's adapter, gradients, "
+        "AdamW state and steps, the sessions, samplers and request log) under "
+        "checkpoint_dir, records it on the stream and purges the records the checkpoint "
+        "before it covers, so a restart replays at most about two intervals of requests "
+        "and the stream stays bounded (services/tinker/journal.py). Requests wait while the "
+        "state is copied. 0: no checkpoints; a restart replays the whole stream.",
+    )
+    checkpoint_dir: RunPath = Field(
+        Path("runs/tinker-checkpoints"),
+        description="Where the journal's replay checkpoints are written, one directory "
+        "per checkpoint under <checkpoint_dir>/<journal_stream>/ (the newest two are kept). "
+        "A restart needs it: keep it beside the NATS data, on a volume that outlives the "
+        "server.",
+    )

@@ -1,20 +1,28 @@
 """The journal's pure parts: records to bytes and back (whole and chunked), the replay's
-plan, and what the request log and registry give a replay (the logged ids, the seed)."""
+plan, where a start begins (the newest whole checkpoint, a fallback, or a clear stop),
+and what the request log and registry give a replay (the logged ids, the seed, a
+checkpoint's copy of the log); a checkpoint directory's wholeness check."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgpack
 import pytest
 
 from proto.chunking import Reassembler, split
-from services.tinker.core import Registry, RequestLog, adapter_seed
+from services.tinker.core import Registry, RequestLog, State, adapter_seed
 from services.tinker.journal import (
+    Checkpoint,
     Intake,
     JournalCorrupt,
+    JournalIncomplete,
     Outcome,
+    Record,
     decode,
     encode,
     plan,
+    plan_start,
     record_id,
 )
 
@@ -31,9 +39,10 @@ SESSION = Intake("session-a-1", "/api/v1/create_session", b"{}")
         Outcome("req-a-2", False, b"\x00protobuf\xff"),
         Outcome("req-a-4", False, {"metrics": {"grad_norm:mean": 0.1 + 0.2}, "type": None}),
         Outcome("req-a-5", True, error="loss_fn 'nope' is not a loss", category="user"),
+        Checkpoint("000000000042", 42),
     ],
 )
-def test_a_record_comes_back_as_it_was_written(record: Intake | Outcome) -> None:
+def test_a_record_comes_back_as_it_was_written(record: Record) -> None:
     assert decode(encode(record)) == record
 
 
@@ -130,3 +139,89 @@ def test_an_unseeded_adapter_is_seeded_from_its_request() -> None:
     assert adapter_seed(0, "s-1:train:0") == adapter_seed(0, "s-1:train:0")
     assert adapter_seed(0, "s-1:train:0") != adapter_seed(0, "s-1:train:1")
     assert adapter_seed(0, "s-1:train:0") != adapter_seed(1, "s-1:train:0")
+
+
+STEP = Intake("req-a-6", "/api/v1/optim_step", b"{}")
+LATER = Intake("req-a-7", "/api/v1/optim_step", b"{}")
+
+
+def _stream() -> list[tuple[int, Record]]:
+    """create_session, a forward_backward, checkpoint 1 (covering 3), a step, checkpoint 2
+    (covering 6), a later step: as sequences on a stream."""
+    return [
+        (1, SESSION),
+        (2, FB),
+        (3, Outcome(FB.request_id, False, b"x")),
+        (4, Checkpoint("c3", 3)),
+        (5, STEP),
+        (6, Outcome(STEP.request_id, False, {})),
+        (7, Checkpoint("c6", 6)),
+        (8, LATER),
+    ]
+
+
+def test_a_start_loads_the_newest_whole_checkpoint_and_replays_what_followed() -> None:
+    start = plan_start(_stream(), 1, lambda cp: None)
+    assert start.checkpoint == Checkpoint("c6", 6)
+    assert start.replay.intakes == [LATER] and start.replay.unfinished == [LATER]
+    assert start.passed_over == []
+
+
+def test_a_checkpoint_not_whole_falls_back_to_the_one_before() -> None:
+    start = plan_start(_stream(), 4, lambda cp: "gone" if cp.directory == "c6" else None)
+    assert start.checkpoint == Checkpoint("c3", 3)
+    assert start.replay.intakes == [STEP, LATER]  # the checkpoint records are no requests
+    assert start.passed_over == ["checkpoint 'c6' (to sequence 6): gone"]
+
+
+def test_with_no_checkpoint_whole_the_full_log_when_nothing_was_purged() -> None:
+    start = plan_start(_stream(), 1, lambda cp: "gone")
+    assert start.checkpoint is None
+    assert start.replay.intakes == [SESSION, FB, STEP, LATER]
+    assert len(start.passed_over) == 2
+
+
+def test_a_purged_stream_without_a_whole_checkpoint_stops_naming_what_is_missing() -> None:
+    purged = [r for r in _stream() if r[0] >= 5]
+    # c3's directory is whole, but the records after it are gone (the stream starts at 5).
+    with pytest.raises(JournalIncomplete, match="before sequence 5 were purged") as info:
+        plan_start(purged, 5, lambda cp: "dir missing" if cp.directory == "c6" else None)
+    assert "'c6' (to sequence 6): dir missing" in str(info.value)
+    with pytest.raises(JournalIncomplete, match="no checkpoint record is on the stream"):
+        plan_start([(9, LATER)], 9, lambda cp: None)
+
+
+def test_a_checkpoint_copy_of_the_request_log_keeps_answers_and_retries() -> None:
+    log = RequestLog()
+    done, _ = log.open("model-1", "train", 1)
+    log.complete(done, {"metrics": {}})
+    pending, _ = log.open("model-1", "train", 2)
+    entries, keys = log.entries()
+    again = RequestLog()
+    again.restore(entries, keys)
+    assert again.get(done.request_id).result == {"metrics": {}}
+    assert again.open("model-1", "train", 1) == (done, False)  # a retry: not run again
+    again.expire({done.request_id, pending.request_id}, "expired")
+    assert again.get(done.request_id).state is State.FAILED
+    assert again.get(done.request_id).error == "expired"
+    assert again.get(pending.request_id).state is State.PENDING  # only answered ones
+    assert again.open("model-1", "train", 1)[1] is False
+
+
+def test_a_checkpoint_directory_is_whole_only_as_written(tmp_path: Path) -> None:
+    from services.tinker.checkpoint import Captured, CheckpointStore
+    from services.tinker.core import Entry
+
+    store = CheckpointStore(tmp_path / "stream")
+    entry = Entry("req-a-1", "train", "model-1", State.DONE, b"\x01\x02")
+    captured = Captured(7, "tiny", {"s": []}, [], [], {}, [entry], {"req-a-1": ("m", "train", 1)})
+    cp = store.write(captured)
+    assert cp == Checkpoint("000000000007", 7) and store.why_not_whole(cp) is None
+    back = store.read(cp)
+    assert back.entries == [entry] and back.keys == captured.keys and back.covers == 7
+    state = tmp_path / "stream" / cp.directory / "state.msgpack"
+    state.write_bytes(state.read_bytes()[:-1])  # cut short
+    assert "not the file that was written" in (store.why_not_whole(cp) or "")
+    (tmp_path / "stream" / cp.directory / "manifest.json").unlink()
+    assert "has no manifest.json" in (store.why_not_whole(cp) or "")
+    assert "is missing" in (store.why_not_whole(Checkpoint("000000000009", 9)) or "")
