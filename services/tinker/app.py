@@ -245,12 +245,22 @@ class Service:
         if self.journal is None or every == 0:
             return
         self.steps_since_checkpoint += 1
-        due = self.steps_since_checkpoint >= every
+        self._checkpoint_if_due()
+
+    def _checkpoint_if_due(self) -> None:
+        due = self.steps_since_checkpoint >= self.settings.journal_checkpoint_every
         if due and self.replay is None and self._checkpointing is None:
             self.steps_since_checkpoint = 0
             task = asyncio.create_task(self.checkpoint())
             self._checkpointing = task
-            task.add_done_callback(lambda _: setattr(self, "_checkpointing", None))
+            task.add_done_callback(self._checkpoint_done)
+
+    def _checkpoint_done(self, task: asyncio.Task[Checkpoint | None]) -> None:
+        self._checkpointing = None
+        # Steps that fell due while this one was written (a slow write, a busy machine)
+        # get theirs now, not only at the next optim_step, which may never come.
+        if not task.cancelled():
+            self._checkpoint_if_due()
 
     async def checkpoint(self) -> Checkpoint | None:
         """Copy the state with every accepted request answered (no new one accepted
