@@ -2,7 +2,12 @@
 one and replays only what came after it, the stream's records before the one prior are
 purged, and the client still goes on as its twin does; a checkpoint directory lost makes
 the start fall back to the one before, or stop naming what is missing. Real nats-server,
-the real server SIGKILLed and started again, the real SDK (test_journal.py's harness)."""
+the real server SIGKILLed and started again, the real SDK (test_journal.py's harness).
+
+Marked `long` (make test-long; CI runs them after make test): about 25 s each under the
+suite's load, which make test's 8 minutes did not hold; make test keeps the checkpoint
+planning's unit cases (tests/unit/tinker/test_journal.py) and a restart from a
+checkpoint beside the engines (test_journal_engines.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ from tests.integration.tinker.test_journal import (
 )
 from tests.integration.tinker.test_retries import Raw
 from tests.integration.tinker.test_state import LR, _data, _loss, _step
+
+pytestmark = pytest.mark.long
 
 
 @pytest.fixture

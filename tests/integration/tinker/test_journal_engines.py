@@ -63,7 +63,9 @@ def _sample_body(sampler: str, prompt: list[int]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("checkpoint_every", [0, 2])
+# Without checkpoints (the whole log replayed) in make test-long; from a checkpoint, in
+# make test (test_journal.py's restarts replay the whole log there).
+@pytest.mark.parametrize("checkpoint_every", [pytest.param(0, marks=pytest.mark.long), 2])
 def test_a_restart_on_the_journal_serves_the_samplers_on_the_engine_again(
     servers: Servers, engine: EngineProcess, checkpoint_every: int
 ) -> None:
