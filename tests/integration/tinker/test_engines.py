@@ -25,6 +25,10 @@ from tests.harness.engines import EngineProcess, start_engine, stop_engine
 from tests.harness.ports import free_port
 from tests.integration.tinker.conftest import MAX_TOKENS, serving
 
+# Engines and servers started and killed, 45-100 s of a worker: scheduled first
+# (tests/conftest.py), so make test does not end on this module.
+pytestmark = pytest.mark.slow
+
 ENGINE_MAX_RANK = 8
 # Measured 2026-11-29 on this test's prompts: the largest |engine - in-process| logprob
 # was below 1e-5 (the same float32 weights; the engine adds B(Ax) in a hook where PEFT

@@ -32,6 +32,10 @@ from tests.integration.tinker.conftest import Server, serving
 from tests.integration.tinker.test_retries import HEADERS, Raw
 from tests.integration.tinker.test_state import LR, _data, _loss, _step
 
+# Engines and servers started and killed, 45-100 s of a worker: scheduled first
+# (tests/conftest.py), so make test does not end on this module.
+pytestmark = pytest.mark.slow
+
 STREAM = "tinker-journal-test"
 
 

@@ -33,6 +33,10 @@ from tests.integration.tinker.test_journal import (
 )
 from tests.integration.tinker.test_retries import Raw
 
+# Engines and servers started and killed, 45-100 s of a worker: scheduled first
+# (tests/conftest.py), so make test does not end on this module.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def engine(tiny_model: Path, tmp_path: Path) -> Iterator[EngineProcess]:
